@@ -1,0 +1,59 @@
+"""Per-request sampling settings, validated once at the edge of the system."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable
+    those filters; ``seed`` makes a sampled request reproducible whatever else
+    shares its batch.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists arrive from YAML, JSON and protobuf; store tuples so the object stays hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens < 1:
+            _bad("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            _bad("temperature", f"temperature must be finite and >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            _bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            _bad("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            _bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            _bad(
+                "repetition_penalty",
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}",
+            )
+        if any(s == "" for s in self.stop):
+            _bad("stop", "stop strings must be non-empty, got an empty string")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _bad(field: str, message: str) -> None:
+    raise InvalidRequestError(field, message)

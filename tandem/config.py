@@ -1,0 +1,81 @@
+"""Frozen, validated configuration per role, loadable from YAML.
+
+Each field is a setting an operator can name in a YAML file or a CLI flag; a bad
+value fails at start-up with the setting named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tandem.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # cuda if available, else cpu
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over kv_cache_bytes when set
+    kv_cache_bytes: int = 512 * 2**20
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # torch everywhere for now
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    cache_dir: str | None = None  # dequantised GGUF and tiny-random; default ~/.cache/tandem
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {bs}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
+    """Build a config dataclass, rejecting unknown keys by name."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+            f"{' in ' + where if where else ''} (known: {', '.join(sorted(names))})"
+        )
+    return cls(**values)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    return data

@@ -1,0 +1,263 @@
+"""The colocated engine: one process that prefills and decodes with continuous batching.
+
+A request's path: ``add_request`` validates it (before any KV block is taken)
+and queues a :class:`Sequence`; every ``step`` asks the scheduler for work
+(decodes, then prefill chunks under the token budget), runs the model once,
+samples a token for each sequence that reached its end, detokenizes it into a
+UTF-8-safe text delta, checks the stop conditions, and frees the blocks of every
+sequence that ended. The prefill and decode workers run this same engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.kv_cache import KVCache, bytes_per_block
+from tandem.engine.loader import load_state_dict, read_config, resolve_model
+from tandem.engine.model import LlamaModel
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.sampler import Sampler, make_generator
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import FinishReason, Sequence
+from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from tandem.errors import ConfigError, InvalidRequestError
+from tandem.kernels import get_backend
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new this step
+    text: str  # new this step; always complete UTF-8 characters
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+
+        model_dir = resolve_model(config.model, config.cache_dir)
+        self.model_dir = model_dir
+        self.model_config = cfg = ModelConfig.from_hf(read_config(model_dir))
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        model = LlamaModel(cfg, self.max_model_len)
+        try:
+            model.load_hf_state_dict(load_state_dict(model_dir))
+        except ValueError as exc:
+            raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # The RoPE tables stay float32: positions near the context end need the precision.
+        self.model.rope_cos = self.model.rope_cos.float()
+        self.model.rope_sin = self.model.rope_sin.float()
+
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)
+
+        per_block = bytes_per_block(cfg, config.block_size, self.dtype)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.kv = KVCache(
+            cfg,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.enable_prefix_caching,
+        )
+        log.info(
+            "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s)",
+            config.model,
+            cfg.num_layers,
+            num_blocks,
+            config.block_size,
+            num_blocks * per_block / 2**20,
+            self.dtype,
+            self.device,
+        )
+        backend = "torch" if config.attention_backend == "auto" else config.attention_backend
+        self.runner = ModelRunner(self.model, self.kv, get_backend(backend))
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------
+
+    def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if the request can never run here. Takes no blocks."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "prompt must not be empty")
+        total = n + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the context length {self.max_model_len}",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside [0, {vocab})")
+        blocks = self.kv.blocks_for(total)
+        if blocks > self.kv.pool.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, "
+                f"the pool has {self.kv.pool.num_blocks}",
+            )
+
+    def add_request(
+        self, prompt_ids: Seq[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        self.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already running")
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            generator=None if params.greedy else make_generator(params.seed),
+        )
+        self._requests[request_id] = _Request(
+            seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStringMatcher(params.stop)
+        )
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once. False if it is not running."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.seq.finish_reason = FinishReason.CANCELLED
+        self.scheduler.finish(req.seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step loop ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        seqs, logits = self.runner.run(batch.work)
+        for seq, _ in batch.work:
+            self.kv.commit(seq)
+        tokens = self.sampler(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            [s.token_ids for s in seqs],
+        )
+        return [self._postprocess(self._requests[s.request_id], t) for s, t in zip(seqs, tokens, strict=True)]
+
+    def _postprocess(self, req: _Request, token: int) -> RequestOutput:
+        seq = req.seq
+        seq.token_ids.append(token)
+        params = seq.params
+        reason = None
+        if (
+            token in self.eos_token_ids and not params.ignore_eos
+        ) or token in params.stop_token_ids:
+            reason, text = FinishReason.STOP, ""
+        else:
+            text, stopped = req.stops.push(req.detok.add(token))
+            if stopped:
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= params.max_tokens:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            if not req.stops.stopped:
+                text += req.stops.push(req.detok.flush())[0] + req.stops.flush()
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[token],
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    # ---- conveniences -----------------------------------------------------------------
+
+    def stream(self, prompt_ids: Seq[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Run one request to completion, yielding its outputs as they are produced."""
+        request_id = self.add_request(prompt_ids, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(request_id)
+
+    def generate(
+        self, prompts: list[Seq[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run several requests together (one continuous batch); output token ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id].extend(out.token_ids)
+        return [outputs[i] for i in ids]
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {name!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]

@@ -1,0 +1,98 @@
+"""The paged KV cache: one tensor for every layer's blocks, and the pool that owns them."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.block_manager import BlockPool, hash_block
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.sequence import Sequence
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for ``block_size`` tokens (GQA: KV heads, not query heads)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, block_size)
+        # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a layer's K
+        # (or V) for all blocks is one contiguous tensor, so the attention ops see
+        # the [num_blocks, block_size, kv_heads, head_dim] view they expect.
+        self.tensor = torch.zeros(
+            cfg.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Reuse cached blocks for the longest run of full blocks already computed elsewhere.
+
+        At least one token is left to compute, since its logits give the next token.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return
+        bs = self.block_size
+        parent = None
+        for i in range((len(seq.token_ids) - 1) // bs):
+            h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            self.pool.share(block)
+            seq.block_table.append(block)
+            parent = h
+        n = len(seq.block_table)
+        seq.num_hashed_blocks = n
+        seq.num_computed = n * bs
+        seq.last_block_hash = parent
+
+    def ensure(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False if the pool is short."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register hashes of blocks that became full and computed, for prefix reuse."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
+            i = seq.num_hashed_blocks
+            h = hash_block(seq.last_block_hash, seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.set_hash(seq.block_table[i], h)
+            seq.last_block_hash = h
+            seq.num_hashed_blocks += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of ``seq``'s blocks; tail first, so shared prefixes are evicted last."""
+        self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = None

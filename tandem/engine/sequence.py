@@ -1,0 +1,65 @@
+"""A request inside the engine: tokens, how many are computed, and its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """``token_ids`` is prompt + output; tokens ``[0, num_computed)`` have KV in the cache.
+
+    Chunked prefill, a prefix-cache hit, KV that arrived from a prefill worker and
+    recompute after preemption are all the same thing here: a value of
+    ``num_computed`` smaller than ``len(token_ids)``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading full blocks whose hash is registered
+    last_block_hash: int | None = None
+    finish_reason: FinishReason | None = None
+    arrival_index: int = 0  # admission order, for FCFS and preemption order
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,207 @@
+"""Text in, token ids out, and back again as a stream of clean text deltas.
+
+``Tokenizer`` is a thin wrapper over a Hugging Face fast tokenizer that fixes the
+few choices the engine depends on (special tokens, chat template, the set of
+end-of-sequence ids). ``IncrementalDetokenizer`` turns generated ids into text
+one token at a time, and ``StopStringMatcher`` holds back text that may turn out
+to be a stop string, so that neither a half character nor half a stop string is
+ever sent to a client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tandem.errors import ConfigError
+
+# What a byte-level or SentencePiece decoder yields for an incomplete UTF-8 sequence.
+REPLACEMENT_CHAR = "\ufffd"
+
+# Previous tokens decoded with each new one; enough to cover a multi-byte character
+# split over byte tokens and the leading-space rules of SentencePiece (vLLM uses 5).
+_PROMPT_WINDOW = 5
+
+
+class Tokenizer:
+    """Wraps a Hugging Face tokenizer instance (fast tokenizer)."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()) -> None:
+        self._hf = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        # A model may end a turn with several tokens (Llama 3 lists <|eot_id|> and
+        # <|end_of_text|> in generation_config), so this is a set, not one id.
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None) -> Tokenizer:
+        """Loads the tokenizer in directory ``path``, or from ``gguf_file`` in it.
+
+        End-of-sequence ids listed in ``generation_config.json`` or ``config.json``
+        there are added to the tokenizer's own.
+        """
+        # Imported here: transformers takes seconds to import, and wrapping an
+        # already-built tokenizer does not need it.
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if gguf_file is None:
+            hf = AutoTokenizer.from_pretrained(path)
+        else:
+            hf = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        eos: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            eos |= _eos_ids_in(path / name)
+        return cls(hf, eos)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._hf
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenizes a raw prompt the way ``generate`` would, BOS included if the model adds one."""
+        return list(self._hf.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Applies the chat template, ending with the prompt for the assistant's turn."""
+        if not getattr(self._hf, "chat_template", None):
+            raise ConfigError(
+                "the model's tokenizer has no chat_template, so chat messages cannot be "
+                "formatted; send a raw prompt instead"
+            )
+        # tokenize=False, then encode: transformers 5 returns a BatchEncoding from
+        # apply_chat_template(tokenize=True). The template writes BOS itself, so the
+        # encode must not add it a second time.
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # No clean-up of spaces before punctuation: it rewrites what the model wrote and
+        # would make a windowed decode differ from a decode of the whole sequence.
+        return self._hf.decode(
+            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+
+def _eos_ids_in(config_path: Path) -> set[int]:
+    """The ``eos_token_id`` of a JSON config, which may be absent, null, an int or a list."""
+    if not config_path.is_file():
+        return set()
+    with open(config_path, encoding="utf-8") as f:
+        value = json.load(f).get("eos_token_id")
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return set(value)
+    raise ConfigError(
+        f"eos_token_id in {config_path} must be an int or a list of ints, got {value!r}"
+    )
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that are always valid, complete UTF-8.
+
+    The prefix_offset/read_offset scheme of text-generation-inference and vLLM: each
+    step decodes a window of the last emitted tokens (``ids[prefix_offset:read_offset]``)
+    with and without the tokens not yet emitted, and emits the difference. Decoding
+    with context rather than the lone new token keeps the spaces that SentencePiece
+    and byte-level BPE attach to a token's neighbours. Text ending in U+FFFD is the
+    start of a character whose other bytes are still to come, so it is held back and
+    the offsets stay put until the character is complete.
+
+    The concatenated deltas equal ``tokenizer.decode(generated ids)`` whenever that
+    decode has no U+FFFD of its own, with one exception: a SentencePiece tokenizer
+    drops the leading space of a sequence's first token, and the delta keeps it,
+    because the window starts in the prompt.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        # The window: ids from prefix_offset on. Earlier ids are never decoded again, so
+        # they are dropped, and prefix_offset is always 0; of the prompt only the tail is kept.
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_WINDOW:])
+        self._read_offset = len(self._ids)  # ids before this have been emitted as text
+
+    def add(self, token_id: int) -> str:
+        """Returns the text that ``token_id`` completes, possibly ""."""
+        self._ids.append(token_id)
+        prefix_text, new_text = self._decode_window()
+        # Equal lengths: a skipped special token. It stays in the window and decodes to "".
+        if new_text.endswith(REPLACEMENT_CHAR) or len(new_text) <= len(prefix_text):
+            return ""
+        self._advance()
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """At the end of the stream, returns what was held back, U+FFFD and all."""
+        prefix_text, new_text = self._decode_window()
+        self._advance()
+        return new_text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        return decode(self._ids[: self._read_offset]), decode(self._ids)
+
+    def _advance(self) -> None:
+        # Everything is emitted and ends on a character boundary, so the next window
+        # starts at the old read offset: the tokens just emitted give the new ones context.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+
+
+class StopStringMatcher:
+    """Holds back streamed text that may be the start of a stop string."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._stop = tuple(stop)
+        # Every proper prefix of a stop string: a buffer ending in one may still become a stop.
+        self._prefixes = {s[:i] for s in self._stop for i in range(1, len(s))}
+        self._max_prefix = max((len(p) for p in self._prefixes), default=0)
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string has been seen).
+
+        On a stop, only the text before the stop string is emitted; the stop string
+        and anything after it are dropped, and later pushes return ("", True).
+        """
+        if self._stopped:
+            return "", True
+        if not self._stop:
+            return delta, False
+        buffer = self._held + delta
+        # Held text never contains a whole stop string, so the earliest match in the
+        # buffer is the earliest in the stream.
+        hits = [i for i in (buffer.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self._held = ""
+            self._stopped = True
+            return buffer[: min(hits)], True
+        # Hold the longest tail that could still grow into a stop string; a stop can
+        # only start inside it, since every earlier start point has been ruled out.
+        keep = 0
+        for n in range(min(len(buffer), self._max_prefix), 0, -1):
+            if buffer[-n:] in self._prefixes:
+                keep = n
+                break
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """At the end of the stream, releases held text (nothing, after a stop)."""
+        held, self._held = self._held, ""
+        return held

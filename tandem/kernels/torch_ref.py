@@ -1,0 +1,98 @@
+"""Reference attention and KV-store ops in plain PyTorch (any device).
+
+Paged KV layout, one tensor per layer for K and one for V:
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token's *slot* is ``block_id * block_size + offset``.
+These functions are the correctness reference for the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [tokens], int64
+) -> None:
+    """Write each token's K/V into its slot of the paged cache."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    block_table: torch.Tensor,  # [n_blocks], int64
+    context_len: int,
+) -> torch.Tensor:
+    """One sequence's first ``context_len`` cached tokens: [context_len, kv_heads, head_dim]."""
+    return cache[block_table].flatten(0, 1)[:context_len]
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [query_len, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [n_blocks], int64
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its whole cached context.
+
+    The new tokens are the last ``query_len`` of ``context_len`` and must already be
+    stored; the first ``context_len - query_len`` are a cached prefix (an earlier
+    chunk, a prefix-cache hit, or KV that arrived from a prefill worker).
+    Returns [query_len, num_heads, head_dim].
+    """
+    query_len = q.shape[0]
+    k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)  # [kv_heads, ctx, d]
+    v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [heads, query_len, d]
+    if query_len == context_len:
+        mask, causal = None, True
+    else:
+        prefix = context_len - query_len
+        rows = torch.arange(query_len, device=q.device)[:, None] + prefix
+        mask, causal = torch.arange(context_len, device=q.device)[None, :] <= rows, False
+    out = F.scaled_dot_product_attention(
+        qh,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [batch, num_heads, head_dim], one new token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks], int64, padded with any valid id
+    context_lens: torch.Tensor,  # [batch], int64, includes the new token
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each sequence's newest token over its cached context.
+
+    Sequences have different lengths; positions past a sequence's length are masked.
+    Returns [batch, num_heads, head_dim].
+    """
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    # [batch, max_blocks * block_size, kv_heads, d] -> [batch, kv_heads, S, d]
+    k = k_cache[block_tables].flatten(1, 2).permute(0, 2, 3, 1).to(q.dtype)  # [b, kvh, d, S]
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [b, kvh, S, d]
+    qg = q.view(batch, kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k) * scale  # [b, kvh, group, S]
+    positions = torch.arange(scores.shape[-1], device=q.device)
+    pad = positions[None, :] >= context_lens[:, None]  # [b, S]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)

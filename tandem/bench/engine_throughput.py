@@ -1,0 +1,176 @@
+"""Engine throughput: Tandem vs Hugging Face ``generate``, side by side in one run.
+
+Same weights (the dequantised default model unless ``--model`` says otherwise),
+same dtype (float32 on CPU), same torch thread count, same prompts. HF is used
+as its docs show: ``model.generate(input_ids, attention_mask=..., do_sample=False)``
+with a KV cache; EOS is ignored on both sides so both produce the same counts.
+
+Scenarios:
+1. batch-1 greedy decode tokens/s (time after the first token, so prefill is excluded);
+2. N equal requests (prompt P, output O) as one batch: output tokens/s, wall clock;
+3. N requests with mixed prompt (32-512) and output (16-256) lengths: Tandem's
+   continuous batching vs ``generate`` on one left-padded static batch, which
+   runs until the longest output; only the requested tokens count as useful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batch", type=int, default=16, help="requests in scenarios 2 and 3")
+    p.add_argument("--batch1-tokens", type=int, default=128, help="tokens decoded at batch 1")
+    p.add_argument("--prompt-len", type=int, default=128, help="scenario 2 prompt length")
+    p.add_argument("--output-len", type=int, default=128, help="scenario 2 output length")
+    p.add_argument("--mixed-prompt", default="32,512", help="scenario 3 prompt length range")
+    p.add_argument("--mixed-output", default="16,256", help="scenario 3 output length range")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and lengths")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _prompts(vocab: int, lengths: list[int], rng: random.Random) -> list[list[int]]:
+    # Plain token ids well away from the special tokens at the start of the vocabulary.
+    return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
+
+
+class _HF:
+    def __init__(self, model_dir, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    def generate(self, prompts: list[list[int]], max_new: int) -> float:
+        """Left-padded batch, greedy, EOS ignored. Returns seconds."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+            )
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == width + max_new
+        return elapsed
+
+    def decode_rate(self, prompt: list[int], n: int) -> float:
+        """Batch-1 decode tokens/s, excluding prefill (the time of a 1-token run)."""
+        t_first = self.generate([prompt], 1)
+        t_all = self.generate([prompt], n)
+        return (n - 1) / (t_all - t_first)
+
+
+def _tandem_decode_rate(engine, prompt: list[int], n: int) -> float:
+    from tandem.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    start = first = None
+    count = 0
+    start = time.perf_counter()
+    for out in engine.stream(prompt, params):
+        count += len(out.token_ids)
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    del start
+    assert count == n
+    return (n - 1) / (end - first)
+
+
+def _tandem_batch(engine, prompts: list[list[int]], outs: list[int]) -> float:
+    from tandem.engine.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs]
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(r) for r in results] == outs
+    return elapsed
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = sys.stderr
+    print(f"loading {args.model} (threads={torch.get_num_threads()}) ...", file=log)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu"))
+    hf = _HF(engine.model_dir, torch.float32)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)
+
+    # Warm both up so one-time allocations and lazy inits are not timed.
+    warm = _prompts(vocab, [16], rng)
+    _tandem_batch(engine, warm, [4])
+    hf.generate(warm, 4)
+
+    rows = []
+    print("1/3 batch-1 decode ...", file=log)
+    (p1,) = _prompts(vocab, [32], rng)
+    t_rate = _tandem_decode_rate(engine, p1, args.batch1_tokens)
+    h_rate = hf.decode_rate(p1, args.batch1_tokens)
+    rows.append(("batch1", "batch-1 decode tok/s", t_rate, h_rate))
+
+    print(f"2/3 {args.batch} x ({args.prompt_len} in, {args.output_len} out) ...", file=log)
+    prompts = _prompts(vocab, [args.prompt_len] * args.batch, rng)
+    outs = [args.output_len] * args.batch
+    useful = sum(outs)
+    t_s = _tandem_batch(engine, prompts, outs)
+    h_s = hf.generate(prompts, args.output_len)
+    rows.append(
+        ("batch16", f"{args.batch} equal requests, output tok/s", useful / t_s, useful / h_s)
+    )
+
+    print(f"3/3 {args.batch} mixed-length requests ...", file=log)
+    plo, phi = _range(args.mixed_prompt)
+    olo, ohi = _range(args.mixed_output)
+    prompts = _prompts(vocab, [rng.randint(plo, phi) for _ in range(args.batch)], rng)
+    outs = [rng.randint(olo, ohi) for _ in range(args.batch)]
+    useful = sum(outs)
+    t_s = _tandem_batch(engine, prompts, outs)
+    h_s = hf.generate(prompts, max(outs))
+    rows.append(
+        ("mixed", f"{args.batch} mixed requests, useful output tok/s", useful / t_s, useful / h_s)
+    )
+    engine.kv.pool.check_integrity()
+
+    result = {
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+    }
+    for key, _, t, h in rows:
+        result[f"{key}_tandem"] = round(t, 2)
+        result[f"{key}_hf"] = round(h, 2)
+        result[f"{key}_ratio"] = round(t / h, 3)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{'scenario':<42} {'tandem':>10} {'hf generate':>12} {'ratio':>7}")
+        for _, label, t, h in rows:
+            print(f"{label:<42} {t:>10.1f} {h:>12.1f} {t / h:>7.2f}")
+    return 0

@@ -1,0 +1,175 @@
+"""The ``tandem`` command.
+
+Bad input and misconfiguration end with a one-line error on stderr and exit
+code 2 (no traceback); stdout carries only generated text or requested data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from tandem.errors import TandemError
+
+EXIT_USAGE = 2
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (the default); > 0 samples"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="smollm2-135m-instruct (default), tiny-random, "
+        "a Hugging Face directory or a .gguf file",
+    )
+    g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Disaggregated prefill/decode LLM serving."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="stream an answer to one prompt")
+    gen.add_argument("prompt", help="the user message (or plain text with --raw)")
+    gen.add_argument(
+        "--colocated",
+        action="store_true",
+        help="run prefill and decode in this process (the only mode until the cluster lands)",
+    )
+    gen.add_argument("--raw", action="store_true", help="send PROMPT as plain text, no template")
+    _add_engine_flags(gen)
+    _add_sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    eng = bench_sub.add_parser(
+        "engine", help="engine throughput vs Hugging Face generate, side by side"
+    )
+    from tandem.bench.engine_throughput import add_arguments
+
+    add_arguments(eng)
+    eng.set_defaults(func=cmd_bench_engine)
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    """EngineConfig from the YAML file (if any) overridden by the flags that were given."""
+    from tandem.config import EngineConfig, from_dict, load_yaml
+
+    values = dict(load_yaml(args.config).get("engine", {})) if args.config else {}
+    for flag, field in (
+        ("model", "model"),
+        ("dtype", "dtype"),
+        ("device", "device"),
+        ("threads", "num_threads"),
+    ):
+        if getattr(args, flag, None) is not None:
+            values[field] = getattr(args, flag)
+    return from_dict(EngineConfig, values, where=args.config or "")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tandem.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.colocated:
+        raise TandemError("generate needs --colocated (prefill and decode in this process)")
+    if not args.prompt.strip():
+        from tandem.errors import InvalidRequestError
+
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    params = sampling_params(args)  # validate flags before the model loads
+    config = engine_config(args)
+    from tandem.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    tok = engine.tokenizer
+    if args.raw:
+        prompt_ids = tok.encode(args.prompt)
+    else:
+        prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    start = time.perf_counter()
+    first = None
+    out = None
+    for out in engine.stream(prompt_ids, params):
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(out.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    end = time.perf_counter()
+    if out is not None and first is not None:
+        decode_s = end - first
+        rate = (out.num_output_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+        logging.getLogger("tandem").info(
+            "%d prompt + %d output tokens, finish=%s, TTFT %.0f ms, %.1f tok/s decode",
+            out.num_prompt_tokens,
+            out.num_output_tokens,
+            out.finish_reason.value,
+            (first - start) * 1e3,
+            rate,
+        )
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from tandem.bench.engine_throughput import run
+
+    return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="tandem: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except TandemError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

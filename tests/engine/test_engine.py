@@ -1,0 +1,151 @@
+"""Colocated engine behaviour on tiny-random: batching, chunking, preemption, stops, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import FinishReason
+from tandem.errors import InvalidRequestError
+from tests.conftest import make_engine
+from tests.parity import assert_parity, hf_greedy
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _prompts(engine, n: int = 5) -> list[list[int]]:
+    texts = ["hello there", "你好，世界", "a" * 40, "The quick brown fox " * 6, "x"]
+    return [engine.tokenizer.encode(t) for t in (texts * n)[:n]]
+
+
+def test_results_do_not_depend_on_the_batch(tiny_engine):
+    prompts = _prompts(tiny_engine)
+    alone = [tiny_engine.generate([p], GREEDY)[0] for p in prompts]
+    together = tiny_engine.generate(prompts, GREEDY)
+    reversed_ = tiny_engine.generate(prompts[::-1], GREEDY)[::-1]
+    assert together == alone
+    assert reversed_ == alone
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_engine):
+    prompts = _prompts(tiny_engine)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = tiny_engine.generate([prompts[0]], seeded)[0]
+    others = [SamplingParams(max_tokens=16, temperature=0.8, seed=i) for i in range(4)]
+    together = tiny_engine.generate(prompts, [seeded, *others])[0]
+    again = tiny_engine.generate([prompts[0]], seeded)[0]
+    assert alone == together == again
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert tiny_engine.generate([prompts[0]], other_seed)[0] != alone
+
+
+def test_chunked_prefill_matches_hf(tiny_hf):
+    engine = make_engine(max_num_batched_tokens=7)  # every prompt spans several steps
+    prompts = _prompts(engine)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    outs = engine.generate(prompts, params)
+    for p, o in zip(prompts, outs, strict=True):
+        assert_parity(tiny_hf, p, o, hf_greedy(tiny_hf, p, 12, engine.eos_token_ids))
+    assert engine.kv.pool.num_used == 0
+
+
+def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_engine):
+    prompts = _prompts(tiny_engine, 6)
+    expected = [tiny_engine.generate([p], GREEDY)[0] for p in prompts]
+    # 12 blocks of 16 tokens cannot hold six growing sequences at once.
+    engine = make_engine(num_blocks=12, block_size=16)
+    preempted = []
+    original = engine.scheduler._preempt
+
+    def spy(seq):
+        preempted.append(seq.request_id)
+        original(seq)
+
+    engine.scheduler._preempt = spy
+    assert engine.generate(prompts, GREEDY) == expected
+    assert preempted, "the scenario must actually preempt"
+    engine.kv.pool.check_integrity()
+    assert engine.kv.pool.num_used == 0
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("shared system prompt " * 8)
+    first = tiny_engine.generate([prompt], GREEDY)[0]
+    hits_before = tiny_engine.kv.prefix_hit_tokens
+    second = tiny_engine.generate([prompt], GREEDY)[0]
+    assert tiny_engine.kv.prefix_hit_tokens - hits_before == (len(prompt) - 1) // 16 * 16
+    assert second == first
+    no_cache = make_engine(enable_prefix_caching=False)
+    assert no_cache.generate([prompt], GREEDY)[0] == first
+
+
+def test_stream_text_concatenates_to_the_decoded_output(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("héllo 你好 🎉")
+    outs = list(tiny_engine.stream(prompt, GREEDY))
+    ids = [t for o in outs for t in o.token_ids]
+    text = "".join(o.text for o in outs)
+    # A random model emits arbitrary bytes, so U+FFFD can be in the text legitimately;
+    # clean streaming of valid UTF-8 is tested in test_tokenizer.py.
+    assert text == tiny_engine.tokenizer.decode(ids)
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+    assert [o.finished for o in outs[:-1]] == [False] * (len(outs) - 1)
+    assert outs[-1].num_output_tokens == GREEDY.max_tokens
+
+
+def test_stop_string_ends_the_request_and_is_not_emitted(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("stop test")
+    full = "".join(o.text for o in tiny_engine.stream(prompt, GREEDY))
+    stop = full[5:8]
+    assert stop and stop not in full[:5]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
+    outs = list(tiny_engine.stream(prompt, params))
+    assert "".join(o.text for o in outs) == full[: full.index(stop)]
+    assert outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_stop_token_and_eos(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("stop test")
+    ids = tiny_engine.generate([prompt], GREEDY)[0]
+    target = ids[3]
+    params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(target,))
+    outs = list(tiny_engine.stream(prompt, params))
+    got = [t for o in outs for t in o.token_ids]
+    assert got == ids[: ids.index(target) + 1]
+    assert outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_abort_mid_stream_frees_blocks(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("abort me " * 10)
+    stream = tiny_engine.stream(prompt, GREEDY)
+    next(stream)
+    next(stream)
+    assert tiny_engine.kv.pool.num_used > 0
+    stream.close()  # the consumer went away: the request is aborted
+    assert tiny_engine.kv.pool.num_used == 0
+    assert not tiny_engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field, words",
+    [
+        ([], GREEDY, "prompt", "must not be empty"),
+        (
+            [5] * 10,
+            SamplingParams(max_tokens=5000),
+            "max_tokens",
+            "exceeds the context length 4096",
+        ),
+        ([10**6], GREEDY, "prompt", "outside [0, 259)"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_block(tiny_engine, prompt, params, field, words):
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.add_request(prompt, params)
+    assert err.value.field == field and words in str(err.value)
+    assert tiny_engine.kv.pool.num_used == 0 and not tiny_engine.has_unfinished()
+
+
+def test_request_larger_than_the_pool_is_refused():
+    engine = make_engine(num_blocks=4, block_size=16)
+    with pytest.raises(InvalidRequestError, match="needs 5 KV blocks, the pool has 4"):
+        engine.add_request([7] * 60, SamplingParams(max_tokens=10))

@@ -1,0 +1,464 @@
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from tandem.engine.block_manager import BlockPool
+from tandem.engine.kv_cache import KVCache
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.engine.sequence import FinishReason, Sequence, Status
+
+OUT = 7  # the token the fake model always samples
+_token_bases = itertools.count(1)
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
+
+
+def make_seq(
+    request_id: str,
+    num_prompt: int = 4,
+    max_tokens: int = 4,
+    token_ids: list[int] | None = None,
+) -> Sequence:
+    """A waiting request; its prompt tokens are unique unless ``token_ids`` is given."""
+    if token_ids is None:
+        base = 1000 * next(_token_bases)
+        token_ids = list(range(base, base + num_prompt))
+    return Sequence(request_id, list(token_ids), len(token_ids), SamplingParams(max_tokens))
+
+
+@dataclass
+class Harness:
+    """A Scheduler driven the way the engine drives it, over a fake model.
+
+    The fake model records which token each KV slot holds, so every step also
+    checks that a sequence only ever attends to KV of its own tokens (a prefix
+    hit on the wrong block, or a reused block that kept a stale hash, fails here)
+    and never writes into a block another sequence shares.
+    """
+
+    sched: Scheduler
+    slots: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, offset) -> token
+    prefix_hits: int = 0  # admissions that started with cached tokens
+    preemptions: int = 0
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.sched.kv.pool
+
+    def add(self, *seqs: Sequence) -> None:
+        for seq in seqs:
+            self.sched.add(seq)
+
+    def step(self) -> ScheduledBatch:
+        """schedule -> forward -> commit -> sample one token -> finish at max_tokens."""
+        waiting = set(map(id, self.sched.waiting))
+        batch = self.sched.schedule()
+        self.check_batch(batch)
+        self.prefix_hits += sum(id(s) in waiting and s.num_computed > 0 for s, _ in batch.work)
+        self.preemptions += len(batch.preempted)
+        for seq, n in batch.work:
+            self._forward(seq, n)
+        for seq, n in batch.work:
+            seq.num_computed += n
+        for seq, _ in batch.work:
+            self.sched.kv.commit(seq)
+        for seq, _ in batch.work:
+            if seq.num_computed == len(seq.token_ids):
+                seq.token_ids.append(OUT)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    seq.finish_reason = FinishReason.LENGTH
+                    self.sched.finish(seq)
+        self.check_state()
+        return batch
+
+    def run_to_completion(self, max_steps: int = 1000) -> int:
+        for steps in itertools.count():
+            if not self.sched.has_work():
+                return steps
+            assert steps < max_steps, "scheduler made no progress"
+            assert self.step(), "work is queued but nothing was scheduled"
+        raise AssertionError("unreachable")
+
+    def _forward(self, seq: Sequence, n: int) -> None:
+        bs = self.sched.kv.block_size
+        table = seq.block_table
+        for p in range(seq.num_computed):
+            got = self.slots.get((table[p // bs], p % bs))
+            assert got == seq.token_ids[p], f"{seq.request_id} position {p}: KV of {got}"
+        for p in range(seq.num_computed, seq.num_computed + n):
+            block = table[p // bs]
+            assert self.pool.ref_counts[block] == 1, f"write into shared block {block}"
+            self.slots[(block, p % bs)] = seq.token_ids[p]
+
+    def check_batch(self, batch: ScheduledBatch) -> None:
+        sched = self.sched
+        sizes = [n for _, n in batch.work]
+        assert sum(sizes) <= sched.max_num_batched_tokens
+        assert all(n >= 1 for n in sizes)
+        assert sizes == sorted(sizes, key=lambda n: n != 1), "single-token work must come first"
+        assert len({id(s) for s, _ in batch.work}) == len(batch.work)
+        for seq, n in batch.work:
+            assert seq.status is Status.RUNNING and seq in sched.running
+            assert seq.num_computed + n <= len(seq.token_ids)
+            assert len(seq.block_table) >= sched.kv.blocks_for(seq.num_computed + n)
+        self.check_state()
+
+    def check_state(self) -> None:
+        """Pool integrity, and every reference is held by exactly one live table entry."""
+        sched = self.sched
+        self.pool.check_integrity()
+        assert self.pool.num_free + self.pool.num_used == self.pool.num_blocks
+        assert len(sched.running) <= sched.max_num_seqs
+        assert all(s.status is Status.RUNNING for s in sched.running)
+        assert all(s.status is Status.WAITING and not s.block_table for s in sched.waiting)
+        held = Counter(b for s in sched.running for b in s.block_table)
+        assert self.pool.ref_counts == [held[b] for b in range(self.pool.num_blocks)]
+
+
+def make_harness(
+    num_blocks: int = 32,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    prefix_caching: bool = True,
+) -> Harness:
+    kv = KVCache(
+        tiny_config(),
+        num_blocks,
+        block_size,
+        torch.float32,
+        torch.device("cpu"),
+        enable_prefix_caching=prefix_caching,
+    )
+    return Harness(Scheduler(kv, max_num_seqs, max_num_batched_tokens))
+
+
+def make_running(h: Harness, seq: Sequence, num_computed: int) -> None:
+    """Put ``seq`` straight into the running set with ``num_computed`` tokens of KV."""
+    assert h.sched.kv.ensure(seq, num_computed)
+    h._forward(seq, num_computed)
+    seq.num_computed = num_computed
+    seq.status = Status.RUNNING
+    h.sched.running.append(seq)
+
+
+def assert_drained(h: Harness) -> None:
+    h.check_state()
+    assert not h.sched.has_work()
+    assert h.pool.num_used == 0
+    assert h.pool.num_free == h.pool.num_blocks
+
+
+# --- budget and chunked prefill ---
+
+
+def test_token_budget_caps_each_step() -> None:
+    h = make_harness(max_num_batched_tokens=16)
+    a, b, c = make_seq("a", 10), make_seq("b", 10), make_seq("c", 10)
+    h.add(a, b, c)
+
+    assert h.step().work == [(a, 10), (b, 6)]
+    assert list(h.sched.waiting) == [c]
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4])
+
+    assert h.step().work == [(a, 1), (b, 4), (c, 10)]
+    assert (b.block_table, c.block_table) == ([3, 4, 5], [6, 7, 8])
+
+    h.run_to_completion()
+    assert [s.output_ids for s in (a, b, c)] == [[OUT] * 4] * 3
+    assert_drained(h)
+
+
+def test_long_prompt_is_prefilled_in_chunks() -> None:
+    h = make_harness(max_num_batched_tokens=8)
+    s = make_seq("s", num_prompt=20, max_tokens=2)
+    h.add(s)
+
+    assert h.step().work == [(s, 8)]
+    assert (s.num_computed, len(s), s.block_table) == (8, 20, [0, 1])
+    assert s.num_hashed_blocks == 2
+    assert h.step().work == [(s, 8)]
+    assert (s.num_computed, len(s), s.block_table) == (16, 20, [0, 1, 2, 3])
+    assert h.step().work == [(s, 4)]  # the prompt is done: a token is sampled
+    assert (s.num_computed, len(s), s.block_table) == (20, 21, [0, 1, 2, 3, 4])
+    assert s.num_hashed_blocks == 5
+    assert h.step().work == [(s, 1)]
+    assert s.status is Status.FINISHED
+    assert s.output_ids == [OUT, OUT]
+    assert_drained(h)
+
+
+def test_prefix_hit_schedules_only_the_uncached_tokens() -> None:
+    h = make_harness()
+    a = make_seq("a", 10)
+    h.add(a)
+    assert h.step().work == [(a, 10)]
+    b = make_seq("b", token_ids=a.token_ids[:10])
+    h.add(b)
+    assert h.step().work == [(a, 1), (b, 2)]
+    assert b.block_table == [0, 1, 3]
+    h.run_to_completion()
+    assert_drained(h)
+
+
+# --- ordering ---
+
+
+def test_running_decodes_are_scheduled_before_admitting_waiting_requests() -> None:
+    h = make_harness(max_num_batched_tokens=2)
+    a, b = make_seq("a", 1, max_tokens=3), make_seq("b", 1, max_tokens=3)
+    h.add(a, b)
+    assert h.step().work == [(a, 1), (b, 1)]
+    c = make_seq("c", 2)
+    h.add(c)
+    assert h.step().work == [(a, 1), (b, 1)]
+    assert h.step().work == [(a, 1), (b, 1)]  # a and b finish here
+    assert (c.status, c.block_table, c.num_computed) == (Status.WAITING, [], 0)
+    assert h.step().work == [(c, 2)]
+    h.run_to_completion()
+    assert_drained(h)
+
+
+def test_decodes_are_scheduled_before_running_prefills() -> None:
+    h = make_harness(max_num_batched_tokens=4)
+    older_prefill = make_seq("p", 12)
+    newer_decode = make_seq("d", 3)
+    newer_decode.token_ids.append(OUT)
+    make_running(h, older_prefill, 2)
+    make_running(h, newer_decode, 3)
+    # In admission order the prefill would take the whole budget.
+    assert h.step().work == [(newer_decode, 1), (older_prefill, 3)]
+    h.run_to_completion()
+    assert_drained(h)
+
+
+def test_single_token_work_comes_first() -> None:
+    h = make_harness(max_num_batched_tokens=8)
+    a, b = make_seq("a", 4), make_seq("b", 1)
+    h.add(a, b)
+    assert h.step().work == [(b, 1), (a, 4)]
+    assert h.sched.running == [a, b]  # admission order is unchanged
+
+
+def test_max_num_seqs_caps_running() -> None:
+    h = make_harness(max_num_seqs=2)
+    a, b, c = (make_seq(r, 2, max_tokens=2) for r in "abc")
+    h.add(a, b, c)
+    assert h.step().work == [(a, 2), (b, 2)]
+    assert h.sched.running == [a, b]
+    assert list(h.sched.waiting) == [c]
+    assert h.step().work == [(a, 1), (b, 1)]  # both finish; c was not admitted this step
+    assert h.step().work == [(c, 2)]
+    h.run_to_completion()
+    assert_drained(h)
+
+
+# --- preemption ---
+
+
+def test_out_of_blocks_preempts_the_most_recently_admitted() -> None:
+    h = make_harness(num_blocks=6)
+    a, b = make_seq("a", 8, max_tokens=3), make_seq("b", 8, max_tokens=3)
+    c, d = make_seq("c", 7, max_tokens=3), make_seq("d", 4, max_tokens=2)
+    h.add(a, b, c, d)
+
+    first = h.step()
+    assert first.work == [(a, 8), (b, 8), (c, 7)]  # d does not fit
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1], [2, 3], [4, 5])
+    assert list(h.sched.waiting) == [d]
+
+    # a and b each need a third block: c, the newest, gives its two back.
+    second = h.step()
+    assert second.preempted == [c]
+    assert second.work == [(a, 1), (b, 1)]
+    assert (a.block_table, b.block_table) == ([0, 1, 5], [2, 3, 4])
+    assert (c.status, c.block_table, c.num_computed) == (Status.WAITING, [], 0)
+    assert c.token_ids[7] == OUT  # its sampled token is kept and recomputed later
+    assert list(h.sched.waiting) == [c, d]
+
+    # Still no room for c (its cached first block went to b), nor for d behind it.
+    third = h.step()
+    assert third.work == [(a, 1), (b, 1)]
+    assert third.preempted == []
+    assert list(h.sched.waiting) == [c, d]
+    assert (a.status, b.status) == (Status.FINISHED, Status.FINISHED)
+
+    # a freed [5, 1, 0] and b [4, 3, 2]: c recomputes all 8 tokens, ahead of d.
+    fourth = h.step()
+    assert fourth.work == [(c, 8), (d, 4)]
+    assert (c.block_table, d.block_table) == ([5, 1], [0])
+    h.run_to_completion()
+    assert c.output_ids == [OUT] * 3
+    assert d.output_ids == [OUT, OUT]
+    assert_drained(h)
+
+
+def test_newest_sequence_preempts_itself_and_resumes_from_its_cached_prefix() -> None:
+    h = make_harness(num_blocks=5)
+    a, b = make_seq("a", 8, max_tokens=3), make_seq("b", 8, max_tokens=3)
+    h.add(a, b)
+    assert h.step().work == [(a, 8), (b, 8)]
+
+    second = h.step()  # a takes the last free block; b has no one newer to preempt
+    assert second.preempted == [b]
+    assert second.work == [(a, 1)]
+    assert a.block_table == [0, 1, 4]
+    assert (b.status, b.block_table, b.num_computed) == (Status.WAITING, [], 0)
+
+    third = h.step()  # b's prefix is cached, but its next token needs a block: a finishes
+    assert third.work == [(a, 1)]
+    assert (a.status, b.status) == (Status.FINISHED, Status.WAITING)
+
+    fourth = h.step()  # b's hashed blocks 2 and 3 were still cached: one token to compute
+    assert fourth.work == [(b, 1)]
+    assert b.block_table == [2, 3, 4]
+    h.run_to_completion()
+    assert b.output_ids == [OUT] * 3
+    assert_drained(h)
+
+
+# --- finish ---
+
+
+def test_finish_frees_a_running_sequence_mid_prefill() -> None:
+    h = make_harness(max_num_batched_tokens=4)
+    a = make_seq("a", 10)
+    h.add(a)
+    assert h.step().work == [(a, 4)]
+    assert h.pool.num_used == 1
+    h.sched.finish(a)
+    assert a.status is Status.FINISHED
+    assert a.block_table == []
+    assert h.sched.running == []
+    assert_drained(h)
+
+
+def test_finish_removes_a_waiting_sequence() -> None:
+    h = make_harness(max_num_seqs=1)
+    a, b = make_seq("a", 4), make_seq("b", 4)
+    h.add(a, b)
+    h.step()
+    h.sched.finish(b)
+    assert b.status is Status.FINISHED
+    assert list(h.sched.waiting) == []
+    assert h.sched.running == [a]
+    h.check_state()
+    h.run_to_completion()
+    assert_drained(h)
+
+
+def test_finish_of_a_preempted_sequence() -> None:
+    h = make_harness(num_blocks=5)
+    a, b = make_seq("a", 8, max_tokens=4), make_seq("b", 8, max_tokens=4)
+    h.add(a, b)
+    h.step()
+    assert h.step().preempted == [b]
+    h.sched.finish(b)
+    assert list(h.sched.waiting) == []
+    assert (b.status, b.block_table) == (Status.FINISHED, [])
+    h.check_state()
+    h.run_to_completion()
+    assert a.output_ids == [OUT] * 4
+    assert_drained(h)
+
+
+# --- random workloads ---
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    arrival: int  # step at which it is added
+    abort_at: int | None  # step at which the client cancels it, if any
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    num_blocks = draw(st.integers(2, 10))
+    config = {
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "max_num_seqs": draw(st.integers(1, 4)),
+        "max_num_batched_tokens": draw(st.integers(1, 16)),
+        "prefix_caching": draw(st.booleans()),
+    }
+    capacity = num_blocks * block_size  # the engine rejects anything longer
+    requests = []
+    for i in range(draw(st.integers(1, 8))):
+        prompt_len = draw(st.integers(1, capacity - 1))
+        # A prefix common to all requests, often the whole prompt.
+        shared = draw(st.just(prompt_len) | st.integers(0, prompt_len))
+        prompt = list(range(shared)) + [1000 * (i + 1) + j for j in range(prompt_len - shared)]
+        requests.append(
+            Request(
+                prompt=prompt,
+                max_tokens=draw(st.integers(1, capacity - prompt_len)),
+                arrival=draw(st.integers(0, 6)),
+                abort_at=draw(st.integers(0, 30)) if draw(st.integers(0, 3)) == 0 else None,
+            )
+        )
+    return config, requests
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads())
+def test_random_workloads_run_to_completion_without_leaks(
+    workload: tuple[dict, list[Request]],
+) -> None:
+    config, requests = workload
+    h = make_harness(**config)
+    seqs = [
+        make_seq(f"r{i}", token_ids=r.prompt, max_tokens=r.max_tokens)
+        for i, r in enumerate(requests)
+    ]
+    for step in itertools.count():
+        assert step < 2000, "scheduler made no progress"
+        for r, seq in zip(requests, seqs, strict=True):
+            if r.arrival == step:
+                h.add(seq)
+            if r.abort_at == step and r.arrival <= step and not seq.finished:
+                seq.finish_reason = FinishReason.CANCELLED
+                h.sched.finish(seq)
+                h.check_state()
+        if all(seq.finished for seq in seqs):
+            break
+        had_work = h.sched.has_work()
+        batch = h.step()
+        assert bool(batch) == had_work
+
+    event(f"preempted: {h.preemptions > 0}")
+    event(f"prefix hit: {h.prefix_hits > 0}")
+    event(f"cancelled: {any(s.finish_reason is FinishReason.CANCELLED for s in seqs)}")
+    for r, seq in zip(requests, seqs, strict=True):
+        assert seq.status is Status.FINISHED
+        assert seq.block_table == []
+        if seq.finish_reason is FinishReason.LENGTH:
+            assert seq.output_ids == [OUT] * r.max_tokens
+        else:
+            assert seq.finish_reason is FinishReason.CANCELLED
+            assert seq.num_output_tokens < r.max_tokens
+    assert_drained(h)

@@ -31,19 +31,13 @@ class KVCache:
         # Prefix-cache counters (for the hit-rate metric): prompt tokens looked up, found.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a layer's K
-        # (or V) for all blocks is one contiguous tensor, so the attention ops see
+        # One block past the pool, never allocated and always zero, pads block tables.
+        self.null_block = num_blocks
+        # [layers, 2 (K, V), num_blocks + 1, block_size, kv_heads, head_dim]: a layer's
+        # K (or V) for all blocks is one contiguous tensor, so the attention ops see
         # the [num_blocks, block_size, kv_heads, head_dim] view they expect.
-        self.tensor = torch.zeros(
-            cfg.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -82,7 +76,12 @@ class KVCache:
             return True
         if need > self.pool.num_free:
             return False
-        seq.block_table.extend(self.pool.allocate(need))
+        blocks = self.pool.allocate(need)
+        # Attention reads a block's unwritten slots (masked); a freed block's old values
+        # there could be NaN/inf, and masking cannot hide those. Zero them once here
+        # rather than masking on every read.
+        self.tensor[:, :, blocks] = 0
+        seq.block_table.extend(blocks)
         return True
 
     def commit(self, seq: Sequence) -> None:

@@ -37,6 +37,7 @@ class AttentionMetadata:
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks], int64
     decode_context_lens: torch.Tensor | None  # [num_decode], int64
+    decode_max_len: int
     prefills: list[PrefillSlice]
 
 
@@ -47,6 +48,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 then cast back, exactly as HF does, for token parity in bf16.
         dtype = x.dtype
         x32 = x.float()
@@ -79,29 +82,42 @@ class Attention(nn.Module):
         ops,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Rotate q and k in one go: they are adjacent heads of the fused projection.
+        qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-        out = torch.empty_like(q)
         d = meta.num_decode
-        if d:
-            out[:d] = ops.decode_attention(
-                q[:d],
+        if d == n:  # a pure decode step: no copy into a shared output
+            out = ops.decode_attention(
+                q,
                 k_cache,
                 v_cache,
                 meta.decode_block_tables,
                 meta.decode_context_lens,
+                meta.decode_max_len,
                 self.scale,
             )
-        for p in meta.prefills:
-            s = slice(p.start, p.start + p.query_len)
-            out[s] = ops.prefill_attention(
-                q[s], k_cache, v_cache, p.block_table, p.context_len, self.scale
-            )
-        return self.o_proj(out.view(n, self.q_size))
+        else:
+            out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+            if d:
+                out[:d] = ops.decode_attention(
+                    q[:d],
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    meta.decode_max_len,
+                    self.scale,
+                )
+            for p in meta.prefills:
+                s = slice(p.start, p.start + p.query_len)
+                out[s] = ops.prefill_attention(
+                    q[s], k_cache, v_cache, p.block_table, p.context_len, self.scale
+                )
+        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):

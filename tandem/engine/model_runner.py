@@ -65,6 +65,7 @@ class ModelRunner:
             num_decode=num_decode,
             decode_block_tables=self._padded(decode_tables) if num_decode else None,
             decode_context_lens=self._tensor(decode_lens) if num_decode else None,
+            decode_max_len=max(decode_lens, default=0),
             prefills=prefills,
         )
         hidden = self.model(
@@ -79,6 +80,7 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _padded(self, tables: list[list[int]]) -> torch.Tensor:
-        # Padding points at block 0; those positions are masked by the context length.
+        # Padding points at the always-zero null block; attention masks it anyway.
         width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
+        null = [self.kv.null_block]
+        return self._tensor([t + null * (width - len(t)) for t in tables]).view(len(tables), width)

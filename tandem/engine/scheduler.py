@@ -51,8 +51,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if self._reserve(seq, n, batch):
+            n = self._reserve(seq, min(seq.num_uncomputed, budget), batch)
+            if n:
                 batch.work.append((seq, n))
                 budget -= n
 
@@ -73,16 +73,25 @@ class Scheduler:
         batch.work.sort(key=lambda w: w[1] != 1)
         return batch
 
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Blocks for ``n`` more tokens of ``seq``, preempting newer sequences if needed."""
-        while not self.kv.ensure(seq, seq.num_computed + n):
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
+        """Blocks for up to ``n`` more tokens of ``seq``; returns how many it got.
+
+        A prefill chunk shrinks to the blocks that are free rather than throw away
+        another sequence's work; only when not one token fits (always the case for a
+        decode that needs a new block) are newer sequences preempted, newest first.
+        """
+        while True:
+            room = (len(seq.block_table) + self.kv.pool.num_free) * self.kv.block_size
+            fit = min(n, room - seq.num_computed)
+            if fit > 0:
+                self.kv.ensure(seq, seq.num_computed + fit)
+                return fit
             victim = self.running[-1]
             self._preempt(victim)
             batch.preempted.append(victim)
             batch.work = [w for w in batch.work if w[0] is not victim]
             if victim is seq:
-                return False
-        return True
+                return 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

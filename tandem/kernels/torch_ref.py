@@ -76,23 +76,28 @@ def decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [batch, max_blocks], int64, padded with any valid id
     context_lens: torch.Tensor,  # [batch], int64, includes the new token
+    max_context_len: int,  # max(context_lens), known to the caller without a device sync
     scale: float,
 ) -> torch.Tensor:
     """Attention of each sequence's newest token over its cached context.
 
-    Sequences have different lengths; positions past a sequence's length are masked.
+    Sequences have different lengths; positions past a sequence's length are masked
+    and must hold finite values (the cache zeroes blocks when it allocates them).
     Returns [batch, num_heads, head_dim].
     """
-    batch, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads
-    # [batch, max_blocks * block_size, kv_heads, d] -> [batch, kv_heads, S, d]
-    k = k_cache[block_tables].flatten(1, 2).permute(0, 2, 3, 1).to(q.dtype)  # [b, kvh, d, S]
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [b, kvh, S, d]
-    qg = q.view(batch, kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k) * scale  # [b, kvh, group, S]
-    positions = torch.arange(scores.shape[-1], device=q.device)
-    pad = positions[None, :] >= context_lens[:, None]  # [b, S]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+    # [batch, S, kv_heads, head_dim] -> [batch, kv_heads, S, head_dim] (a strided view)
+    k = k_cache[block_tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    v = v_cache[block_tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    mask = None
+    if q.shape[0] > 1:
+        positions = torch.arange(max_context_len, device=q.device)
+        mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0]

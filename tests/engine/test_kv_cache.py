@@ -84,12 +84,26 @@ def test_bytes_per_block(block_size: int, dtype: torch.dtype, expected: int) -> 
     assert bytes_per_block(tiny_config(), block_size, dtype) == expected
 
 
-def test_tensor_holds_exactly_num_blocks_blocks() -> None:
+def test_tensor_holds_the_pool_and_one_null_block() -> None:
     kv = make_kv(num_blocks=5)
-    assert kv.tensor.shape == (2, 2, 5, BS, 1, 4)
+    assert kv.tensor.shape == (2, 2, 6, BS, 1, 4)
     assert kv.tensor.dtype == torch.float32
-    assert kv.tensor.nbytes == 5 * bytes_per_block(tiny_config(), BS, torch.float32) == 1280
+    assert kv.tensor.nbytes == 6 * bytes_per_block(tiny_config(), BS, torch.float32) == 1536
     assert kv.pool.num_blocks == 5
+    assert kv.null_block == 5
+
+
+def test_blocks_are_zeroed_when_handed_out_and_the_null_block_is_never_used() -> None:
+    # Attention reads the unwritten tail of a sequence's last block (masked): stale
+    # NaN/inf from a previous owner there would poison the output, so it must be zero.
+    kv = make_kv(num_blocks=5)
+    kv.tensor.fill_(float("nan"))
+    kv.tensor[:, :, kv.null_block] = 0
+    seq = make_seq(list(range(3 * BS)))
+    assert kv.ensure(seq, 3 * BS)
+    assert kv.null_block not in seq.block_table
+    assert torch.equal(kv.tensor[:, :, seq.block_table], torch.zeros_like(kv.tensor[:, :, :3]))
+    kv.free(seq)
 
 
 # --- ensure ---

@@ -52,14 +52,15 @@ def make_seq(
 class Harness:
     """A Scheduler driven the way the engine drives it, over a fake model.
 
-    The fake model records which token each KV slot holds, so every step also
-    checks that a sequence only ever attends to KV of its own tokens (a prefix
-    hit on the wrong block, or a reused block that kept a stale hash, fails here)
-    and never writes into a block another sequence shares.
+    The fake model records what each KV slot holds, so every step also checks
+    that a sequence only ever attends to KV of its own prefix (a prefix hit on
+    the wrong block, or a reused block that kept a stale hash, fails here) and
+    never writes into a block another sequence shares.
     """
 
     sched: Scheduler
-    slots: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, offset) -> token
+    # (block, offset) -> the tokens whose KV the slot holds: its own and all before it
+    slots: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     prefix_hits: int = 0  # admissions that started with cached tokens
     preemptions: int = 0
 
@@ -101,16 +102,30 @@ class Harness:
             assert self.step(), "work is queued but nothing was scheduled"
         raise AssertionError("unreachable")
 
+    def make_running(self, seq: Sequence, num_computed: int) -> None:
+        """Put ``seq`` straight into the running set with ``num_computed`` tokens of KV.
+
+        For states that plain scheduling does not produce, e.g. an older sequence
+        still in prefill while a newer one decodes.
+        """
+        assert self.sched.kv.ensure(seq, num_computed)
+        self._forward(seq, num_computed)
+        seq.num_computed = num_computed
+        seq.status = Status.RUNNING
+        self.sched.running.append(seq)
+        self.check_state()
+
     def _forward(self, seq: Sequence, n: int) -> None:
+        # A slot's KV depends on its token and everything before it, so that is what we record.
         bs = self.sched.kv.block_size
         table = seq.block_table
         for p in range(seq.num_computed):
             got = self.slots.get((table[p // bs], p % bs))
-            assert got == seq.token_ids[p], f"{seq.request_id} position {p}: KV of {got}"
+            assert got == tuple(seq.token_ids[: p + 1]), f"{seq.request_id} position {p}: {got}"
         for p in range(seq.num_computed, seq.num_computed + n):
             block = table[p // bs]
             assert self.pool.ref_counts[block] == 1, f"write into shared block {block}"
-            self.slots[(block, p % bs)] = seq.token_ids[p]
+            self.slots[(block, p % bs)] = tuple(seq.token_ids[: p + 1])
 
     def check_batch(self, batch: ScheduledBatch) -> None:
         sched = self.sched
@@ -153,15 +168,6 @@ def make_harness(
         enable_prefix_caching=prefix_caching,
     )
     return Harness(Scheduler(kv, max_num_seqs, max_num_batched_tokens))
-
-
-def make_running(h: Harness, seq: Sequence, num_computed: int) -> None:
-    """Put ``seq`` straight into the running set with ``num_computed`` tokens of KV."""
-    assert h.sched.kv.ensure(seq, num_computed)
-    h._forward(seq, num_computed)
-    seq.num_computed = num_computed
-    seq.status = Status.RUNNING
-    h.sched.running.append(seq)
 
 
 def assert_drained(h: Harness) -> None:
@@ -219,6 +225,8 @@ def test_prefix_hit_schedules_only_the_uncached_tokens() -> None:
     h.add(b)
     assert h.step().work == [(a, 1), (b, 2)]
     assert b.block_table == [0, 1, 3]
+    kv = h.sched.kv
+    assert (kv.prefix_query_tokens, kv.prefix_hit_tokens) == (20, 8)
     h.run_to_completion()
     assert_drained(h)
 
@@ -246,10 +254,43 @@ def test_decodes_are_scheduled_before_running_prefills() -> None:
     older_prefill = make_seq("p", 12)
     newer_decode = make_seq("d", 3)
     newer_decode.token_ids.append(OUT)
-    make_running(h, older_prefill, 2)
-    make_running(h, newer_decode, 3)
+    h.make_running(older_prefill, 2)
+    h.make_running(newer_decode, 3)
     # In admission order the prefill would take the whole budget.
     assert h.step().work == [(newer_decode, 1), (older_prefill, 3)]
+    h.run_to_completion()
+    assert_drained(h)
+
+
+def test_a_preempted_sequence_is_dropped_from_the_batch_it_was_scheduled_in() -> None:
+    h = make_harness(num_blocks=3, max_num_batched_tokens=8)
+    older_prefill = make_seq("p", 10, max_tokens=2)  # 12 tokens: fits the pool alone
+    newer_decode = make_seq("d", 7)
+    newer_decode.token_ids.append(OUT)
+    h.make_running(older_prefill, 4)  # [0]
+    h.make_running(newer_decode, 7)  # [1, 2]
+    # d is scheduled first; p's block is full and none is free, so not one of its
+    # tokens fits: the newest sequence, d, is preempted and leaves the batch.
+    batch = h.step()
+    assert batch.preempted == [newer_decode]
+    assert batch.work == [(older_prefill, 6)]
+    assert older_prefill.block_table == [0, 2, 1]
+    assert (newer_decode.status, newer_decode.block_table) == (Status.WAITING, [])
+    h.run_to_completion()
+    assert_drained(h)
+
+
+def test_a_prefill_chunk_shrinks_to_the_free_blocks_instead_of_preempting() -> None:
+    h = make_harness(num_blocks=3, max_num_batched_tokens=8)
+    older_prefill = make_seq("p", 10, max_tokens=2)
+    newer_decode = make_seq("d", 3)
+    newer_decode.token_ids.append(OUT)
+    h.make_running(older_prefill, 4)  # [0]
+    h.make_running(newer_decode, 3)  # [1]
+    batch = h.step()  # p wants 6 tokens; one free block holds 4 of them
+    assert batch.preempted == []
+    assert batch.work == [(newer_decode, 1), (older_prefill, 4)]
+    assert older_prefill.block_table == [0, 2]
     h.run_to_completion()
     assert_drained(h)
 
@@ -408,11 +449,15 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
     }
     capacity = num_blocks * block_size  # the engine rejects anything longer
     requests = []
-    for i in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, 8))):
         prompt_len = draw(st.integers(1, capacity - 1))
-        # A prefix common to all requests, often the whole prompt.
+        # A prefix common to all requests (often the whole prompt), then a tail from a
+        # small alphabet, so equal blocks after different prefixes are common too.
         shared = draw(st.just(prompt_len) | st.integers(0, prompt_len))
-        prompt = list(range(shared)) + [1000 * (i + 1) + j for j in range(prompt_len - shared)]
+        tail = st.lists(
+            st.integers(100, 102), min_size=prompt_len - shared, max_size=prompt_len - shared
+        )
+        prompt = list(range(shared)) + draw(tail)
         requests.append(
             Request(
                 prompt=prompt,

@@ -66,7 +66,12 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
             f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
             f"{' in ' + where if where else ''} (known: {', '.join(sorted(names))})"
         )
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        if not where:
+            raise
+        raise ConfigError(f"{exc} (in {where})") from exc
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

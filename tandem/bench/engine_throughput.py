@@ -24,8 +24,6 @@ import random
 import sys
 import time
 
-import torch
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -47,13 +45,15 @@ def _prompts(vocab: int, lengths: list[int], rng: random.Random) -> list[list[in
 
 
 class _HF:
-    def __init__(self, model_dir, dtype: torch.dtype) -> None:
+    def __init__(self, model_dir, dtype) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
     def generate(self, prompts: list[list[int]], max_new: int) -> float:
         """Left-padded batch, greedy, EOS ignored. Returns seconds."""
+        import torch
+
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -119,6 +119,8 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from tandem.config import EngineConfig
     from tandem.engine.engine import LLMEngine
 

@@ -56,6 +56,8 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
         raise ConfigError(
             f"model {model!r} is neither a .gguf file nor a directory with config.json"
         )
+    if "/" in model or model.endswith(".gguf"):
+        raise ConfigError(f"model path {model!r} does not exist")
     raise ConfigError(
         f"unknown model {model!r}: expected one of {', '.join(BUILTIN_MODELS)}, "
         "a Hugging Face directory or a .gguf file"

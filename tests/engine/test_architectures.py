@@ -17,27 +17,43 @@ from tests.conftest import make_engine
 from tests.parity import assert_parity, hf_greedy
 
 COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 LLAMA3 = {
-    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
 }
 VARIANTS = {
     "qwen2-qkv-bias": (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": False}),
     "qwen2-tied": (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": True}),
     "llama-attention-bias": (
-        LlamaForCausalLM, LlamaConfig, {"attention_bias": True, "mlp_bias": True},
+        LlamaForCausalLM,
+        LlamaConfig,
+        {"attention_bias": True, "mlp_bias": True},
     ),
     "llama-rope-linear": (
-        LlamaForCausalLM, LlamaConfig,
+        LlamaForCausalLM,
+        LlamaConfig,
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     ),
     "llama-rope-llama3": (LlamaForCausalLM, LlamaConfig, {"rope_parameters": LLAMA3}),
     "llama-tied-head-dim": (
-        LlamaForCausalLM, LlamaConfig, {"tie_word_embeddings": True, "head_dim": 24},
+        LlamaForCausalLM,
+        LlamaConfig,
+        {"tie_word_embeddings": True, "head_dim": 24},
     ),
 }
 

@@ -1,0 +1,145 @@
+"""Model sources (built-in names, GGUF files, HF directories) and EngineConfig validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.engine import tiny_random
+from tandem.engine.loader import resolve_model
+from tandem.errors import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_cache) -> Path:
+    return resolve_model("tiny-random", tiny_cache)
+
+
+# ---- tiny-random ------------------------------------------------------------------------
+
+
+def test_tiny_random_is_built_once_per_cache(tiny_cache, tiny_dir, monkeypatch):
+    weights = tiny_dir / "model.safetensors"
+    before = weights.stat()
+
+    def no_rebuild(out):
+        raise AssertionError(f"tiny-random rebuilt into {out}")
+
+    monkeypatch.setattr(tiny_random, "write_tiny_random", no_rebuild)
+    assert resolve_model("tiny-random", tiny_cache) == tiny_dir
+    after = weights.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # The build left nothing behind but the model itself.
+    assert list((tiny_cache / "models").iterdir()) == [tiny_dir]
+
+
+def test_tiny_random_weights_are_deterministic(tiny_dir, tmp_path):
+    other = resolve_model("tiny-random", tmp_path)
+    assert other != tiny_dir
+    ours = load_file(str(tiny_dir / "model.safetensors"))
+    theirs = load_file(str(other / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype == torch.float32, name
+        assert torch.equal(tensor, theirs[name]), name
+    assert (tiny_dir / "config.json").read_text() == (other / "config.json").read_text()
+    for f in TOKENIZER_FILES:
+        assert (tiny_dir / f).read_text() == (other / f).read_text(), f
+
+
+def test_tiny_random_loads_in_transformers(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        tiny_dir, dtype=torch.float32, output_loading_info=True
+    )
+    assert {k: sorted(v) for k, v in info.items() if k != "error_msgs"} == {
+        "missing_keys": [],
+        "unexpected_keys": [],
+        "mismatched_keys": [],
+    }
+    assert info["error_msgs"] == []
+    assert hf.config.vocab_size == len(tok) == 256 + len(tiny_random.SPECIAL_TOKENS)
+    assert hf.config.num_hidden_layers == tiny_random.LAYERS
+    stored = load_file(str(tiny_dir / "model.safetensors"))
+    loaded = hf.state_dict()
+    assert sorted(loaded) == sorted(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(loaded[name], tensor), name
+    # Byte-level, no merges: one token per byte, and a lossless round trip.
+    text = "héllo"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+
+
+# ---- directories and files --------------------------------------------------------------
+
+
+def test_hf_directory_is_returned_as_is(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path), tmp_path / "cache") == tmp_path
+    assert not (tmp_path / "cache").exists()
+
+
+def test_directory_without_config_json_is_refused_by_name(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        resolve_model(str(tmp_path), tmp_path / "cache")
+    assert str(err.value) == (
+        f"model {str(tmp_path)!r} is neither a .gguf file nor a directory with config.json"
+    )
+
+
+def test_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    weights = tmp_path / "model.bin"
+    weights.write_bytes(b"\0" * 16)
+    with pytest.raises(ConfigError) as err:
+        resolve_model(str(weights), tmp_path / "cache")
+    assert str(err.value) == (
+        f"model {str(weights)!r} is neither a .gguf file nor a directory with config.json"
+    )
+
+
+def test_unknown_name_lists_the_builtin_models(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        resolve_model("smollm2", tmp_path)
+    assert str(err.value) == (
+        "unknown model 'smollm2': expected one of smollm2-135m-instruct, tiny-random, "
+        "a Hugging Face directory or a .gguf file"
+    )
+
+
+def test_corrupt_gguf_is_refused_and_leaves_no_partial_model(tmp_path):
+    junk = tmp_path / "x.gguf"
+    junk.write_bytes(bytes(range(256)) * 16)
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError) as err:
+        resolve_model(str(junk), cache)
+    assert str(err.value).startswith(f"cannot load GGUF {junk}: ")
+    # The temporary build directory was removed; no model (whole or half) remains.
+    assert list((cache / "models").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_default_model_is_a_dequantised_hf_directory():
+    model_dir = resolve_model("smollm2-135m-instruct")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 30
+    assert (model_dir / "model.safetensors").stat().st_size > 0
+    for f in TOKENIZER_FILES:
+        assert (model_dir / f).is_file(), f

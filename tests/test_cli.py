@@ -1,0 +1,223 @@
+"""``tandem generate`` run as a real process: stdout, stderr and exit codes.
+
+Each run pays ~1.5 s of interpreter and torch start-up, so every command this
+module needs is started once, a few at a time, by the ``runs`` fixture; the tests
+then read their run's result by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+
+GEN = ["generate", "--colocated", "--model", "tiny-random"]
+KNOWN_SETTINGS = ", ".join(sorted(f.name for f in dataclasses.fields(EngineConfig)))
+MODEL_LINE = "tandem: model tiny-random: "  # the engine's start-up log line
+TIMING_LINE = re.compile(
+    r"tandem: (\d+) prompt \+ (\d+) output tokens, finish=(\w+), TTFT \d+ ms, "
+    r"\d+\.\d tok/s decode"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def stderr_lines(self) -> list[str]:
+        return self.stderr.splitlines()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tandem-cache")
+
+
+@pytest.fixture(scope="module")
+def engine(cache_dir) -> LLMEngine:
+    # Built before any subprocess starts, so tiny-random is written to the cache once.
+    return LLMEngine(EngineConfig(model="tiny-random", cache_dir=str(cache_dir)))
+
+
+@pytest.fixture(scope="module")
+def config_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("configs")
+    files = {
+        "unknown_key": d / "unknown_key.yaml",
+        "bad_value": d / "bad_value.yaml",
+    }
+    files["unknown_key"].write_text("engine:\n  block_size: 16\n  bogus_setting: 1\n")
+    files["bad_value"].write_text("engine:\n  block_size: 3\n")
+    return files
+
+
+def _commands(config_files: dict[str, Path], missing: Path) -> dict[str, list[str]]:
+    gen8 = [*GEN, "--raw", "--max-tokens", "8", "--ignore-eos"]
+    sample = [*GEN, "--raw", "--max-tokens", "16", "--ignore-eos", "--temperature", "1"]
+    return {
+        "raw": [*gen8, "hello"],
+        "chat": [*GEN, "--max-tokens", "8", "--ignore-eos", "hello"],
+        "seed5": [*sample, "--seed", "5", "hello"],
+        "seed5_again": [*sample, "--seed", "5", "hello"],
+        "seed6": [*sample, "--seed", "6", "hello"],
+        "unknown_model": ["generate", "--colocated", "--model", "nope", "hi"],
+        "missing_path": ["generate", "--colocated", "--model", str(missing), "hi"],
+        "empty_prompt": [*GEN, ""],
+        "max_tokens_0": [*GEN, "--max-tokens", "0", "hi"],
+        "temperature_neg": [*GEN, "--temperature", "-1", "hi"],
+        "top_p_0": [*GEN, "--top-p", "0", "hi"],
+        "top_p_1.5": [*GEN, "--top-p", "1.5", "hi"],
+        "top_k_neg": [*GEN, "--top-k", "-1", "hi"],
+        "over_context": [*GEN, "--raw", "--max-tokens", "5000", "hi"],
+        "yaml_unknown_key": [*GEN, "--config", str(config_files["unknown_key"]), "hi"],
+        "yaml_bad_value": [*GEN, "--config", str(config_files["bad_value"]), "hi"],
+        "not_an_int": [*GEN, "--max-tokens", "x", "hi"],
+        "no_colocated": ["generate", "--model", "tiny-random", "hi"],
+    }
+
+
+def _run(argv: list[str], env: dict[str, str]) -> Run:
+    p = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *argv],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    # Decoded here, not by the child's locale: tiny-random emits U+FFFD for split bytes.
+    return Run(p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def missing_model(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("nothing") / "no-such-model"
+
+
+@pytest.fixture(scope="module")
+def runs(engine, cache_dir, config_files, missing_model) -> dict[str, Run]:
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(cache_dir), "PYTHONIOENCODING": "utf-8"}
+    commands = _commands(config_files, missing_model)
+    workers = max(2, min(8, 2 * (os.cpu_count() or 1)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(_run, argv, env) for name, argv in commands.items()}
+    return {name: f.result() for name, f in futures.items()}
+
+
+def _expected_text(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return "".join(out.text for out in engine.stream(prompt_ids, params))
+
+
+def _assert_generated(run: Run, expected_text: str, num_prompt_tokens: int) -> None:
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected_text + "\n"
+    model_line, timing_line = run.stderr_lines
+    assert model_line.startswith(MODEL_LINE)
+    timing = TIMING_LINE.fullmatch(timing_line)
+    assert timing is not None, timing_line
+    assert timing.groups() == (str(num_prompt_tokens), "8", "length")
+
+
+def test_raw_generate_prints_only_the_generated_text(runs, engine):
+    prompt_ids = engine.tokenizer.encode("hello")
+    expected = _expected_text(engine, prompt_ids, 8)
+    assert expected  # so that two empty strings cannot pass for a match
+    _assert_generated(runs["raw"], expected, len(prompt_ids))
+
+
+def test_chat_generate_applies_the_template(runs, engine):
+    prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert len(prompt_ids) > len(engine.tokenizer.encode("hello"))
+    _assert_generated(runs["chat"], _expected_text(engine, prompt_ids, 8), len(prompt_ids))
+
+
+def test_same_seed_same_text_other_seed_other_text(runs):
+    first, again, other = runs["seed5"], runs["seed5_again"], runs["seed6"]
+    for run in (first, again, other):
+        assert run.returncode == 0, run.stderr
+    assert first.stdout == again.stdout
+    assert first.stdout != other.stdout
+
+
+def _error(message: str) -> str:
+    return f"tandem: error: {message}"
+
+
+# name -> the whole error line. Each of these fails before the model loads, so the
+# engine's start-up line must not appear: stderr is this one line and nothing else.
+EARLY_ERRORS = {
+    "empty_prompt": "prompt must not be empty",
+    "max_tokens_0": "max_tokens must be >= 1, got 0",
+    "temperature_neg": "temperature must be finite and >= 0, got -1.0",
+    "top_p_0": "top_p must be in (0, 1], got 0.0",
+    "top_p_1.5": "top_p must be in (0, 1], got 1.5",
+    "top_k_neg": "top_k must be >= 0 (0 disables it), got -1",
+    "unknown_model": "unknown model 'nope': expected one of smollm2-135m-instruct, tiny-random, "
+    "a Hugging Face directory or a .gguf file",
+    "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value})",
+    "no_colocated": "generate needs --colocated (prefill and decode in this process)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EARLY_ERRORS))
+def test_bad_input_fails_with_one_error_line(runs, config_files, name):
+    run = runs[name]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    message = EARLY_ERRORS[name].replace("{bad_value}", str(config_files["bad_value"]))
+    assert run.stderr == _error(message) + "\n"
+
+
+def test_missing_model_path_is_named(runs, missing_model):
+    run = runs["missing_path"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert run.stderr == (_error(f"model path {str(missing_model)!r} does not exist") + "\n")
+
+
+def test_unknown_yaml_key_is_listed_with_the_file(runs, config_files):
+    run = runs["yaml_unknown_key"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert run.stderr == (
+        _error(
+            f"unknown setting bogus_setting in {config_files['unknown_key']} "
+            f"(known: {KNOWN_SETTINGS})"
+        )
+        + "\n"
+    )
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_refused(runs):
+    # Checked once the model (and so its context length) is known: after the start-up line.
+    run = runs["over_context"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    model_line, error_line = run.stderr_lines
+    assert model_line.startswith(MODEL_LINE)
+    assert error_line == _error(
+        "prompt (2 tokens) + max_tokens (5000) = 5002 exceeds the context length 4096"
+    )
+
+
+def test_argparse_usage_errors_exit_2(runs):
+    run = runs["not_an_int"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert "Traceback" not in run.stderr
+    assert run.stderr_lines[0].startswith("usage: tandem generate ")
+    assert run.stderr_lines[-1] == (
+        "tandem generate: error: argument --max-tokens: invalid int value: 'x'"
+    )

@@ -1,0 +1,71 @@
+"""EngineConfig validation and YAML loading: every bad setting is named in the error."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tandem.config import EngineConfig, from_dict, load_yaml
+from tandem.errors import ConfigError
+
+# ---- EngineConfig -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"block_size": 3}, "block_size must be a power of two >= 1, got 3"),
+        ({"block_size": 0}, "block_size must be a power of two >= 1, got 0"),
+        ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes must be >= 1, got 0"),
+        (
+            {"dtype": "float64"},
+            "dtype must be one of auto, float32, bfloat16, float16, got 'float64'",
+        ),
+        ({"max_model_len": 1}, "max_model_len must be >= 2, got 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
+        ({"num_threads": 0}, "num_threads must be >= 1, got 0"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
+)
+def test_engine_config_names_the_bad_setting(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(**overrides)
+    assert str(err.value) == message
+
+
+def test_engine_config_accepts_the_limits():
+    config = EngineConfig(block_size=1, num_blocks=1, max_model_len=2, max_num_seqs=1)
+    assert (config.block_size, config.num_blocks, config.max_model_len) == (1, 1, 2)
+
+
+def test_from_dict_lists_unknown_keys_and_the_file():
+    with pytest.raises(ConfigError) as err:
+        from_dict(EngineConfig, {"block_size": 32, "blocksize": 32, "gpu": 1}, where="a.yaml")
+    known = ", ".join(sorted(f.name for f in dataclasses.fields(EngineConfig)))
+    assert str(err.value) == f"unknown settings blocksize, gpu in a.yaml (known: {known})"
+
+
+def test_from_dict_names_a_single_unknown_key_without_a_file():
+    with pytest.raises(ConfigError) as err:
+        from_dict(EngineConfig, {"gpu": 1})
+    assert str(err.value).startswith("unknown setting gpu (known: attention_backend, ")
+
+
+def test_from_dict_builds_the_config():
+    config = from_dict(EngineConfig, {"model": "tiny-random", "block_size": 32})
+    assert config == EngineConfig(model="tiny-random", block_size=32)
+
+
+def test_load_yaml(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("engine:\n  block_size: 32\n")
+    assert load_yaml(good) == {"engine": {"block_size": 32}}
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n")
+    with pytest.raises(ConfigError, match=r"^config .*list\.yaml must be a mapping"):
+        load_yaml(listed)
+    with pytest.raises(ConfigError, match=r"^cannot read config .*missing\.yaml: "):
+        load_yaml(tmp_path / "missing.yaml")

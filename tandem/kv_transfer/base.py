@@ -1,0 +1,181 @@
+"""The KV transfer contract shared by every backend.
+
+A prefill worker *pushes* a request's KV blocks, plus the first sampled token,
+into blocks that a decode worker reserved for that request:
+
+    decode worker                               prefill worker
+    receiver.expect(request_id, block_ids, lease)
+        -> Destination(address, request_id, block_ids)   (sent via the router)
+                                                sender.send(destination, src_block_ids, first_token)
+    receiver: WAITING -> TRANSFERRING -> DONE | FAILED(reason)
+                                                sender.send returns once the receiver confirmed
+                                                (so the prefill side may free its blocks)
+
+Every reservation has an owner and a deadline: a request whose data has not
+fully arrived when its lease runs out is FAILED("lease expired"), and the caller
+frees its blocks. Payloads carry a checksum; a mismatch is FAILED("checksum"),
+never DONE. Connections start with a fingerprint handshake; a mismatch is an
+immediate error naming both values.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+# The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
+KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+
+
+class TransferState(str, enum.Enum):
+    WAITING = "waiting"  # reserved, nothing arrived yet
+    TRANSFERRING = "transferring"  # some layers arrived
+    DONE = "done"  # every layer arrived and verified
+    FAILED = "failed"
+
+
+class TransferError(Exception):
+    """A transfer could not complete; ``reason`` is a short machine-readable cause."""
+
+    def __init__(self, reason: str, message: str | None = None) -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
+class HandshakeError(TransferError):
+    """The two sides cannot exchange KV: the message names each differing setting."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("handshake", message)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything both sides must agree on for KV bytes to mean the same thing."""
+
+    model: str  # model identity: name plus a hash of its config
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_layout: str = KV_LAYOUT
+    protocol: int = PROTOCOL_VERSION
+
+    def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
+        """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""
+        diffs = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                diffs.append(f"{f.name}: {mine} {a}, {theirs} {b}")
+        return "; ".join(diffs)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Fingerprint:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a request's KV must go: handed by the decode worker to the prefill worker."""
+
+    address: str  # the receiver's listener, "host:port" (or an in-process name)
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    state: TransferState
+    reason: str = ""  # why it failed
+    first_token: int | None = None  # arrives with the KV
+    bytes: int = 0
+    seconds: float = 0.0
+    detail: str = ""  # for people: which layers, which setting
+
+
+@dataclass
+class TransferMetrics:
+    """Counters a worker exports to Prometheus."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_done: int = 0
+    seconds_total: float = 0.0
+    failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    messages_discarded: int = 0  # data that arrived for an unknown or finished request
+
+    def record_failure(self, reason: str) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+class KVSender(abc.ABC):
+    """The prefill side. One instance per worker; connects once per receiver and reuses it."""
+
+    metrics: TransferMetrics
+
+    @abc.abstractmethod
+    def send_layers(
+        self, destination: Destination, src_block_ids: Sequence[int], layers: tuple[int, int]
+    ) -> None:
+        """Push layers [start, end) now (e.g. as prefill finishes them); no confirmation.
+
+        The blocks are copied before this returns, so the caller may keep computing;
+        failures surface in the future of the final ``send``.
+        """
+
+    @abc.abstractmethod
+    def send(
+        self,
+        destination: Destination,
+        src_block_ids: Sequence[int],
+        first_token: int,
+        layers: tuple[int, int] | None = None,
+    ) -> Future[TransferStatus]:
+        """Push the request's remaining layers (or ``layers``) and the first token.
+
+        The future resolves to a DONE status once the receiver verified every layer,
+        or raises TransferError(reason); only then may the caller free its blocks.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop sending a request; its future fails with reason "aborted"."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fail every unfinished request ("closed") and drop all connections."""
+
+
+class KVReceiver(abc.ABC):
+    """The decode side: reservations polled by the engine thread."""
+
+    address: str
+    metrics: TransferMetrics
+
+    @abc.abstractmethod
+    def expect(self, request_id: str, block_ids: Sequence[int], lease_s: float) -> Destination:
+        """Reserve already-allocated blocks for a request; WAITING until data arrives."""
+
+    @abc.abstractmethod
+    def poll(self, request_id: str) -> TransferStatus: ...
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Fail a live request; on return nothing more is written into its blocks."""
+
+    @abc.abstractmethod
+    def release(self, request_id: str) -> None:
+        """Forget a request (aborting it if still live); the caller owns its blocks again."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

@@ -49,9 +49,10 @@ def prefill_attention(
     Returns [query_len, num_heads, head_dim].
     """
     query_len = q.shape[0]
-    k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)  # [kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)
-    qh = q.transpose(0, 1)  # [heads, query_len, d]
+    # A leading batch dim of 1: 4-D inputs take SDPA's fused CPU kernel, 3-D the slow path.
+    k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)[None]  # [1, kvh, ctx, d]
+    v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)[None]
+    qh = q.transpose(0, 1)[None]  # [1, heads, query_len, d]
     if query_len == context_len:
         mask, causal = None, True
     else:
@@ -67,7 +68,7 @@ def prefill_attention(
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(

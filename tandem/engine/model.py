@@ -90,9 +90,9 @@ class Attention(nn.Module):
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
         d = meta.num_decode
-        if d == n:  # a pure decode step: no copy into a shared output
-            out = ops.decode_attention(
-                q,
+        if d:
+            decoded = ops.decode_attention(
+                q[:d],
                 k_cache,
                 v_cache,
                 meta.decode_block_tables,
@@ -100,23 +100,16 @@ class Attention(nn.Module):
                 meta.decode_max_len,
                 self.scale,
             )
-        else:
-            out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-            if d:
-                out[:d] = ops.decode_attention(
-                    q[:d],
-                    k_cache,
-                    v_cache,
-                    meta.decode_block_tables,
-                    meta.decode_context_lens,
-                    meta.decode_max_len,
-                    self.scale,
-                )
-            for p in meta.prefills:
-                s = slice(p.start, p.start + p.query_len)
-                out[s] = ops.prefill_attention(
-                    q[s], k_cache, v_cache, p.block_table, p.context_len, self.scale
-                )
+            if d == n:  # a pure decode step: no copy into a shared output
+                return self.o_proj(decoded.reshape(n, self.q_size))
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        if d:
+            out[:d] = decoded
+        for p in meta.prefills:
+            s = slice(p.start, p.start + p.query_len)
+            out[s] = ops.prefill_attention(
+                q[s], k_cache, v_cache, p.block_table, p.context_len, self.scale
+            )
         return self.o_proj(out.reshape(n, self.q_size))
 
 

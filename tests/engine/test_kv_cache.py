@@ -5,39 +5,11 @@ import torch
 
 from tandem.engine.block_manager import hash_block
 from tandem.engine.kv_cache import KVCache, bytes_per_block
-from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
+from tests.engine.factories import make_kv, tiny_config
 
 BS = 4
-
-
-def tiny_config() -> ModelConfig:
-    # GQA (2 query heads, 1 KV head), so a size computed from query heads is caught.
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=8,
-        intermediate_size=16,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-    )
-
-
-def make_kv(num_blocks: int = 8, prefix_caching: bool = True) -> KVCache:
-    return KVCache(
-        tiny_config(),
-        num_blocks,
-        BS,
-        torch.float32,
-        torch.device("cpu"),
-        enable_prefix_caching=prefix_caching,
-    )
 
 
 def make_seq(token_ids: list[int], request_id: str = "r") -> Sequence:

@@ -4,35 +4,17 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tandem.engine.block_manager import BlockPool
-from tandem.engine.kv_cache import KVCache
-from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Sequence, Status
+from tests.engine.factories import make_kv
 
 OUT = 7  # the token the fake model always samples
 _token_bases = itertools.count(1)
-
-
-def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=8,
-        intermediate_size=16,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-    )
 
 
 def make_seq(
@@ -159,14 +141,7 @@ def make_harness(
     max_num_batched_tokens: int = 64,
     prefix_caching: bool = True,
 ) -> Harness:
-    kv = KVCache(
-        tiny_config(),
-        num_blocks,
-        block_size,
-        torch.float32,
-        torch.device("cpu"),
-        enable_prefix_caching=prefix_caching,
-    )
+    kv = make_kv(num_blocks, block_size, prefix_caching)
     return Harness(Scheduler(kv, max_num_seqs, max_num_batched_tokens))
 
 

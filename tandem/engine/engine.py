@@ -5,7 +5,15 @@ and queues a :class:`Sequence`; every ``step`` asks the scheduler for work
 (decodes, then prefill chunks under the token budget), runs the model once,
 samples a token for each sequence that reached its end, detokenizes it into a
 UTF-8-safe text delta, checks the stop conditions, and frees the blocks of every
-sequence that ended. The prefill and decode workers run this same engine.
+sequence that ended.
+
+The prefill and decode workers run this same engine, split in two:
+- prefill side: ``add_request(..., prefill_only=True)`` stops after the first
+  token and keeps the prompt's KV blocks (``RequestOutput.held_block_ids``)
+  until ``release`` once they have been shipped;
+- decode side: ``reserve`` takes blocks for prompt + max_tokens (nothing runs
+  yet), the KV transfer fills them, and ``admit(request_id, first_token)`` joins
+  the request to the running batch as if it had prefilled here.
 """
 
 from __future__ import annotations
@@ -27,9 +35,9 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import Sampler, make_generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.sequence import FinishReason, Sequence
+from tandem.engine.sequence import FinishReason, Sequence, Status
 from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from tandem.errors import ConfigError, InvalidRequestError
+from tandem.errors import ConfigError, InvalidRequestError, OutOfBlocksError
 from tandem.kernels import get_backend
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,10 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # prefill_only requests: where the prompt's KV waits for transfer (until release()),
+    # and the sampling generator's state, so the decode side continues the same stream.
+    held_block_ids: list[int] | None = None
+    rng_state: torch.Tensor | None = None  # uint8 [n], cpu; None for greedy requests
 
 
 @dataclass(eq=False)
@@ -109,6 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
+        self._held: dict[str, Sequence] = {}  # prefill side: KV kept for transfer
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------
@@ -138,11 +151,91 @@ class LLMEngine:
             )
 
     def add_request(
-        self, prompt_ids: Seq[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
     ) -> str:
+        """Queue a request. ``prefill_only``: stop after the first token, keep the KV."""
+        seq = self._new_sequence(prompt_ids, params, request_id)
+        seq.prefill_only = prefill_only
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def reserve(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
+        """Decode side: blocks for the whole sequence, to be filled by a KV transfer.
+
+        Raises OutOfBlocksError when they do not fit now (the caller answers
+        RESOURCE_EXHAUSTED); the request runs only after ``admit``.
+        """
+        reserved = sum(r.seq.status is Status.RESERVED for r in self._requests.values())
+        if len(self.scheduler.running) + reserved >= self.config.max_num_seqs:
+            raise OutOfBlocksError(f"max_num_seqs ({self.config.max_num_seqs}) reached")
+        seq = self._new_sequence(prompt_ids, params, request_id, register=False)
+        if not self.kv.ensure(seq, len(prompt_ids) + params.max_tokens):
+            raise OutOfBlocksError(
+                f"request needs {self.kv.blocks_for(len(prompt_ids) + params.max_tokens)} "
+                f"KV blocks, {self.kv.pool.num_free} free"
+            )
+        seq.status = Status.RESERVED
+        self._register(seq)
+        return list(seq.block_table)
+
+    def admit(
+        self, request_id: str, first_token: int, rng_state: torch.Tensor | None = None
+    ) -> RequestOutput:
+        """Decode side: the prompt's KV is in the reserved blocks; decode from here on.
+
+        ``rng_state`` is the prefill side's generator state after the first draw, so
+        a seeded request samples exactly as it would have in one process. Returns the
+        output for ``first_token``: the prefill side already streamed its text, but
+        the token may end the request, and the detokenizer must see it.
+        """
+        req = self._requests[request_id]
+        seq = req.seq
+        if seq.status is not Status.RESERVED:
+            raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
+        if rng_state is not None and seq.generator is not None:
+            seq.generator.set_state(rng_state)
+        seq.num_computed = seq.num_prompt_tokens
+        self.kv.commit(seq)
+        out = self._postprocess(req, first_token)
+        if not out.finished:
+            self.scheduler.add_running(seq)
+        return out
+
+    def release(self, request_id: str) -> bool:
+        """Prefill side: the held KV has been shipped (or will never be); free its blocks."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.kv.free(seq)
+        seq.status = Status.FINISHED
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once. False if it is not known."""
+        if self.release(request_id):
+            return True
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.seq.finish_reason = FinishReason.CANCELLED
+        self.scheduler.finish(req.seq)
+        return True
+
+    def _new_sequence(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        request_id: str | None,
+        register: bool = True,
+    ) -> Sequence:
         self.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already running")
         seq = Sequence(
             request_id=request_id,
@@ -151,20 +244,15 @@ class LLMEngine:
             params=params,
             generator=None if params.greedy else make_generator(params.seed),
         )
-        self._requests[request_id] = _Request(
-            seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStringMatcher(params.stop)
-        )
-        self.scheduler.add(seq)
-        return request_id
+        if register:
+            self._register(seq)
+        return seq
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks at once. False if it is not running."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
-        req.seq.finish_reason = FinishReason.CANCELLED
-        self.scheduler.finish(req.seq)
-        return True
+    def _register(self, seq: Sequence) -> None:
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        self._requests[seq.request_id] = _Request(
+            seq, IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(seq.params.stop)
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -204,20 +292,31 @@ class LLMEngine:
                 reason = FinishReason.STOP
             elif seq.num_output_tokens >= params.max_tokens:
                 reason = FinishReason.LENGTH
+        held = None
         if reason is not None:
             if not req.stops.stopped:
                 text += req.stops.push(req.detok.flush())[0] + req.stops.flush()
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
+        elif seq.prefill_only:
+            # The rest is decoded elsewhere: keep the prompt's KV until release().
+            # Text held back here (a partial UTF-8 character, a possible stop string)
+            # is recomputed by the decode side, whose detokenizer sees this token too.
+            self.scheduler.hold(seq)
+            del self._requests[seq.request_id]
+            self._held[seq.request_id] = seq
+            held = list(seq.block_table)
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=[token],
             text=text,
-            finished=reason is not None,
+            finished=reason is not None or held is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            held_block_ids=held,
+            rng_state=seq.generator.get_state() if held and seq.generator else None,
         )
 
     # ---- conveniences -----------------------------------------------------------------

@@ -99,6 +99,16 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already computed (it arrived from a prefill worker)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence but keep its blocks (its KV awaits transfer)."""
+        self.running.remove(seq)
+        seq.status = Status.HELD
+
     def finish(self, seq: Sequence) -> None:
         """Free a sequence's blocks the moment it ends, whatever the reason."""
         if seq.status is Status.RUNNING:

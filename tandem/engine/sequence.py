@@ -14,6 +14,10 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    # Disaggregation: a decode-side request whose blocks wait for the prompt's KV,
+    RESERVED = "reserved"
+    # and a prefill-side request whose first token is out and whose KV awaits transfer.
+    HELD = "held"
 
 
 class FinishReason(str, enum.Enum):
@@ -43,7 +47,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading full blocks whose hash is registered
     last_block_hash: int | None = None
     finish_reason: FinishReason | None = None
-    arrival_index: int = 0  # admission order, for FCFS and preemption order
+    prefill_only: bool = False  # stop after the first token and keep the KV (HELD)
 
     def __len__(self) -> int:
         return len(self.token_ids)

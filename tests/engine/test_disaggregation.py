@@ -1,0 +1,98 @@
+"""The engine split in two: prefill in one engine, decode in another, KV copied between.
+
+Whatever the split, the client must see exactly what one colocated engine gives.
+The copy here is a plain tensor copy; tests/kv_transfer moves the same blocks
+between processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.errors import OutOfBlocksError
+from tests.conftest import make_engine
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_engine(), make_engine(num_blocks=64)
+
+
+def _split(prefill, decode, prompt, params, rid="r1"):
+    """Run one request disaggregated; returns (token ids, text) as a client sees them."""
+    prefill.add_request(prompt, params, rid, prefill_only=True)
+    outs = []
+    while not outs:
+        outs = prefill.step()
+    (first,) = outs
+    tokens, text = list(first.token_ids), first.text
+    if first.held_block_ids is None:  # the first token ended the request
+        return tokens, text
+    dst = decode.reserve(prompt, params, rid)
+    src = first.held_block_ids
+    decode.kv.tensor[:, :, dst[: len(src)]] = prefill.kv.tensor[:, :, src]
+    prefill.release(rid)
+    out = decode.admit(rid, tokens[0], first.rng_state)  # its text was streamed by prefill
+    while not out.finished:
+        for out in decode.step():
+            tokens += out.token_ids
+            text += out.text
+    return tokens, text
+
+
+def _colocated(engine, prompt, params):
+    outs = list(engine.stream(prompt, params))
+    return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0),
+    ],
+    ids=["greedy", "seeded", "one-token"],
+)
+def test_split_equals_colocated(tiny_engine, pair, params):
+    prefill, decode = pair
+    for text in ("hello there", "你好，世界！" * 3, "long prompt " * 20):
+        prompt = tiny_engine.tokenizer.encode(text)
+        assert _split(prefill, decode, prompt, params) == _colocated(tiny_engine, prompt, params)
+    for engine in pair:
+        engine.kv.pool.check_integrity()
+        assert engine.kv.pool.num_used == 0
+
+
+def test_stop_string_across_the_split(tiny_engine, pair):
+    prompt = tiny_engine.tokenizer.encode("stop test")
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = _colocated(tiny_engine, prompt, greedy)[1]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(full[1:4],))
+    assert _split(*pair, prompt, params) == _colocated(tiny_engine, prompt, params)
+
+
+def test_reserve_refuses_what_does_not_fit_and_abort_frees(pair):
+    _, decode = pair
+    params = SamplingParams(max_tokens=200, temperature=0)
+    held = decode.reserve([5] * 100, params, "big")  # 300 tokens: 19 of 64 blocks
+    assert len(held) == 19 and decode.kv.pool.num_used == 19
+    decode.reserve([5] * 100, params, "big2")
+    decode.reserve([5] * 100, params, "big3")
+    with pytest.raises(OutOfBlocksError, match="needs 19 KV blocks, 7 free"):
+        decode.reserve([5] * 100, params, "big4")
+    for rid in ("big", "big2", "big3"):
+        assert decode.abort(rid)
+    assert decode.kv.pool.num_used == 0 and not decode.has_unfinished()
+
+
+def test_release_and_abort_of_held_kv(pair):
+    prefill, _ = pair
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prefill.add_request([7] * 40, params, "held", prefill_only=True)
+    (out,) = prefill.step()
+    assert out.finished and out.finish_reason is None and len(out.held_block_ids) == 3
+    assert prefill.kv.pool.num_used == 3 and not prefill.has_unfinished()
+    assert prefill.abort("held") and prefill.kv.pool.num_used == 0
+    assert not prefill.release("held")

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 DEMO_PROMPT ?= In three sentences, why does a language model server separate prefill from decode?
 
-.PHONY: setup demo test lint bench-engine clean
+.PHONY: setup demo test lint proto bench-engine clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check tandem tests bench
 	$(VENV)/bin/ruff format --check tandem tests bench
+
+# Regenerate tandem/_proto after editing proto/ (the generated code is checked in).
+proto: setup
+	$(PY) scripts/gen_proto.py
 
 bench-engine: setup
 	$(VENV)/bin/tandem bench engine

@@ -6,10 +6,13 @@ into blocks that a decode worker reserved for that request:
     decode worker                               prefill worker
     receiver.expect(request_id, block_ids, lease)
         -> Destination(address, request_id, block_ids)   (sent via the router)
-                                                sender.send(destination, src_block_ids, first_token)
+                                                [sender.send_layers(destination, src, layers)]*
+                                                sender.send(destination, src, first_token)
+                                                    -> Future
     receiver: WAITING -> TRANSFERRING -> DONE | FAILED(reason)
-                                                sender.send returns once the receiver confirmed
-                                                (so the prefill side may free its blocks)
+                                                the future resolves once the receiver
+                                                confirmed (then the prefill side frees
+                                                its blocks) or raises TransferError(reason)
 
 Every reservation has an owner and a deadline: a request whose data has not
 fully arrived when its lease runs out is FAILED("lease expired"), and the caller
@@ -46,12 +49,18 @@ class TransferError(Exception):
         super().__init__(message or reason)
         self.reason = reason
 
+    def __reduce__(self):  # keep ``reason`` across processes (pickle)
+        return (TransferError, (self.reason, str(self)))
+
 
 class HandshakeError(TransferError):
     """The two sides cannot exchange KV: the message names each differing setting."""
 
     def __init__(self, message: str) -> None:
         super().__init__("handshake", message)
+
+    def __reduce__(self):
+        return (HandshakeError, (str(self),))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,105 @@
+"""In-process backend: sender and receiver in one process, tensors copied directly.
+
+Used by unit tests and by a colocated mode (prefill and decode engines in one
+process). A request's path:
+
+    InProcReceiver(kv, fingerprint)     registers itself under "inproc://<name>"
+    receiver.expect(...) -> Destination
+    InProcSender.send(destination, ...) first contact with an address: handshake
+                                        (fingerprints compared, HandshakeError on mismatch)
+                                        gather (copy 1) -> receiver core deliver:
+                                        checksum, scatter (copy 2), all in the caller's thread
+    future already resolved when send returns
+
+The gathered buffer doubles as the receiver's staging buffer, so this backend makes
+exactly the two copies every transfer needs and no more.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from tandem.kv_transfer.base import Fingerprint, HandshakeError, TransferError, TransferMetrics
+from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
+from tandem.kv_transfer.sender import FaultHook, Message, Outgoing, SenderBase
+
+_registry_lock = threading.Lock()
+_registry: dict[str, InProcReceiver] = {}
+_names = itertools.count()
+
+
+class InProcReceiver(CoreReceiver):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        fingerprint: Fingerprint,
+        name: str | None = None,
+        metrics: TransferMetrics | None = None,
+    ) -> None:
+        address = f"inproc://{name if name is not None else f'receiver-{next(_names)}'}"
+        self.core = ReceiverCore(kv, fingerprint, address, metrics)
+        with _registry_lock:
+            if address in _registry:
+                raise ValueError(f"an in-process receiver is already named {address}")
+            _registry[address] = self
+
+    def close(self) -> None:
+        with _registry_lock:
+            if _registry.get(self.address) is self:
+                del _registry[self.address]
+        self.core.close()
+
+
+class InProcSender(SenderBase):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        fingerprint: Fingerprint,
+        metrics: TransferMetrics | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        super().__init__(kv, fingerprint, metrics, fault_hook)
+        self._peers: dict[str, ReceiverCore] = {}  # address -> handshaken receiver
+
+    def _peer(self, address: str) -> ReceiverCore:
+        with self._lock:
+            core = self._peers.get(address)
+        if core is not None:
+            return core
+        with _registry_lock:
+            receiver = _registry.get(address)
+        if receiver is None:
+            raise TransferError("unreachable", f"no in-process receiver at {address}")
+        problem = receiver.core.handshake(self.fingerprint)
+        if problem:
+            raise HandshakeError(problem)
+        with self._lock:
+            self._peers[address] = receiver.core
+        return receiver.core
+
+    def _transmit(self, out: Outgoing, messages: list[Message]) -> None:
+        try:
+            core = self._peer(out.destination.address)
+        except TransferError as exc:
+            self._finish(out, exc)
+            return
+        for msg in messages:
+            status = core.deliver(msg.header, msg.payload, source=self)
+            if status is not None:
+                self._finish(out, self._done_status(out, status))
+
+    def _notify_abort(self, out: Outgoing) -> None:
+        with self._lock:
+            core = self._peers.get(out.destination.address)
+        if core is not None:
+            core.sender_abort(out.request_id, source=self)
+
+    def close(self) -> None:
+        self._fail_all(TransferError("closed", "sender closed"))
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for core in peers:
+            core.source_lost(self)

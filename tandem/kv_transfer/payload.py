@@ -1,0 +1,244 @@
+"""KV payloads on the wire: gather blocks into one buffer, scatter it back, and the header.
+
+A message moves one layer range of one request:
+
+    sender:   gather(kv, src_block_ids, layers)      one copy: index_select on the blocks dim
+              -> payload [l1 - l0, 2, n, block_size, kv_heads, head_dim], contiguous
+              header = MessageHeader(..., checksum=xxh3_64(payload bytes))
+    receiver: decode_header(bytes) validates every field before any payload is read
+              verify(staged payload) against header.checksum
+              scatter(kv, dst_block_ids, layers, staged)  one copy: index_copy_ on the blocks dim
+
+Source and destination block ids may differ and need not be sorted: row i of the
+payload is source block ``src_block_ids[i]`` and lands in ``dst_block_ids[i]``.
+The null block (index ``num_blocks``) is never a valid source or destination.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+HEADER_MAGIC = "tkv1"
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class HeaderError(ValueError):
+    """A message header is malformed or does not fit the receiver's KV layout."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise HeaderError(f"unknown dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class MessageHeader:
+    """Describes the payload that follows it (``nbytes == 0``: no payload follows)."""
+
+    request_id: str
+    layer_start: int
+    layer_end: int  # exclusive; == layer_start for a final message that carries no KV
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    dtype: str
+    shape: tuple[int, ...]  # [layer_end - layer_start, 2, n, block_size, kv_heads, head_dim]
+    nbytes: int
+    checksum: int  # xxh3_64 of the payload bytes
+    first_token: int | None = None  # set on the final message
+    final: bool = False  # the sender's last message for this request: ack it
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+def encode_header(h: MessageHeader) -> bytes:
+    """Compact JSON: a header is small next to its payload and JSON is easy to debug."""
+    body = [
+        HEADER_MAGIC,
+        h.request_id,
+        h.layer_start,
+        h.layer_end,
+        list(h.src_block_ids),
+        list(h.dst_block_ids),
+        h.dtype,
+        list(h.shape),
+        h.nbytes,
+        h.checksum,
+        h.first_token,
+        h.final,
+    ]
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    ):
+        raise HeaderError(f"{what} must be a list of non-negative integers")
+    return tuple(value)
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
+    """Parse and check a header's internal consistency (layout fit: ``check_fits``)."""
+    try:
+        body = json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HeaderError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(body, list) or len(body) != 12 or body[0] != HEADER_MAGIC:
+        raise HeaderError("not a Tandem KV header (bad magic or field count)")
+    _, rid, l0, l1, src, dst, dtype, shape, nbytes, checksum, first, final = body
+    if not isinstance(rid, str) or not rid:
+        raise HeaderError("request_id must be a non-empty string")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (l0, l1, nbytes, checksum)):
+        raise HeaderError("layer range, nbytes and checksum must be integers")
+    if not 0 <= l0 <= l1:
+        raise HeaderError(f"bad layer range [{l0}, {l1})")
+    if first is not None and not (isinstance(first, int) and not isinstance(first, bool)):
+        raise HeaderError("first_token must be an integer or null")
+    if not isinstance(final, bool):
+        raise HeaderError("final must be a boolean")
+    h = MessageHeader(
+        request_id=rid,
+        layer_start=l0,
+        layer_end=l1,
+        src_block_ids=_ints(src, "src_block_ids"),
+        dst_block_ids=_ints(dst, "dst_block_ids"),
+        dtype=dtype if isinstance(dtype, str) else "",
+        shape=_ints(shape, "shape"),
+        nbytes=nbytes,
+        checksum=checksum,
+        first_token=first,
+        final=final,
+    )
+    if len(h.src_block_ids) != len(h.dst_block_ids):
+        raise HeaderError(
+            f"{len(h.src_block_ids)} source blocks but {len(h.dst_block_ids)} destination blocks"
+        )
+    if h.num_layers == 0:  # a final message that only carries the first token
+        if h.nbytes != 0:
+            raise HeaderError(f"nbytes {h.nbytes} for an empty layer range")
+        return h
+    elem = torch.empty((), dtype=dtype_from_name(h.dtype)).element_size()
+    if len(h.shape) != 6 or h.shape[:3] != (h.num_layers, 2, len(h.dst_block_ids)):
+        raise HeaderError(f"shape {list(h.shape)} does not match layers and block count")
+    if h.nbytes != math.prod(h.shape) * elem:
+        raise HeaderError(f"nbytes {h.nbytes} does not match shape {list(h.shape)}")
+    return h
+
+
+def check_fits(h: MessageHeader, kv: torch.Tensor) -> None:
+    """Raise HeaderError unless the header's payload fits ``kv`` (the receiver's tensor)."""
+    num_layers, _, total, *block_shape = kv.shape
+    num_blocks = total - 1  # the last block is the null block
+    if h.layer_end > num_layers:
+        raise HeaderError(f"layer range [{h.layer_start}, {h.layer_end}) past {num_layers} layers")
+    if h.num_layers and h.dtype != dtype_name(kv.dtype):
+        raise HeaderError(f"dtype {h.dtype}, receiver holds {dtype_name(kv.dtype)}")
+    if h.num_layers and list(h.shape[3:]) != block_shape:
+        raise HeaderError(f"block shape {list(h.shape[3:])}, receiver holds {block_shape}")
+    bad = [b for b in h.dst_block_ids if b >= num_blocks]
+    if bad:
+        raise HeaderError(f"destination block ids {bad} outside the pool of {num_blocks}")
+    if len(set(h.dst_block_ids)) != len(h.dst_block_ids):
+        raise HeaderError("destination block ids repeat")
+
+
+def _index(block_ids: tuple[int, ...] | list[int], kv: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+
+
+def gather(
+    kv: torch.Tensor, block_ids: tuple[int, ...] | list[int], layers: tuple[int, int]
+) -> torch.Tensor:
+    """Copy ``block_ids`` of layers [l0, l1) into one new contiguous tensor.
+
+    kv: [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim] on any device.
+    Returns [l1 - l0, 2, len(block_ids), block_size, kv_heads, head_dim] on kv's device.
+    """
+    l0, l1 = layers
+    out = kv[l0:l1].index_select(2, _index(block_ids, kv))
+    if out.is_cuda:
+        # The transport reads the buffer outside torch's stream order: the copy must be done.
+        torch.cuda.current_stream(out.device).synchronize()
+    return out
+
+
+def scatter(
+    kv: torch.Tensor,
+    block_ids: tuple[int, ...] | list[int],
+    layers: tuple[int, int],
+    payload: torch.Tensor,
+) -> None:
+    """Write ``payload`` (as returned by ``gather``) into ``block_ids`` of layers [l0, l1)."""
+    l0, l1 = layers
+    # kv[l0:l1] is a view (layers is the outermost dim), so index_copy_ writes in place.
+    kv[l0:l1].index_copy_(2, _index(block_ids, kv), payload.to(kv.device, non_blocking=False))
+    if kv.is_cuda:
+        # The payload's staging buffer is reused for the next receive: finish reading it.
+        torch.cuda.current_stream(kv.device).synchronize()
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A host tensor's bytes without a copy (the checksum and the CPU wire path read these)."""
+    return memoryview(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def checksum(payload: torch.Tensor) -> int:
+    """xxh3_64 of the payload bytes.
+
+    A GPU payload is copied to the host first: an extra device-to-host copy per
+    message, paid for the guarantee that corrupted KV is never decoded.
+    """
+    if payload.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(as_bytes(payload.cpu()))
+
+
+def make_header(
+    request_id: str,
+    layers: tuple[int, int],
+    src_block_ids: tuple[int, ...],
+    dst_block_ids: tuple[int, ...],
+    payload: torch.Tensor | None,
+    first_token: int | None = None,
+    final: bool = False,
+) -> MessageHeader:
+    if payload is None or layers[0] == layers[1]:
+        shape: tuple[int, ...] = ()
+        nbytes, digest, dtype = 0, checksum(torch.empty(0)), ""
+    else:
+        shape = tuple(payload.shape)
+        nbytes = payload.numel() * payload.element_size()
+        digest, dtype = checksum(payload), dtype_name(payload.dtype)
+    return MessageHeader(
+        request_id=request_id,
+        layer_start=layers[0],
+        layer_end=layers[1],
+        src_block_ids=tuple(src_block_ids),
+        dst_block_ids=tuple(dst_block_ids),
+        dtype=dtype,
+        shape=shape,
+        nbytes=nbytes,
+        checksum=digest,
+        first_token=first_token,
+        final=final,
+    )

@@ -1,0 +1,367 @@
+"""The receiving half shared by every backend: reservations and their state machine.
+
+A request's path on the decode side:
+
+    engine thread                            transport thread (UCX loop or an in-process sender)
+    expect(rid, block_ids, lease_s)
+      -> Destination, state WAITING
+                                             handshake(peer fingerprint) -> '' or mismatch text
+                                             payload received into a *staging* buffer
+                                             deliver(header, staged, source):
+                                               header checked against the reservation
+                                               checksum verified on the staged bytes
+                                               scatter into the blocks, only if still live
+                                             state TRANSFERRING; on the final message
+                                             (every layer verified) DONE, else FAILED
+    poll(rid) -> TransferStatus              (a lease past its deadline: FAILED "lease expired")
+    release(rid)                             the caller then frees or keeps the blocks
+
+Why the staging copy: the transport writes where it was told before it knows
+whether the request is still wanted. Received straight into the destination
+blocks, a payload in flight when the request is aborted (or its lease expires)
+would land in blocks that the decode worker has already handed to another
+request. Staging costs one extra copy per message (transport -> staging ->
+blocks) and buys two guarantees: bytes that fail their checksum never touch the
+blocks, and once ``abort``/``poll``/``release`` has reported a request failed, no
+write into its blocks happens any more. The last point is enforced by a
+per-reservation write lock: a scatter runs under it after re-checking that the
+reservation is live, and every path that fails a reservation waits for that
+lock before returning to the caller.
+
+Data for an unknown, released, aborted or expired request is drained by the
+transport (it must be read to keep the stream framed) and discarded here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kv_transfer.base import (
+    Destination,
+    Fingerprint,
+    KVReceiver,
+    TransferMetrics,
+    TransferState,
+    TransferStatus,
+)
+from tandem.kv_transfer.payload import HeaderError, MessageHeader, check_fits, checksum, scatter
+
+log = logging.getLogger(__name__)
+
+TERMINAL = (TransferState.DONE, TransferState.FAILED)
+
+
+@dataclass(eq=False)
+class _Reservation:
+    request_id: str
+    block_ids: tuple[int, ...]
+    deadline: float  # clock() time after which an unfinished transfer fails
+    num_layers: int
+    state: TransferState = TransferState.WAITING
+    reason: str = ""
+    detail: str = ""
+    claimed: list[bool] = field(default_factory=list)  # a message for layer i was accepted
+    written: list[bool] = field(default_factory=list)  # layer i verified and in the blocks
+    num_src_blocks: int | None = None  # fixed by the first message
+    first_token: int | None = None
+    nbytes: int = 0
+    started: float | None = None
+    seconds: float = 0.0
+    source: object | None = None  # the connection that feeds it (for peer loss)
+    # Held for the whole of a scatter; failing paths take it to drain writes in flight.
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.claimed = [False] * self.num_layers
+        self.written = [False] * self.num_layers
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(
+            state=self.state,
+            reason=self.reason,
+            first_token=self.first_token if self.state is TransferState.DONE else None,
+            bytes=self.nbytes,
+            seconds=self.seconds,
+            detail=self.detail,
+        )
+
+
+class ReceiverCore:
+    """Reservations of one decode worker's KV tensor; thread-safe."""
+
+    def __init__(
+        self,
+        kv: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
+        fingerprint: Fingerprint,
+        address: str,
+        metrics: TransferMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if kv.dim() != 6 or kv.shape[1] != 2:
+            raise ValueError(f"kv must be [layers, 2, blocks + 1, ...], got {list(kv.shape)}")
+        self.kv = kv
+        self.fingerprint = fingerprint
+        self.address = address
+        self.metrics = metrics if metrics is not None else TransferMetrics()
+        self.clock = clock
+        self._lock = threading.Lock()  # guards _table and every reservation's fields
+        self._table: dict[str, _Reservation] = {}
+
+    # --- engine side ---------------------------------------------------------------
+
+    def expect(self, request_id: str, block_ids: Sequence[int], lease_s: float) -> Destination:
+        """Reserve ``block_ids`` (already allocated by the caller) for ``request_id``."""
+        num_blocks = self.kv.shape[2] - 1
+        bad = [b for b in block_ids if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} outside the pool of {num_blocks} blocks")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("block ids repeat")
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        with self._lock:
+            if request_id in self._table:
+                raise ValueError(f"request {request_id!r} is already expected; release it first")
+            self._table[request_id] = _Reservation(
+                request_id=request_id,
+                block_ids=tuple(block_ids),
+                deadline=self.clock() + lease_s,
+                num_layers=self.kv.shape[0],
+            )
+        return Destination(self.address, request_id, tuple(block_ids))
+
+    def poll(self, request_id: str) -> TransferStatus:
+        with self._lock:
+            res = self._table.get(request_id)
+            if res is None:
+                raise KeyError(f"request {request_id!r} is not expected")
+            self._expire_locked(res)
+            failed = res.state is TransferState.FAILED
+        if failed:
+            # Whatever failed it (lease, checksum, abort), a copy that was already running
+            # finishes before the caller learns, so it may free the blocks at once.
+            self._drain(res)
+        return res.status()
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Fail a live reservation; on return no more data is written into its blocks."""
+        with self._lock:
+            res = self._table.get(request_id)
+            if res is None:
+                return
+            self._fail_locked(res, reason)
+        self._drain(res)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request (aborting it first if still live); its late data is discarded."""
+        self.abort(request_id)
+        with self._lock:
+            self._table.pop(request_id, None)
+
+    def sweep(self) -> list[str]:
+        """Expire every lease past its deadline; returns the ids it failed."""
+        with self._lock:
+            expired = [r for r in self._table.values() if self._expire_locked(r)]
+        for res in expired:
+            self._drain(res)
+        return [r.request_id for r in expired]
+
+    def close(self) -> None:
+        with self._lock:
+            live = [r for r in self._table.values() if r.state not in TERMINAL]
+            for res in live:
+                self._fail_locked(res, "receiver closed")
+        for res in live:
+            self._drain(res)
+
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._table.values() if r.state not in TERMINAL)
+
+    # --- transport side ------------------------------------------------------------
+
+    def handshake(self, peer: Fingerprint) -> str:
+        """'' if a sender with ``peer`` may connect, else the named differences."""
+        return peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
+
+    def max_payload_bytes(self) -> int:
+        """The largest payload a valid header can announce (a bound for staging buffers)."""
+        return self.kv.numel() * self.kv.element_size()
+
+    def deliver(
+        self, header: MessageHeader, payload: torch.Tensor | None, source: object = None
+    ) -> TransferStatus | None:
+        """Take one received message; returns the request's status if ``header.final``.
+
+        ``payload``: the staged bytes (any dtype, ``header.nbytes`` long), None if empty.
+        The returned status is what the sender is told (its ack).
+        """
+        with self._lock:
+            res = self._table.get(header.request_id)
+            if res is not None:
+                if self._expire_locked(res):
+                    # Lease ran out while nobody polled: drain below, then discard.
+                    pass
+                elif res.state not in TERMINAL:
+                    problem = self._check_header(res, header)
+                    if problem:
+                        self._fail_locked(res, "bad header", problem)
+                    else:
+                        res.source = source
+                        if res.state is TransferState.WAITING:
+                            res.state = TransferState.TRANSFERRING
+                            res.started = self.clock()
+            live = res is not None and res.state is TransferState.TRANSFERRING
+        if not live:
+            return self._discard(header, res)
+
+        # Verify before taking the write lock: hashing is the slow part and needs no blocks.
+        if header.nbytes and checksum(payload) != header.checksum:
+            with self._lock:
+                where = f"layers [{header.layer_start}, {header.layer_end})"
+                self._fail_locked(res, "checksum", where)
+            return res.status() if header.final else None
+
+        with res.write_lock:
+            with self._lock:
+                self._expire_locked(res)
+                if res.state is not TransferState.TRANSFERRING:  # aborted or expired meanwhile
+                    live = False
+            if not live:
+                return self._discard(header, res)
+            if header.nbytes:
+                staged = payload.reshape(-1).view(torch.uint8).view(self.kv.dtype)
+                scatter(
+                    self.kv,
+                    header.dst_block_ids,
+                    (header.layer_start, header.layer_end),
+                    staged.view(header.shape),
+                )
+            with self._lock:
+                self._arrived_locked(res, header)
+        return res.status() if header.final else None
+
+    def sender_abort(self, request_id: str, source: object = None) -> None:
+        """The sender gave up on a request: fail it unless another sender is feeding it."""
+        with self._lock:
+            res = self._table.get(request_id)
+            if res is None or res.source not in (None, source):
+                return
+            self._fail_locked(res, "aborted by sender")
+        self._drain(res)
+
+    def source_lost(self, source: object) -> list[str]:
+        """A connection died: fail every live request it was feeding."""
+        with self._lock:
+            lost = [
+                r for r in self._table.values() if r.source is source and r.state not in TERMINAL
+            ]
+            for res in lost:
+                self._fail_locked(res, "peer lost")
+        for res in lost:
+            self._drain(res)
+        return [r.request_id for r in lost]
+
+    # --- internals (``_locked``: caller holds self._lock) --------------------------
+
+    def _check_header(self, res: _Reservation, h: MessageHeader) -> str:
+        try:
+            check_fits(h, self.kv)
+        except HeaderError as exc:
+            return str(exc)
+        n = len(h.dst_block_ids)
+        if res.num_src_blocks is not None and n != res.num_src_blocks:
+            return f"{n} blocks, earlier messages carried {res.num_src_blocks}"
+        if h.dst_block_ids != res.block_ids[:n]:
+            return "destination block ids differ from the reservation's"
+        if any(res.claimed[h.layer_start : h.layer_end]):
+            return f"layers [{h.layer_start}, {h.layer_end}) arrived twice"
+        res.num_src_blocks = n
+        # Claimed before the payload is verified and written: a second message for the
+        # same layers is refused even while this one is still being copied.
+        res.claimed[h.layer_start : h.layer_end] = [True] * h.num_layers
+        return ""
+
+    def _arrived_locked(self, res: _Reservation, h: MessageHeader) -> None:
+        if res.state is not TransferState.TRANSFERRING:
+            return  # failed (aborted, expired) while its last payload was being copied
+        res.nbytes += h.nbytes
+        res.written[h.layer_start : h.layer_end] = [True] * h.num_layers
+        if not h.final:
+            return
+        missing = [i for i, ok in enumerate(res.written) if not ok]
+        if missing:
+            self._fail_locked(res, "incomplete", f"layers {missing} never arrived")
+            return
+        res.first_token = h.first_token
+        res.state = TransferState.DONE
+        res.seconds = self.clock() - (res.started or self.clock())
+        self.metrics.transfers_done += 1
+        self.metrics.bytes_received += res.nbytes
+        self.metrics.seconds_total += res.seconds
+
+    def _expire_locked(self, res: _Reservation) -> bool:
+        if res.state not in TERMINAL and self.clock() > res.deadline:
+            self._fail_locked(res, "lease expired")
+            return True
+        return False
+
+    def _fail_locked(self, res: _Reservation, reason: str, detail: str = "") -> None:
+        if res.state in TERMINAL:
+            return
+        res.state = TransferState.FAILED
+        res.reason = reason
+        res.detail = detail
+        self.metrics.record_failure(reason)
+        log.warning("KV transfer %s failed: %s %s", res.request_id, reason, detail)
+
+    @staticmethod
+    def _drain(res: _Reservation) -> None:
+        # A scatter that passed its liveness check before the failure finishes first.
+        with res.write_lock:
+            pass
+
+    def _discard(self, header: MessageHeader, res: _Reservation | None) -> TransferStatus | None:
+        with self._lock:
+            self.metrics.messages_discarded += 1
+        if not header.final:
+            return None
+        if res is None:
+            return TransferStatus(TransferState.FAILED, reason="unknown request")
+        return res.status()
+
+
+class CoreReceiver(KVReceiver):
+    """A receiver whose engine-facing calls go straight to its ReceiverCore.
+
+    Backends differ only in how bytes reach ``core.deliver``.
+    """
+
+    core: ReceiverCore
+
+    @property
+    def address(self) -> str:  # type: ignore[override]
+        return self.core.address
+
+    @property
+    def metrics(self) -> TransferMetrics:  # type: ignore[override]
+        return self.core.metrics
+
+    def expect(self, request_id: str, block_ids: Sequence[int], lease_s: float) -> Destination:
+        return self.core.expect(request_id, block_ids, lease_s)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self.core.poll(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.core.release(request_id)

@@ -1,0 +1,283 @@
+"""The sending half shared by every backend: request bookkeeping and message building.
+
+A request's path on the prefill side:
+
+    send_layers(dest, src, (0, 8))     gather layers 0-7 of src blocks now (one copy),
+    send_layers(dest, src, (8, 16))    checksum, hand to the transport; no confirmation
+    ...
+    send(dest, src, first_token)       the layers not yet sent (possibly none) go out with
+      -> Future                        the first token on the *final* message
+    receiver acks the final message    future -> TransferStatus(DONE) or TransferError(reason)
+                                       then, and only then, the caller frees its blocks
+
+Gathering in the caller's thread snapshots the blocks at call time, so the caller
+can keep computing the next layers while earlier ones are on the wire. The
+gathered buffer is the only copy on this side; the transport sends from it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kv_transfer.base import (
+    Destination,
+    Fingerprint,
+    HandshakeError,
+    KVSender,
+    TransferError,
+    TransferMetrics,
+    TransferState,
+    TransferStatus,
+)
+from tandem.kv_transfer.payload import MessageHeader, gather, make_header
+
+log = logging.getLogger(__name__)
+
+# Test-only fault injection: called with each message after its checksum was taken,
+# and may change the payload in place (to prove that corruption is caught).
+FaultHook = Callable[[MessageHeader, torch.Tensor], None]
+_ABORTED_MEMORY = 4096
+
+
+@dataclass(frozen=True)
+class Message:
+    header: MessageHeader
+    payload: torch.Tensor | None  # [layers, 2, n, block_size, kv_heads, head_dim], contiguous
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """One request on its way out."""
+
+    destination: Destination
+    src_block_ids: tuple[int, ...]
+    sent: list[bool]  # layer i handed to the transport
+    future: Future[TransferStatus] = field(default_factory=Future)
+    started: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
+    final_sent: bool = False
+    final_at: float | None = None  # when the final message was handed over (ack deadline)
+
+    @property
+    def request_id(self) -> str:
+        return self.destination.request_id
+
+
+def _ranges(flags: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs of False in ``flags`` as [start, end) ranges."""
+    out: list[tuple[int, int]] = []
+    for i, done in enumerate(flags):
+        if done:
+            continue
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+class SenderBase(KVSender):
+    def __init__(
+        self,
+        kv: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
+        fingerprint: Fingerprint,
+        metrics: TransferMetrics | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if kv.dim() != 6 or kv.shape[1] != 2:
+            raise ValueError(f"kv must be [layers, 2, blocks + 1, ...], got {list(kv.shape)}")
+        self.kv = kv
+        self.fingerprint = fingerprint
+        self.metrics = metrics if metrics is not None else TransferMetrics()
+        self.fault_hook = fault_hook
+        self._lock = threading.Lock()  # guards _requests and metrics
+        self._requests: dict[str, Outgoing] = {}
+        # Recently aborted ids: a prefill thread still calling send_layers for one of
+        # them must not start a fresh request. Bounded; oldest forgotten first.
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+
+    # --- public API ----------------------------------------------------------------
+
+    def send_layers(
+        self, destination: Destination, src_block_ids: Sequence[int], layers: tuple[int, int]
+    ) -> None:
+        out, _ = self._open(destination, src_block_ids, (layers,), final=False)
+        if out is None:
+            return  # the request already failed or was aborted; its future says why
+        self._transmit(out, [self._message(out, layers, final=False)])
+
+    def send(
+        self,
+        destination: Destination,
+        src_block_ids: Sequence[int],
+        first_token: int,
+        layers: tuple[int, int] | None = None,
+    ) -> Future[TransferStatus]:
+        ranges = None if layers is None else (layers,)
+        out, todo = self._open(destination, src_block_ids, ranges, final=True)
+        if out is None:
+            return self._requests_done_future(destination.request_id)
+        if not todo:  # everything went out with send_layers: a final message with no KV
+            todo = [(len(out.sent), len(out.sent))]
+        msgs = [self._message(out, r, final=False) for r in todo[:-1]]
+        msgs.append(self._message(out, todo[-1], final=True, first_token=first_token))
+        self._transmit(out, msgs)
+        return out.future
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            out = self._requests.get(request_id)
+            self._remember_abort(request_id)
+        if out is None:
+            return
+        self._finish(out, TransferError("aborted", f"request {request_id} aborted by sender"))
+        self._notify_abort(out)
+
+    def _remember_abort(self, request_id: str) -> None:
+        self._aborted[request_id] = None
+        while len(self._aborted) > _ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+
+    # --- for backends --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _transmit(self, out: Outgoing, messages: list[Message]) -> None:
+        """Hand messages to the transport in order; never blocks on the network."""
+
+    def _notify_abort(self, out: Outgoing) -> None:
+        """Tell the receiver that ``out`` was aborted (best effort)."""
+
+    def _finish(self, out: Outgoing, result: TransferStatus | TransferError) -> None:
+        """Resolve a request once (later calls are ignored) and count it."""
+        with self._lock:
+            if self._requests.get(out.request_id) is not out:
+                return
+            del self._requests[out.request_id]
+            if isinstance(result, TransferError):
+                self.metrics.record_failure(result.reason)
+            else:
+                self.metrics.transfers_done += 1
+                self.metrics.bytes_sent += out.nbytes
+                self.metrics.seconds_total += time.monotonic() - out.started
+        if out.future.cancelled():
+            return
+        if isinstance(result, TransferError):
+            log.warning("KV transfer %s failed: %s", out.request_id, result)
+            out.future.set_exception(result)
+        else:
+            out.future.set_result(result)
+
+    def _fail_all(self, error: TransferError, address: str | None = None) -> int:
+        """Fail every unfinished request (to ``address`` only, if given); returns how many."""
+        with self._lock:
+            doomed = [
+                o
+                for o in self._requests.values()
+                if address is None or o.destination.address == address
+            ]
+        for out in doomed:
+            copy = (
+                HandshakeError(str(error))
+                if isinstance(error, HandshakeError)
+                else TransferError(error.reason, str(error))
+            )
+            self._finish(out, copy)
+        return len(doomed)
+
+    def _done_status(self, out: Outgoing, ack: TransferStatus) -> TransferStatus | TransferError:
+        if ack.state is TransferState.DONE:
+            return TransferStatus(
+                TransferState.DONE,
+                bytes=out.nbytes,
+                seconds=time.monotonic() - out.started,
+            )
+        detail = f": {ack.detail}" if ack.detail else ""
+        return TransferError(ack.reason or "failed", f"{ack.reason}{detail}")
+
+    # --- internals -----------------------------------------------------------------
+
+    def _open(
+        self,
+        dest: Destination,
+        src_block_ids: Sequence[int],
+        ranges: tuple[tuple[int, int], ...] | None,
+        final: bool,
+    ) -> tuple[Outgoing | None, list[tuple[int, int]]]:
+        """Find or start the request's record and claim ``ranges`` (None: every layer not
+        yet sent). Returns the record (None if the request is over) and the claimed ranges.
+        """
+        src = tuple(int(b) for b in src_block_ids)
+        num_layers, num_blocks = self.kv.shape[0], self.kv.shape[2] - 1
+        bad = [b for b in src if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"source block ids {bad} outside the pool of {num_blocks} blocks")
+        if not src or len(src) > len(dest.block_ids):
+            raise ValueError(
+                f"{len(src)} source blocks for {len(dest.block_ids)} destination blocks"
+            )
+        for l0, l1 in ranges or ():
+            if not 0 <= l0 < l1 <= num_layers:
+                raise ValueError(f"layer range [{l0}, {l1}) not within [0, {num_layers})")
+        with self._lock:
+            out = self._requests.get(dest.request_id)
+            if dest.request_id in self._aborted:
+                return None, []
+            if out is None:
+                out = Outgoing(dest, src, [False] * num_layers)
+                self._requests[dest.request_id] = out
+                out.future.add_done_callback(self._on_future_done)
+            elif out.destination != dest or out.src_block_ids != src:
+                raise ValueError(f"request {dest.request_id!r} is already sending elsewhere")
+            if out.final_sent:
+                raise ValueError(f"request {dest.request_id!r} already sent its final message")
+            for l0, l1 in ranges or ():
+                if any(out.sent[l0:l1]):
+                    raise ValueError(f"layers [{l0}, {l1}) of {dest.request_id!r} already sent")
+            claimed = list(ranges) if ranges is not None else _ranges(out.sent)
+            for l0, l1 in claimed:
+                out.sent[l0:l1] = [True] * (l1 - l0)
+            if final:
+                out.final_sent, out.final_at = True, time.monotonic()
+        return (None, []) if out.future.done() else (out, claimed)
+
+    def _message(
+        self,
+        out: Outgoing,
+        layers: tuple[int, int],
+        final: bool,
+        first_token: int | None = None,
+    ) -> Message:
+        dst = out.destination.block_ids[: len(out.src_block_ids)]
+        payload = gather(self.kv, out.src_block_ids, layers) if layers[0] < layers[1] else None
+        header = make_header(
+            out.request_id, layers, out.src_block_ids, dst, payload, first_token, final
+        )
+        if payload is not None and self.fault_hook is not None:
+            self.fault_hook(header, payload)
+        out.nbytes += header.nbytes
+        return Message(header, payload)
+
+    def _requests_done_future(self, request_id: str) -> Future[TransferStatus]:
+        fut: Future[TransferStatus] = Future()
+        fut.set_exception(TransferError("aborted", f"request {request_id} was aborted"))
+        return fut
+
+    def _on_future_done(self, future: Future[TransferStatus]) -> None:
+        # A caller that cancels the future means "abort".
+        if future.cancelled():
+            with self._lock:
+                out = next((o for o in self._requests.values() if o.future is future), None)
+                if out is not None:
+                    self._requests.pop(out.request_id, None)
+                    self._remember_abort(out.request_id)
+            if out is not None:
+                self._notify_abort(out)

@@ -1,0 +1,7 @@
+"""UCX backend (ucxx): shared memory / TCP on one host, CUDA-IPC / RDMA on GPU clusters.
+
+runtime.py   one asyncio loop thread per process that owns ucxx
+wire.py      what travels on a connection, in order
+receiver.py  listener; per-connection reader: stage, deliver, ack
+sender.py    one connection per peer; per-connection writer and ack reader
+"""

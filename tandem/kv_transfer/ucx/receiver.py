@@ -1,0 +1,173 @@
+"""UCX receiver: a listener whose connections feed one ReceiverCore.
+
+A request's path through one connection (all on the UCX loop thread, except
+``deliver``, which runs on a small thread pool so that checksums and copies of one
+connection do not stall the others):
+
+    accept -> HELLO: fingerprint compared; REPLY '' or the mismatch (then close)
+    loop:  frame  b"K"+header -> validate -> payload received into this connection's
+                                 staging buffer (the one extra copy: see receiver.py)
+                                 -> core.deliver(header, staged) -> ACK if final
+           frame  b"A"+id     -> core.sender_abort(id)
+    connection lost (peer killed, closed, protocol error) -> core.source_lost:
+                                 every live request it fed is FAILED("peer lost")
+
+A background sweep expires leases even when the engine does not poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tandem.kv_transfer.base import Fingerprint, TransferMetrics
+from tandem.kv_transfer.payload import HeaderError, decode_header
+from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
+from tandem.kv_transfer.ucx import wire
+from tandem.kv_transfer.ucx.runtime import get_runtime
+
+log = logging.getLogger(__name__)
+# Bounds how long closing an endpoint may block the loop (ucxx's default is 10 s).
+_ABORT_PERIOD_NS = 10**9
+
+
+class _Connection:
+    """Identity of one sender connection (the ``source`` of the requests it feeds)."""
+
+    def __init__(self, ep: object) -> None:
+        self.ep = ep
+
+
+class UcxReceiver(CoreReceiver):
+    def __init__(
+        self,
+        kv: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
+        fingerprint: Fingerprint,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics: TransferMetrics | None = None,
+        handshake_timeout_s: float = 10.0,
+        sweep_interval_s: float = 0.2,
+    ) -> None:
+        self.core = ReceiverCore(kv, fingerprint, address="", metrics=metrics)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.sweep_interval_s = sweep_interval_s
+        self._rt = get_runtime()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-recv")
+        self._connections: set[_Connection] = set()
+        self._closed = False
+        bound = self._rt.submit(self._start(port)).result(timeout=30)
+        self.core.address = f"{host}:{bound}"
+
+    @property
+    def port(self) -> int:
+        return int(self.core.address.rsplit(":", 1)[1])
+
+    async def _start(self, port: int) -> int:
+        self._listener = self._rt.ucxx.create_listener(
+            self._serve, port=port, endpoint_error_handling=True
+        )
+        self._sweeper = asyncio.create_task(self._sweep_loop())
+        return self._listener.port
+
+    async def _sweep_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            await loop.run_in_executor(self._pool, self.core.sweep)
+
+    async def _serve(self, ep: object) -> None:
+        conn = _Connection(ep)
+        if self._closed:
+            ep.abort()
+            return
+        self._connections.add(conn)
+        try:
+            if await self._handshake(ep):
+                await self._read_frames(conn)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # UCX endpoint errors, protocol errors: drop the peer
+            if not self._closed:  # a warning below if it cost requests
+                log.info("KV receiver %s: connection ended: %r", self.address, exc)
+        finally:
+            lost = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.core.source_lost, conn
+            )
+            if lost:
+                log.warning("KV receiver %s: peer lost with %d requests", self.address, len(lost))
+            self._connections.discard(conn)  # after source_lost: close() waits for this
+            ep.abort(period=_ABORT_PERIOD_NS)
+
+    async def _handshake(self, ep) -> bool:
+        hello = await asyncio.wait_for(ep.recv_obj(), self.handshake_timeout_s)
+        try:
+            problem = self.core.handshake(wire.decode_hello(hello))
+        except wire.ProtocolError as exc:
+            problem = str(exc)
+        await ep.send_obj(wire.encode_reply(problem))
+        if problem:
+            log.warning("KV receiver %s refused a sender: %s", self.address, problem)
+            # Keep the endpoint until the sender, having read the reply, hangs up: closing
+            # first could let "connection lost" overtake the reply that names the mismatch.
+            try:
+                await asyncio.wait_for(ep.recv_obj(), self.handshake_timeout_s)
+            except Exception:  # the expected end: the sender closed
+                pass
+        return not problem
+
+    async def _read_frames(self, conn: _Connection) -> None:
+        ep, loop = conn.ep, asyncio.get_running_loop()
+        kv = self.core.kv
+        # Grown to the largest payload seen; one per connection, since a connection
+        # receives its next payload only after the previous one was delivered.
+        staging = torch.empty(0, dtype=torch.uint8, device=kv.device)
+        limit = self.core.max_payload_bytes()
+        while True:
+            frame = bytes(await ep.recv_obj())
+            kind, body = frame[:1], frame[1:]
+            if kind == wire.ABORT_FRAME:
+                rid = body.decode()
+                await loop.run_in_executor(self._pool, self.core.sender_abort, rid, conn)
+                continue
+            if kind != wire.KV_FRAME:
+                raise wire.ProtocolError(f"unknown frame kind {kind!r}")
+            try:
+                header = decode_header(body)
+            except HeaderError as exc:
+                raise wire.ProtocolError(f"bad header: {exc}") from None
+            payload = None
+            if header.nbytes:
+                if header.nbytes > limit:
+                    raise wire.ProtocolError(f"payload of {header.nbytes} bytes > {limit}")
+                if staging.numel() < header.nbytes:
+                    staging = torch.empty(header.nbytes, dtype=torch.uint8, device=kv.device)
+                payload = staging[: header.nbytes]
+                await ep.recv(wire.wire_buffer(payload))
+            status = await loop.run_in_executor(
+                self._pool, self.core.deliver, header, payload, conn
+            )
+            if status is not None:
+                await ep.send_obj(wire.encode_ack(header.request_id, status))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._rt.submit(self._stop()).result(timeout=30)
+        self.core.close()
+        self._pool.shutdown(wait=True)
+
+    async def _stop(self) -> None:
+        self._sweeper.cancel()
+        self._listener.close()
+        for conn in list(self._connections):
+            conn.ep.abort(period=_ABORT_PERIOD_NS)
+        # The readers see their endpoints fail and run their cleanup.
+        for _ in range(100):
+            if not self._connections:
+                break
+            await asyncio.sleep(0.01)

@@ -1,0 +1,90 @@
+"""One background thread per process that owns ucxx and its asyncio loop.
+
+ucxx keeps a single context per process, bound to the event loop it was created
+in, so every UCX sender and receiver in a process shares this thread. Public
+methods of senders and receivers run on their callers' threads and hand work
+here with ``submit`` (a concurrent Future) or ``call_soon`` (fire and forget, in
+order).
+
+ucxx is started with Python-future notification (a notifier thread wakes the
+loop when a UCX request completes). The default polls each pending request from
+the loop, which keeps one CPU core busy whenever a receive is outstanding, i.e.
+always. The notifier thread is not a daemon, so it is stopped before the
+interpreter joins threads at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_runtime: UcxRuntime | None = None
+
+
+def get_runtime() -> UcxRuntime:
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = UcxRuntime()
+        return _runtime
+
+
+class UcxRuntime:
+    def __init__(self) -> None:
+        # UCX reads its environment once, at context creation: set defaults before that.
+        # Without this UCX warns about the UCX_* variables that ucxx itself sets.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="tandem-ucx", daemon=True)
+        self._thread.start()
+        self.submit(self._init()).result(timeout=60)
+        _register_exit_hook(self.shutdown)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _init(self) -> None:
+        import ucxx
+
+        # init() captures the running loop (ours) for progress and notification.
+        if ucxx.core._ctx is None:
+            ucxx.init(progress_mode="thread", enable_python_future=True)
+        self.ucxx = ucxx
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread; calls from one thread keep their order."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def shutdown(self) -> None:
+        try:
+            self.ucxx.stop_notifier_thread()
+        except Exception:  # interpreter exit: best effort
+            log.debug("stopping the ucxx notifier thread failed", exc_info=True)
+
+
+def _register_exit_hook(fn: Callable[[], None]) -> None:
+    # threading._register_atexit runs before non-daemon threads are joined (atexit runs
+    # after, too late to stop the notifier thread). Same hook as concurrent.futures.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(fn)
+    else:  # pragma: no cover
+        import atexit
+
+        atexit.register(fn)

@@ -1,0 +1,216 @@
+"""UCX sender: one connection per receiver, shared by every request to it.
+
+A request's path (caller thread, then the UCX loop thread):
+
+    send_layers / send        gather + checksum in the caller's thread (sender.py),
+                              then call_soon -> the peer's queue, in call order
+    first use of an address   a _Peer is created: connect, HELLO/REPLY handshake
+                              (mismatch -> HandshakeError for everything queued), then
+                              its writer drains the queue and its reader takes acks
+    writer                    for each message: header frame, then the payload, back to
+                              back; the single writer is what keeps pairs unsplit
+    reader                    ACK -> the request's future: DONE status or TransferError
+    failure                   endpoint error (peer killed) -> every request to that peer
+                              fails with "peer lost"; the next send reconnects.
+                              No ack within ``ack_timeout_s`` of the final message ->
+                              "timeout" (and an abort frame, best effort).
+
+Futures resolve on the UCX loop thread: done-callbacks run there and must not block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from tandem.kv_transfer.base import (
+    Fingerprint,
+    HandshakeError,
+    TransferError,
+    TransferMetrics,
+)
+from tandem.kv_transfer.payload import encode_header
+from tandem.kv_transfer.sender import FaultHook, Message, Outgoing, SenderBase
+from tandem.kv_transfer.ucx import wire
+from tandem.kv_transfer.ucx.runtime import get_runtime
+
+log = logging.getLogger(__name__)
+# Bounds how long closing an endpoint may block the loop (ucxx's default is 10 s).
+_ABORT_PERIOD_NS = 10**9
+
+
+class _Peer:
+    """One connection; lives on the loop thread."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.ep = None
+        self.queue: asyncio.Queue[tuple[Outgoing, list[Message]] | str] = asyncio.Queue()
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.tasks: list[asyncio.Task] = []
+        self.dead = False
+
+
+class UcxSender(SenderBase):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        fingerprint: Fingerprint,
+        metrics: TransferMetrics | None = None,
+        fault_hook: FaultHook | None = None,
+        connect_timeout_s: float = 10.0,
+        ack_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(kv, fingerprint, metrics, fault_hook)
+        self.connect_timeout_s = connect_timeout_s
+        self.ack_timeout_s = ack_timeout_s
+        self._rt = get_runtime()
+        self._peers: dict[str, _Peer] = {}  # loop thread only
+        self._closed = False
+        self._watchdog = self._rt.submit(self._watch_acks())
+
+    # --- caller threads ------------------------------------------------------------
+
+    def connect(self, address: str) -> None:
+        """Connect and handshake now (else the first send does); raises HandshakeError."""
+        self._rt.submit(self._connected(address)).result(timeout=self.connect_timeout_s + 5)
+
+    def _transmit(self, out: Outgoing, messages: list[Message]) -> None:
+        if self._closed:
+            self._finish(out, TransferError("closed", "sender closed"))
+            return
+        self._rt.call_soon(self._enqueue, out.destination.address, (out, messages))
+
+    def _notify_abort(self, out: Outgoing) -> None:
+        if not self._closed:
+            self._rt.call_soon(self._enqueue_abort, out.destination.address, out.request_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(TransferError("closed", "sender closed"))
+        self._rt.submit(self._shutdown()).result(timeout=30)
+
+    # --- loop thread ---------------------------------------------------------------
+
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None or peer.dead:
+            peer = _Peer(address)
+            self._peers[address] = peer
+            peer.tasks.append(asyncio.create_task(self._run_peer(peer)))
+        return peer
+
+    def _enqueue(self, address: str, item: tuple[Outgoing, list[Message]]) -> None:
+        self._peer(address).queue.put_nowait(item)
+
+    def _enqueue_abort(self, address: str, request_id: str) -> None:
+        peer = self._peers.get(address)
+        if peer is not None and not peer.dead:  # nothing to tell a peer we never reached
+            peer.queue.put_nowait(request_id)
+
+    async def _connected(self, address: str) -> None:
+        await asyncio.shield(self._peer(address).ready)
+
+    async def _run_peer(self, peer: _Peer) -> None:
+        try:
+            await asyncio.wait_for(self._connect(peer), self.connect_timeout_s)
+            peer.ready.set_result(None)
+            peer.tasks.append(asyncio.create_task(self._read_acks(peer)))
+            await self._write(peer)
+        except asyncio.CancelledError:
+            self._lost(peer, TransferError("closed", "sender closed"))
+            raise
+        except HandshakeError as exc:
+            self._lost(peer, exc)
+        except asyncio.TimeoutError:
+            why = f"connecting to {peer.address} timed out"
+            self._lost(peer, TransferError("unreachable", why))
+        except Exception as exc:
+            reason = "peer lost" if peer.ready.done() else "unreachable"
+            self._lost(peer, TransferError(reason, f"connection to {peer.address}: {exc!r}"))
+
+    async def _connect(self, peer: _Peer) -> None:
+        host, port = peer.address.rsplit(":", 1)
+        peer.ep = await self._rt.ucxx.create_endpoint(
+            host, int(port), endpoint_error_handling=True, connect_timeout=self.connect_timeout_s
+        )
+        await peer.ep.send_obj(wire.encode_hello(self.fingerprint))
+        problem = wire.decode_reply(await peer.ep.recv_obj())
+        if problem:
+            raise HandshakeError(problem)
+
+    async def _write(self, peer: _Peer) -> None:
+        ep = peer.ep
+        while True:
+            item = await peer.queue.get()
+            if isinstance(item, str):  # an aborted request id
+                await ep.send_obj(wire.ABORT_FRAME + item.encode())
+                continue
+            out, messages = item
+            for msg in messages:
+                if out.future.done():  # aborted or failed meanwhile: the rest is moot
+                    break
+                await ep.send_obj(wire.KV_FRAME + encode_header(msg.header))
+                if msg.payload is not None:
+                    await ep.send(wire.wire_buffer(msg.payload))
+
+    async def _read_acks(self, peer: _Peer) -> None:
+        try:
+            while True:
+                rid, status = wire.decode_ack(await peer.ep.recv_obj())
+                with self._lock:
+                    out = self._requests.get(rid)
+                if out is not None and out.destination.address == peer.address:
+                    self._finish(out, self._done_status(out, status))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._lost(peer, TransferError("peer lost", f"connection to {peer.address}: {exc!r}"))
+
+    def _lost(self, peer: _Peer, error: TransferError) -> None:
+        if peer.dead:
+            return
+        peer.dead = True
+        was_connected = peer.ready.done()
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        if not peer.ready.done():
+            peer.ready.set_exception(error)
+            peer.ready.exception()  # retrieved: nobody may be waiting on it
+        failed = self._fail_all(error, peer.address)
+        if not self._closed:
+            level = logging.WARNING if failed or not was_connected else logging.INFO
+            log.log(level, "KV sender: %s (%d requests failed)", error, failed)
+        current = asyncio.current_task()
+        for task in peer.tasks:
+            if task is not current:
+                task.cancel()
+        if peer.ep is not None:
+            peer.ep.abort(period=_ABORT_PERIOD_NS)
+
+    async def _watch_acks(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            with self._lock:
+                late = [
+                    o
+                    for o in self._requests.values()
+                    if o.final_at is not None and now - o.final_at > self.ack_timeout_s
+                ]
+            for out in late:
+                self._finish(
+                    out, TransferError("timeout", f"no ack within {self.ack_timeout_s:g} s")
+                )
+                self._enqueue_abort(out.destination.address, out.request_id)
+
+    async def _shutdown(self) -> None:
+        self._watchdog.cancel()
+        for peer in list(self._peers.values()):
+            self._lost(peer, TransferError("closed", "sender closed"))
+        await asyncio.sleep(0)

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tandem.kv_transfer.payload import (
+    HeaderError,
+    check_fits,
+    checksum,
+    decode_header,
+    encode_header,
+    gather,
+    make_header,
+    scatter,
+)
+from tests.kv_transfer.conftest import make_side
+
+
+def test_gather_scatter_moves_unordered_blocks_to_other_ids() -> None:
+    src, dst = make_side(16, seed=1), make_side(16)
+    src_ids, dst_ids = [9, 2, 14, 0], [3, 11, 1, 7]
+    payload = gather(src.kv, src_ids, (0, 4))
+    assert payload.shape == (4, 2, 4, 16, 2, 8) and payload.is_contiguous()
+    scatter(dst.kv, dst_ids, (0, 4), payload)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(dst.kv[:, :, d], src.kv[:, :, s])
+    untouched = [b for b in range(17) if b not in dst_ids]
+    assert not dst.kv[:, :, untouched].any()
+
+
+def test_layer_range_touches_only_those_layers() -> None:
+    src, dst = make_side(8, seed=2), make_side(8)
+    scatter(dst.kv, [5], (1, 3), gather(src.kv, [4], (1, 3)))
+    assert torch.equal(dst.kv[1:3, :, 5], src.kv[1:3, :, 4])
+    assert not dst.kv[0].any() and not dst.kv[3].any()
+
+
+def test_header_round_trip() -> None:
+    src = make_side(8, seed=3)
+    payload = gather(src.kv, [1, 2], (2, 4))
+    h = make_header("req-7", (2, 4), (1, 2), (6, 0), payload, first_token=42, final=True)
+    assert h.nbytes == payload.numel() * 4 and h.checksum == checksum(payload)
+    assert decode_header(encode_header(h)) == h
+    check_fits(h, make_side(8).kv)
+
+
+def test_empty_final_header_round_trip() -> None:
+    h = make_header("r", (4, 4), (1,), (2,), None, first_token=5, final=True)
+    assert h.nbytes == 0 and h.shape == ()
+    assert decode_header(encode_header(h)) == h
+
+
+def test_checksum_sees_one_flipped_bit() -> None:
+    payload = gather(make_side(4, seed=4).kv, [0], (0, 1))
+    before = checksum(payload)
+    payload.view(torch.int32).view(-1)[17] ^= 1
+    assert checksum(payload) != before
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"nbytes": 12}, "nbytes"),
+        ({"shape": (2, 2, 3, 16, 2, 8)}, "shape"),
+        ({"dst_block_ids": (6,)}, "destination blocks"),
+        ({"layer_start": 5}, "layer range"),
+        ({"request_id": ""}, "request_id"),
+        ({"dtype": "int7"}, "dtype"),
+    ],
+)
+def test_decode_rejects_inconsistent_headers(change: dict, message: str) -> None:
+    payload = gather(make_side(8, seed=5).kv, [1, 2], (2, 4))
+    h = make_header("r", (2, 4), (1, 2), (6, 0), payload)
+    with pytest.raises(HeaderError, match=message):
+        decode_header(encode_header(dataclasses.replace(h, **change)))
+
+
+def test_decode_rejects_garbage() -> None:
+    with pytest.raises(HeaderError):
+        decode_header(b"\xff\x00")
+    with pytest.raises(HeaderError, match="magic"):
+        decode_header(b'["nope"]')
+
+
+def test_check_fits_rejects_foreign_layouts() -> None:
+    payload = gather(make_side(8, seed=6).kv, [1], (0, 4))
+    h = make_header("r", (0, 4), (1,), (9,), payload)
+    with pytest.raises(HeaderError, match="outside the pool"):
+        check_fits(h, make_side(8).kv)  # block 8 is the null block, 9 is past it
+    with pytest.raises(HeaderError, match="past 2 layers"):
+        check_fits(h, make_side(16, layers=2).kv)
+    with pytest.raises(HeaderError, match="dtype"):
+        check_fits(dataclasses.replace(h, dst_block_ids=(1,)), make_side(8).kv.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_payloads(dtype: torch.dtype) -> None:
+    src, dst = make_side(8, seed=7), make_side(8)
+    src.kv, dst.kv = src.kv.to(dtype), dst.kv.to(dtype)
+    payload = gather(src.kv, [3, 1], (0, 4))
+    h = make_header("r", (0, 4), (3, 1), (0, 2), payload)
+    assert decode_header(encode_header(h)) == h and h.nbytes == payload.numel() * 2
+    check_fits(h, dst.kv)
+    assert h.checksum == checksum(payload.clone())
+    scatter(dst.kv, [0, 2], (0, 4), payload)
+    assert torch.equal(dst.kv[:, :, [0, 2]], src.kv[:, :, [3, 1]])

@@ -1,0 +1,121 @@
+"""A worker process for UCX tests: a receiver or sender driven over a multiprocessing pipe.
+
+Started with the "spawn" context (``PeerProcess``). Commands are tuples
+``(name, *args)``; every command gets one reply, ``("ok", value)`` or
+``("error", TransferError | Exception)``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any
+
+from tandem.kv_transfer import TransferError, make_receiver, make_sender
+from tests.kv_transfer.conftest import fingerprint, make_side
+
+
+def _receiver_main(conn, num_blocks: int, scatter_delay_s: float, fp_overrides: dict) -> None:
+    if scatter_delay_s:
+        # A slow copy into the blocks keeps a transfer "in flight" long enough to kill it.
+        import tandem.kv_transfer.receiver as receiver_mod
+
+        real = receiver_mod.scatter
+
+        def slow(*args) -> None:
+            time.sleep(scatter_delay_s)
+            real(*args)
+
+        receiver_mod.scatter = slow
+    side = make_side(num_blocks)
+    receiver = make_receiver("ucx", side.kv, fingerprint(**fp_overrides))
+    commands = {
+        "address": lambda: receiver.address,
+        "allocate": lambda n: side.pool.allocate(n),
+        "free": lambda ids: side.pool.free(ids),
+        "expect": receiver.expect,
+        "poll": receiver.poll,
+        "release": receiver.release,
+        "blocks": lambda ids: side.kv[:, :, list(ids)].clone(),
+        "metrics": lambda: receiver.metrics,
+        "check_clean": side.check_clean,
+        "live": lambda: receiver.core.num_live,
+    }
+    _serve(conn, commands)
+    receiver.close()
+
+
+def _sender_main(conn, num_blocks: int, seed: int) -> None:
+    side = make_side(num_blocks, seed=seed)
+    sender = make_sender("ucx", side.kv, fingerprint())
+    futures: dict[str, Any] = {}
+
+    def send(dest, src_ids, first_token):
+        futures[dest.request_id] = sender.send(dest, src_ids, first_token)
+
+    commands = {
+        "allocate": lambda n: side.pool.allocate(n),
+        "send_layers": sender.send_layers,
+        "send": send,
+        "result": lambda rid, timeout: futures.pop(rid).result(timeout),
+    }
+    _serve(conn, commands)
+    sender.close()
+
+
+def _serve(conn, commands) -> None:
+    while True:
+        name, *args = conn.recv()
+        if name == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", commands[name](*args)))
+        except (TransferError, AssertionError, KeyError, ValueError) as exc:
+            conn.send(("error", exc))
+        except Exception as exc:
+            conn.send(("error", RuntimeError(traceback.format_exc())))
+            raise exc
+
+
+class PeerProcess:
+    """The test side of a helper process."""
+
+    def __init__(self, role: str, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        target = _receiver_main if role == "receiver" else _sender_main
+        defaults = (
+            {"num_blocks": 128, "scatter_delay_s": 0.0, "fp_overrides": {}}
+            if role == "receiver"
+            else {"num_blocks": 128, "seed": 0}
+        )
+        defaults.update(kwargs)
+        self.process = ctx.Process(target=target, args=(child,), kwargs=defaults, daemon=True)
+        self.process.start()
+        child.close()
+
+    def __call__(self, name: str, *args: Any, timeout: float = 30.0) -> Any:
+        self.conn.send((name, *args))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {name} within {timeout} s")
+        kind, value = self.conn.recv()
+        if kind == "error":
+            raise value
+        return value
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self("stop", timeout=10)
+            except (OSError, EOFError, TimeoutError):
+                pass
+            self.process.join(10)
+        self.kill()
+        self.conn.close()

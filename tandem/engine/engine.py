@@ -18,7 +18,9 @@ The prefill and decode workers run this same engine, split in two:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -39,6 +41,7 @@ from tandem.engine.sequence import FinishReason, Sequence, Status
 from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tandem.errors import ConfigError, InvalidRequestError, OutOfBlocksError
 from tandem.kernels import get_backend
+from tandem.kv_transfer.base import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,21 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}  # prefill side: KV kept for transfer
         self._ids = itertools.count()
+
+    def kv_fingerprint(self) -> Fingerprint:
+        """What a KV transfer peer must match: model identity, dtype and KV geometry."""
+        cfg = self.model_config
+        identity = hashlib.sha256(
+            json.dumps(read_config(self.model_dir), sort_keys=True).encode()
+        ).hexdigest()[:12]
+        return Fingerprint(
+            model=f"{self.config.model}@{identity}",
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=self.kv.block_size,
+        )
 
     # ---- requests -------------------------------------------------------------------
 

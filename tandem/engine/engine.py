@@ -244,6 +244,13 @@ class LLMEngine:
         self.scheduler.finish(req.seq)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Abort every request, held KV included; returns their ids."""
+        ids = [*self._requests, *self._held]
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
     def _new_sequence(
         self,
         prompt_ids: Seq[int],

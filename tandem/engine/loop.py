@@ -1,0 +1,127 @@
+"""The engine on its own thread, driven from asyncio (gRPC servers) safely.
+
+``LLMEngine`` is single-threaded: every call into it happens on the loop thread.
+asyncio code hands work over with ``call`` (runs between two steps and returns
+the result) and receives a request's outputs on the asyncio queue that
+``subscribe`` returned. The thread steps the engine while it has work and
+otherwise sleeps until a command arrives; ``on_idle`` hooks run every iteration
+(the decode worker admits requests whose KV has arrived there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from tandem.engine.engine import LLMEngine, RequestOutput
+from tandem.engine.sequence import FinishReason
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, poll_interval_s: float = 0.002) -> None:
+        self.engine = engine
+        self.poll_interval_s = poll_interval_s  # how often hooks run while idle
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._hooks: list[Callable[[LLMEngine], None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, Future()))  # wake the thread
+        self._thread.join(timeout)
+
+    def add_hook(self, hook: Callable[[LLMEngine], None]) -> None:
+        """Run ``hook(engine)`` on the engine thread every iteration (before each step)."""
+        self._hooks.append(hook)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps (from any thread)."""
+        fut: Future[T] = Future()
+        self._commands.put((lambda: fn(self.engine), fut))
+        return fut
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """An asyncio queue (of the calling event loop) that receives ``request_id``'s outputs.
+
+        Call before the request is added, so no output can be missed.
+        """
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._subscribers[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            self._drain_commands(block=not busy)
+            for hook in self._hooks:
+                try:
+                    hook(self.engine)
+                except Exception:  # a hook's bug must not stop serving
+                    log.exception("engine hook failed")
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting its requests")
+                self._fail_all()
+                continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_commands(self, block: bool) -> None:
+        timeout = self.poll_interval_s if block else None
+        while True:
+            try:
+                if timeout is not None:
+                    fn, fut = self._commands.get(timeout=timeout)
+                    timeout = None
+                else:
+                    fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed back to the caller
+                fut.set_exception(exc)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sub = self._subscribers.get(out.request_id)
+        if sub is None:
+            return
+        loop, q = sub
+        if out.finished:
+            self._subscribers.pop(out.request_id, None)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the subscriber's event loop is gone
+            self._subscribers.pop(out.request_id, None)
+
+    def _fail_all(self) -> None:
+        for request_id in self.engine.abort_all():
+            self._deliver(
+                RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR)
+            )

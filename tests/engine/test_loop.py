@@ -1,0 +1,79 @@
+"""EngineLoop: the engine on its own thread, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.engine.loop import EngineLoop
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import FinishReason
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+async def _run(loop: EngineLoop, rid: str, prompt: list[int]) -> list:
+    q = loop.subscribe(rid)
+    await loop.call(lambda e: e.add_request(prompt, PARAMS, rid))
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs.append(await asyncio.wait_for(q.get(), 30))
+    return outs
+
+
+def test_concurrent_requests_stream_what_the_engine_gives(tiny_engine):
+    prompts = [tiny_engine.tokenizer.encode(t) for t in ("a b c", "你好", "x" * 50, "hi")]
+    expected = tiny_engine.generate(prompts, PARAMS)
+    loop = EngineLoop(tiny_engine)
+    loop.start()
+    try:
+
+        async def main():
+            return await asyncio.gather(*(_run(loop, f"r{i}", p) for i, p in enumerate(prompts)))
+
+        results = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert [[t for o in outs for t in o.token_ids] for outs in results] == expected
+    assert all(outs[-1].finish_reason is FinishReason.LENGTH for outs in results)
+
+
+def test_hooks_run_and_errors_reach_the_caller(tiny_engine):
+    seen = []
+    loop = EngineLoop(tiny_engine)
+    loop.add_hook(lambda engine: seen.append(engine.has_unfinished()))
+    loop.start()
+    try:
+
+        async def main():
+            try:
+                await loop.call(lambda e: e.add_request([], PARAMS))
+            except ValueError as exc:
+                return str(exc)
+
+        assert asyncio.run(main()) == "prompt must not be empty"
+        assert loop.submit(lambda e: e.kv.pool.num_used).result(5) == 0
+    finally:
+        loop.stop()
+    assert seen, "hooks run even while the engine is idle"
+
+
+def test_a_failing_step_fails_its_requests_and_frees_blocks(tiny_engine, monkeypatch):
+    loop = EngineLoop(tiny_engine)
+    loop.start()
+    try:
+
+        def boom():
+            raise RuntimeError("model exploded")
+
+        async def main():
+            q = loop.subscribe("r")
+            await loop.call(lambda e: monkeypatch.setattr(e, "step", boom))
+            await loop.call(lambda e: e.add_request([5, 6, 7], PARAMS, "r"))
+            return await asyncio.wait_for(q.get(), 10)
+
+        out = asyncio.run(main())
+    finally:
+        loop.stop()
+        monkeypatch.undo()
+    assert out.finished and out.finish_reason is FinishReason.ERROR
+    assert tiny_engine.kv.pool.num_used == 0

@@ -84,3 +84,80 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
     return data
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """A prefill worker: computes prompts and pushes their KV to decode workers."""
+
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC port; 0 picks a free one
+    worker_id: str = ""  # default: prefill-<host>:<port>
+    kv_backend: str = "ucx"  # ucx or inproc
+    kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
+
+    def __post_init__(self) -> None:
+        _check_worker(self.port, self.kv_backend)
+        if self.kv_ack_timeout_s <= 0:
+            raise ConfigError(f"kv_ack_timeout_s must be > 0, got {self.kv_ack_timeout_s}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """A decode worker: reserves KV blocks, receives KV, decodes with continuous batching."""
+
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC port; 0 picks a free one
+    worker_id: str = ""  # default: decode-<host>:<port>
+    kv_backend: str = "ucx"
+    kv_port: int = 0  # the KV receiver's listener; 0 picks a free one
+    kv_lease_s: float = 30.0  # reserved blocks are freed if the KV has not arrived by then
+
+    def __post_init__(self) -> None:
+        _check_worker(self.port, self.kv_backend)
+        if not 0 <= self.kv_port < 65536:
+            raise ConfigError(f"kv_port must be in [0, 65535], got {self.kv_port}")
+        if self.kv_lease_s <= 0:
+            raise ConfigError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+
+
+PLACEMENT_POLICIES = ("least-loaded", "round-robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The public entry point: validates, tokenizes, places and relays requests."""
+
+    model: str = "smollm2-135m-instruct"  # for the tokenizer, chat template and limits
+    cache_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    prefill_workers: tuple[str, ...] = ()  # "host:port" gRPC addresses
+    decode_workers: tuple[str, ...] = ()
+    placement: str = "least-loaded"
+    max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
+    status_interval_s: float = 0.5  # how often workers' Status is polled
+    worker_timeout_s: float = 2.0  # a worker whose Status fails this long is dropped
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))
+        object.__setattr__(self, "decode_workers", tuple(self.decode_workers))
+        if self.placement not in PLACEMENT_POLICIES:
+            raise ConfigError(
+                f"placement must be one of {', '.join(PLACEMENT_POLICIES)}, got {self.placement!r}"
+            )
+        if self.max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.status_interval_s <= 0 or self.worker_timeout_s <= 0:
+            raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
+
+
+def _check_worker(port: int, kv_backend: str) -> None:
+    if not 0 <= port < 65536:
+        raise ConfigError(f"port must be in [0, 65535], got {port}")
+    if kv_backend not in ("ucx", "inproc"):
+        raise ConfigError(f"kv_backend must be ucx or inproc, got {kv_backend!r}")

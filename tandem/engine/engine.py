@@ -146,20 +146,8 @@ class LLMEngine:
 
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if the request can never run here. Takes no blocks."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt", "prompt must not be empty")
-        total = n + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the context length {self.max_model_len}",
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt", f"token id {bad} is outside [0, {vocab})")
+        check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
+        total = len(prompt_ids) + params.max_tokens
         blocks = self.kv.blocks_for(total)
         if blocks > self.kv.pool.num_blocks:
             raise InvalidRequestError(
@@ -370,6 +358,25 @@ class LLMEngine:
             for out in self.step():
                 outputs[out.request_id].extend(out.token_ids)
         return [outputs[i] for i in ids]
+
+
+def check_request(
+    prompt_ids: Seq[int], params: SamplingParams, max_model_len: int, vocab_size: int
+) -> None:
+    """The checks any stage can make without a KV pool (the router makes them too)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    total = n + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+            f"the context length {max_model_len}",
+        )
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("prompt", f"token id {bad} is outside [0, {vocab_size})")
 
 
 def _resolve_device(name: str) -> torch.device:

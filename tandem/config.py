@@ -161,3 +161,27 @@ def _check_worker(port: int, kv_backend: str) -> None:
         raise ConfigError(f"port must be in [0, 65535], got {port}")
     if kv_backend not in ("ucx", "inproc"):
         raise ConfigError(f"kv_backend must be ucx or inproc, got {kv_backend!r}")
+
+
+def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:
+    """A PrefillConfig / DecodeConfig / RouterConfig from a mapping; ``engine:`` nests."""
+    values = dict(values)
+    if "engine" in values and isinstance(values["engine"], dict):
+        values["engine"] = from_dict(EngineConfig, values["engine"], where=where)
+    return from_dict(cls, values, where=where)
+
+
+def save_yaml(path: str | Path, config: Any) -> None:
+    """Write a config dataclass as YAML that ``role_config`` reads back."""
+    import yaml
+
+    data = dataclasses.asdict(config)
+    Path(path).write_text(yaml.safe_dump(_plain(data), sort_keys=False))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -69,3 +69,21 @@ def test_load_yaml(tmp_path):
         load_yaml(listed)
     with pytest.raises(ConfigError, match=r"^cannot read config .*missing\.yaml: "):
         load_yaml(tmp_path / "missing.yaml")
+
+
+def test_role_configs_round_trip_through_yaml(tmp_path):
+    from tandem.config import DecodeConfig, RouterConfig, role_config, save_yaml
+
+    decode = DecodeConfig(engine=EngineConfig(model="tiny-random", num_blocks=7), kv_lease_s=3.0)
+    router = RouterConfig(prefill_workers=("127.0.0.1:1",), decode_workers=("127.0.0.1:2",))
+    for config in (decode, router):
+        path = tmp_path / f"{type(config).__name__}.yaml"
+        save_yaml(path, config)
+        assert role_config(type(config), load_yaml(path), where=str(path)) == config
+
+
+def test_role_config_names_bad_engine_settings():
+    from tandem.config import PrefillConfig, role_config
+
+    with pytest.raises(ConfigError, match="unknown setting blocks in f.yaml"):
+        role_config(PrefillConfig, {"engine": {"blocks": 3}}, where="f.yaml")

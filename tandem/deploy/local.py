@@ -1,0 +1,220 @@
+"""Local launcher: a router and N prefill + M decode workers as processes on loopback.
+
+Start-up: every worker is started with its own YAML config (an engine thread
+budget so the processes share the cores, port 0 so the OS picks free ports)
+and prints ``READY <role> grpc=HOST:PORT ...`` once it serves; the router is
+started last, with the workers' addresses, and its READY line gives the address
+clients use. A process that exits or stays silent past ``startup_timeout_s``
+fails the start with the tail of its log, and everything already started is
+stopped. Shutdown: SIGTERM to the router first (it drains in-flight requests),
+then to the workers, then SIGKILL for anything still alive after the drain
+timeout. Each process logs to ``<run dir>/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.config import (
+    DecodeConfig,
+    EngineConfig,
+    PrefillConfig,
+    RouterConfig,
+    from_dict,
+    role_config,
+    save_yaml,
+)
+from tandem.errors import ConfigError, TandemError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``tandem serve`` starts. Role sections override the defaults derived here."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)  # for every worker
+    router: RouterConfig = field(default_factory=RouterConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)  # its engine is replaced
+    decode: DecodeConfig = field(default_factory=DecodeConfig)  # its engine is replaced
+    threads_per_worker: int | None = None  # default: cores // workers, at least 1
+    startup_timeout_s: float = 600.0  # the first start may dequantise the model
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ConfigError(
+                f"a cluster needs >= 1 prefill and >= 1 decode worker, "
+                f"got prefill={self.num_prefill}, decode={self.num_decode}"
+            )
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+
+    def worker_threads(self) -> int:
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
+
+
+def cluster_config(values: dict, where: str = "") -> ClusterConfig:
+    """A ClusterConfig from YAML-shaped values (role sections nest, as in role_config)."""
+    values = dict(values)
+    for key, cls in (("engine", EngineConfig), ("router", RouterConfig),
+                     ("prefill", PrefillConfig), ("decode", DecodeConfig)):  # fmt: skip
+        if isinstance(values.get(key), dict):
+            values[key] = role_config(cls, values[key], where=where)
+    return from_dict(ClusterConfig, values, where=where)
+
+
+class StartError(TandemError):
+    """A process of the cluster failed to start; the message carries its log's tail."""
+
+
+@dataclass
+class _Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    ready: dict[str, str] = field(default_factory=dict)  # parsed READY fields
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class LocalCluster:
+    """Start with ``start()`` (returns the router address), stop with ``stop()``."""
+
+    # The process entry points (``python -m MODULE --config FILE``).
+    modules = {
+        "prefill": "tandem.prefill_worker",
+        "decode": "tandem.decode_worker",
+        "router": "tandem.router",
+    }
+
+    def __init__(self, config: ClusterConfig, run_dir: str | Path | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="tandem-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.processes: list[_Process] = []
+        self.address: str | None = None
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        cfg = self.config
+        engine = dataclasses.replace(cfg.engine, num_threads=cfg.worker_threads())
+        try:
+            prefill = [
+                self._spawn(f"prefill-{i}", self.modules["prefill"],
+                            dataclasses.replace(cfg.prefill, engine=engine, port=0))
+                for i in range(cfg.num_prefill)
+            ]  # fmt: skip
+            decode = [
+                self._spawn(f"decode-{i}", self.modules["decode"],
+                            dataclasses.replace(cfg.decode, engine=engine, port=0, kv_port=0))
+                for i in range(cfg.num_decode)
+            ]  # fmt: skip
+            for p in prefill + decode:
+                self._wait_ready(p)
+            router_cfg = dataclasses.replace(
+                cfg.router,
+                model=engine.model,
+                cache_dir=engine.cache_dir,
+                prefill_workers=tuple(p.ready["grpc"] for p in prefill),
+                decode_workers=tuple(p.ready["grpc"] for p in decode),
+            )
+            router = self._spawn("router", self.modules["router"], router_cfg)
+            self._wait_ready(router)
+        except BaseException:
+            self.stop()
+            raise
+        self.address = router.ready["grpc"]
+        return self.address
+
+    def _spawn(self, name: str, module: str, config) -> _Process:
+        config_path = self.run_dir / f"{name}.yaml"
+        save_yaml(config_path, config)
+        log_path = self.run_dir / f"{name}.log"
+        env = dict(os.environ)
+        env.setdefault("UCX_TLS", "tcp,sm,self")
+        env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
+        env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module, "--config", str(config_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_path.open("wb"),
+            env=env,
+            start_new_session=True,  # a Ctrl-C reaches the launcher, which stops us in order
+        )
+        proc = _Process(name, popen, log_path)
+        self.processes.append(proc)
+        return proc
+
+    def _wait_ready(self, proc: _Process) -> None:
+        """Read stdout until the READY line; then keep draining it in the background."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        lines: list[str] = []
+        reader = threading.Thread(target=_read_lines, args=(proc.popen.stdout, lines), daemon=True)
+        reader.start()
+        while time.monotonic() < deadline:
+            for line in lines:
+                if line.startswith("READY "):
+                    proc.ready = dict(
+                        part.split("=", 1) for part in line.split()[2:] if "=" in part
+                    )
+                    log.info("%s ready: %s", proc.name, line.strip())
+                    return
+            if proc.popen.poll() is not None:
+                raise StartError(
+                    f"{proc.name} exited with code {proc.popen.returncode} during start-up; "
+                    f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+                )
+            time.sleep(0.05)
+        raise StartError(
+            f"{proc.name} was not ready after {self.config.startup_timeout_s:.0f} s; "
+            f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """Router first (it drains), then workers; SIGKILL after the drain timeout."""
+        ordered = sorted(self.processes, key=lambda p: p.name != "router")
+        for group in (ordered[:1], ordered[1:]):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.config.drain_timeout_s
+            for p in group:
+                try:
+                    p.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", p.name)
+                    p.popen.kill()
+                    p.popen.wait()
+        self.processes.clear()
+
+
+def _read_lines(stream, sink: list[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        sink.append(raw.decode(errors="replace"))

@@ -64,6 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
+    serve = sub.add_parser(
+        "serve", help="start a router and prefill/decode workers on this machine"
+    )
+    serve.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
+    serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    serve.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    serve.add_argument(
+        "--config",
+        default=None,
+        help="YAML: num_prefill, num_decode, engine:, router:, prefill:, decode: sections",
+    )
+    serve.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     eng = bench_sub.add_parser(
@@ -73,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(eng)
     eng.set_defaults(func=cmd_bench_engine)
+    xfer = bench_sub.add_parser(
+        "transfer", help="KV transfer GB/s over UCX between two processes vs memcpy"
+    )
+    from tandem.bench.transfer import add_arguments as add_transfer_arguments
+
+    add_transfer_arguments(xfer)
+    xfer.set_defaults(func=cmd_bench_transfer)
     return parser
 
 
@@ -149,8 +172,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_config(args: argparse.Namespace):
+    """ClusterConfig from the YAML file (if any) overridden by the flags that were given."""
+    import dataclasses
+
+    from tandem.config import load_yaml
+    from tandem.deploy.local import cluster_config
+
+    cfg = cluster_config(load_yaml(args.config) if args.config else {}, where=args.config or "")
+    changes = {}
+    if args.prefill is not None:
+        changes["num_prefill"] = args.prefill
+    if args.decode is not None:
+        changes["num_decode"] = args.decode
+    if args.threads is not None:
+        changes["threads_per_worker"] = args.threads
+    if args.model is not None:
+        changes["engine"] = dataclasses.replace(cfg.engine, model=args.model)
+    router = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if router:
+        changes["router"] = dataclasses.replace(cfg.router, **router)
+    return dataclasses.replace(cfg, **changes)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tandem.deploy.local import LocalCluster
+
+    config = serve_config(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(config)
+    log = logging.getLogger("tandem")
+    log.info(
+        "starting %d prefill + %d decode workers (%d torch threads each), logs in %s",
+        config.num_prefill,
+        config.num_decode,
+        config.worker_threads(),
+        cluster.run_dir,
+    )
+    try:
+        address = cluster.start()
+        print(f"tandem: serving {config.engine.model} on {address}", flush=True)
+        stop.wait()
+        log.info("stopping: draining in-flight requests")
+    finally:
+        cluster.stop()
+    return 0
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from tandem.bench.engine_throughput import run
+
+    return run(args)
+
+
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from tandem.bench.transfer import run
 
     return run(args)
 

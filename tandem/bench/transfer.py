@@ -1,0 +1,220 @@
+"""KV transfer bandwidth: UCX between two processes vs a plain memcpy, in one run.
+
+The benchmark is the sender (a prefill worker's role); it spawns a receiver
+process (the decode worker's role) and connects to it once over 127.0.0.1, on a
+port the receiver's listener picks at run time; ``tandem/bench/ucx_pair.py`` has
+the two ends and their protocol (payload messages, an ack per iteration, a CRC32
+of what arrived at the end of each size).
+
+The payload is KV-shaped, ``[layers, 2, blocks, block_size, kv_heads, head_dim]``
+for a SmolLM2-135M-like model, with ``blocks`` chosen so the payload is as close
+as whole blocks allow to the requested size (``size_bytes`` reports the exact
+bytes moved). It goes as one message per request or, with ``--split layer``, one
+message per layer, all posted at once. The median of ``--iters`` round trips
+(after ``--warmup``) gives UCX GB/s; the memcpy figure is ``numpy.copyto`` of the
+same number of bytes between two preallocated buffers in this process.
+
+This measures the UCX transport with the KV backend's message pattern, not the
+backend itself: no handshake, checksum per payload or block gather is timed.
+bench/README.md has the figures and what moves them (transports, endpoint error
+handling, rendezvous, message split, progress mode).
+
+UCX reads ``UCX_*`` variables when its context is created, so ``--tls`` and
+``--rndv-thresh`` are put into the environment before ucxx is imported here and
+before the receiver is spawned (it inherits them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from tandem.bench.ucx_pair import PROGRESS_MODES, Sender, crc32
+from tandem.errors import TandemError
+
+UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """One request's KV for every layer; the defaults are SmolLM2-135M's."""
+
+    layers: int = 30
+    block_size: int = 16
+    kv_heads: int = 3
+    head_dim: int = 64
+    dtype_bytes: int = 2
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def blocks_for(self, size: int) -> int:
+        return max(1, round(size / self.block_bytes))
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    size_bytes: int
+    blocks: int
+    messages: int
+    ucx_gbps: float
+    memcpy_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ucx_gbps / self.memcpy_gbps
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    for unit, scale in UNITS.items():
+        if t.endswith(unit) and t[: -len(unit)].isdigit():
+            return int(t[: -len(unit)]) * scale
+    if t.isdigit():
+        return int(t)
+    raise TandemError(f"--sizes: cannot read {text!r}; use e.g. 64KiB, 16MiB or 1048576")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB", help="comma-separated sizes")
+    p.add_argument("--backend", default="ucx", choices=["ucx"], help="transport (only ucx)")
+    p.add_argument(
+        "--tls",
+        default=None,
+        help="UCX_TLS for both processes, e.g. tcp,self or posix,cma,tcp,self "
+        "(default: the environment's, else UCX's own choice)",
+    )
+    p.add_argument(
+        "--split",
+        default="request",
+        choices=["request", "layer"],
+        help="one message per request (default) or one per layer",
+    )
+    p.add_argument(
+        "--progress",
+        default="blocking",
+        choices=PROGRESS_MODES,
+        help="how both sides drive UCX: wait on the worker's event fd (default), "
+        "poll in the caller, or a ucxx progress thread",
+    )
+    p.add_argument(
+        "--error-handling",
+        action="store_true",
+        help="UCX peer-failure detection on both endpoints (rules out shared memory)",
+    )
+    p.add_argument(
+        "--rndv-thresh", default=None, help="UCX_RNDV_THRESH for both processes (ucxx sets 8192)"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--iters", type=int, default=50, help="timed round trips per size")
+    p.add_argument("--warmup", type=int, default=5, help="untimed round trips per size")
+    p.add_argument("--json", action="store_true", help="print a JSON list on stdout")
+
+
+def _set_ucx_env(args: argparse.Namespace) -> None:
+    if args.tls:
+        os.environ["UCX_TLS"] = args.tls
+    if args.rndv_thresh:
+        os.environ["UCX_RNDV_THRESH"] = args.rndv_thresh
+    # UCX logs to stdout unless told otherwise; stdout is for the table or the JSON.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    # ucxx sets UCX_MEMTYPE_CACHE itself; without this UCX warns that it is unused.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def _memcpy_seconds(nbytes: int, iterations: int) -> float:
+    import numpy as np
+
+    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bench_size(
+    args: argparse.Namespace, sender: Sender, shape: KVShape, label: str, size: int
+) -> Row:
+    import numpy as np
+
+    blocks = shape.blocks_for(size)
+    # [layers, 2, blocks, block_size, kv_heads, head_dim]; random bytes, since UCX moves
+    # bytes and numpy has no bfloat16.
+    kv = np.random.default_rng(0).integers(0, 256, blocks * shape.block_bytes, dtype=np.uint8)
+    kv = kv.reshape(shape.layers, -1)
+    buffers = list(kv) if args.split == "layer" else [kv.reshape(-1)]
+    sender.ctrl(buffers[0].nbytes, len(buffers), args.warmup + args.iters)
+    times = sender.measure(buffers, args.warmup + args.iters)[args.warmup :]
+    if sender.checksum() != crc32(buffers):
+        raise TandemError(f"transfer benchmark: {label} arrived corrupted (CRC32 mismatch)")
+    ucx_s = statistics.median(times)
+    memcpy_s = _memcpy_seconds(kv.nbytes, args.iters)
+    return Row(
+        label, kv.nbytes, blocks, len(buffers), kv.nbytes / ucx_s / 1e9, kv.nbytes / memcpy_s / 1e9
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    labels = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    sizes = [parse_size(s) for s in labels]
+    if not sizes or min(sizes) < 1:
+        raise TandemError(f"--sizes must list sizes >= 1 byte, got {args.sizes!r}")
+    if args.iters < 1 or args.warmup < 0:
+        raise TandemError(
+            f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}"
+        )
+    _set_ucx_env(args)
+    shape = KVShape(dtype_bytes=DTYPE_BYTES[args.dtype])
+    log = sys.stderr
+    print(
+        f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} split={args.split} "
+        f"progress={args.progress} error_handling={args.error_handling} "
+        f"block={shape.block_bytes} B ({args.dtype}) iters={args.iters}",
+        file=log,
+    )
+    sender = Sender(args.progress, args.error_handling)
+    try:
+        sender.start()
+        rows = []
+        for label, size in zip(labels, sizes, strict=True):
+            print(f"{label} ...", file=log)
+            rows.append(_bench_size(args, sender, shape, label, size))
+        sender.shutdown()
+    finally:
+        sender.kill()
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "size_bytes": r.size_bytes,
+                        "ucx_gbps": r.ucx_gbps,
+                        "memcpy_gbps": r.memcpy_gbps,
+                        "ratio": r.ratio,
+                        "blocks": r.blocks,
+                        "messages": r.messages,
+                    }
+                    for r in rows
+                ]
+            )
+        )
+    else:
+        print(f"{'size':>8} {'bytes':>10} {'msgs':>5} {'ucx GB/s':>9} {'memcpy GB/s':>12} ratio")
+        for r in rows:
+            print(
+                f"{r.label:>8} {r.size_bytes:>10} {r.messages:>5} {r.ucx_gbps:>9.2f} "
+                f"{r.memcpy_gbps:>12.2f} {r.ratio:>6.2f}"
+            )
+    return 0

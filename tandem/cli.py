@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--colocated",
         action="store_true",
-        help="run prefill and decode in this process (the only mode until the cluster lands)",
+        help="run prefill and decode in this process",
     )
+    gen.add_argument("--router", default=None, metavar="HOST:PORT", help="stream through a router")
     gen.add_argument("--raw", action="store_true", help="send PROMPT as plain text, no template")
     _add_engine_flags(gen)
     _add_sampling_flags(gen)
@@ -79,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="YAML: num_prefill, num_decode, engine:, router:, prefill:, decode: sections",
     )
     serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser("demo", help="start a local cluster, stream an answer, stop it")
+    demo.add_argument(
+        "--prompt", default="In three sentences, why does a language model server separate "
+        "prefill from decode?",
+    )  # fmt: skip
+    for flag, kind, text in (("--model", str, "default: smollm2-135m-instruct"),
+                             ("--prefill", int, "prefill workers (default 1)"),
+                             ("--decode", int, "decode workers (default 1)"),
+                             ("--threads", int, "torch threads per worker"),
+                             ("--config", str, "YAML, as for serve")):  # fmt: skip
+        demo.add_argument(flag, type=kind, default=None, help=text)
+    demo.set_defaults(func=cmd_demo, host=None, port=None)
+    _add_sampling_flags(demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
@@ -132,43 +147,91 @@ def sampling_params(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if not args.colocated:
-        raise TandemError("generate needs --colocated (prefill and decode in this process)")
+    if args.colocated == bool(args.router):
+        raise TandemError(
+            "generate needs exactly one of --colocated (prefill and decode in this process) "
+            "or --router HOST:PORT"
+        )
     if not args.prompt.strip():
         from tandem.errors import InvalidRequestError
 
         raise InvalidRequestError("prompt", "prompt must not be empty")
-    params = sampling_params(args)  # validate flags before the model loads
-    config = engine_config(args)
+    params = sampling_params(args)  # validate flags before any model or connection
+    if args.router:
+        return _generate_remote(args.router, args.prompt, args.raw, params)
     from tandem.engine.engine import LLMEngine
 
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(args))
     tok = engine.tokenizer
     if args.raw:
         prompt_ids = tok.encode(args.prompt)
     else:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    start = time.perf_counter()
-    first = None
-    out = None
+    stats = _Stream()
     for out in engine.stream(prompt_ids, params):
-        if first is None:
-            first = time.perf_counter()
-        sys.stdout.write(out.text)
+        stats.write(out.text)
+    stats.finish(out.num_prompt_tokens, out.num_output_tokens, out.finish_reason.value)
+    return 0
+
+
+def _generate_remote(address: str, prompt: str, raw: bool, params, timeout=None) -> int:
+    """Stream one generation through a router."""
+    import dataclasses
+
+    from tandem.client import TandemClient
+
+    sampling = {k: v for k, v in dataclasses.asdict(params).items() if k != "stop_token_ids"}
+    text_input = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
+    stats = _Stream()
+    with TandemClient(address, timeout=timeout) as client:
+        for chunk in client.generate(**text_input, **sampling):
+            stats.write(chunk.text)
+    stats.finish(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.finish_reason)
+    return 0
+
+
+class _Stream:
+    """Writes generated text to stdout as it comes; timings to stderr at the end."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    def write(self, text: str) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        sys.stdout.write(text)
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    end = time.perf_counter()
-    if out is not None and first is not None:
-        decode_s = end - first
-        rate = (out.num_output_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+
+    def finish(self, prompt_tokens: int, output_tokens: int, finish_reason: str) -> None:
+        sys.stdout.write("\n")
+        end = time.perf_counter()
+        first = self.first or end
+        rate = (output_tokens - 1) / (end - first) if end > first else float("nan")
         logging.getLogger("tandem").info(
             "%d prompt + %d output tokens, finish=%s, TTFT %.0f ms, %.1f tok/s decode",
-            out.num_prompt_tokens,
-            out.num_output_tokens,
-            out.finish_reason.value,
-            (first - start) * 1e3,
-            rate,
-        )
+            prompt_tokens, output_tokens, finish_reason, (first - self.start) * 1e3, rate,
+        )  # fmt: skip
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Start a local cluster, stream an answer through it, stop it."""
+    import dataclasses
+
+    from tandem.deploy.local import LocalCluster
+
+    config = serve_config(args)
+    config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=0))
+    log = logging.getLogger("tandem")
+    log.info(
+        "demo: starting %s with %d prefill + %d decode workers (first start dequantises "
+        "the model, ~20 s)", config.engine.model, config.num_prefill, config.num_decode,
+    )  # fmt: skip
+    params = sampling_params(args)
+    with LocalCluster(config) as cluster:
+        log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
+        _generate_remote(cluster.address, args.prompt, False, params, timeout=300)
+        log.info("demo: stopping the cluster")
     return 0
 
 

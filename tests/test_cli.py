@@ -167,7 +167,8 @@ EARLY_ERRORS = {
     "unknown_model": "unknown model 'nope': expected one of smollm2-135m-instruct, tiny-random, "
     "a Hugging Face directory or a .gguf file",
     "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value})",
-    "no_colocated": "generate needs --colocated (prefill and decode in this process)",
+    "no_colocated": "generate needs exactly one of --colocated (prefill and decode in this "
+    "process) or --router HOST:PORT",
 }
 
 

@@ -96,11 +96,15 @@ class PrefillConfig:
     worker_id: str = ""  # default: prefill-<host>:<port>
     kv_backend: str = "ucx"  # ucx or inproc
     kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
+    kv_connect_timeout_s: float = 10.0  # connecting to a decode worker's KV receiver
+    drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
 
     def __post_init__(self) -> None:
-        _check_worker(self.port, self.kv_backend)
+        _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
         if self.kv_ack_timeout_s <= 0:
             raise ConfigError(f"kv_ack_timeout_s must be > 0, got {self.kv_ack_timeout_s}")
+        if self.kv_connect_timeout_s <= 0:
+            raise ConfigError(f"kv_connect_timeout_s must be > 0, got {self.kv_connect_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -114,9 +118,10 @@ class DecodeConfig:
     kv_backend: str = "ucx"
     kv_port: int = 0  # the KV receiver's listener; 0 picks a free one
     kv_lease_s: float = 30.0  # reserved blocks are freed if the KV has not arrived by then
+    drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
 
     def __post_init__(self) -> None:
-        _check_worker(self.port, self.kv_backend)
+        _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_port must be in [0, 65535], got {self.kv_port}")
         if self.kv_lease_s <= 0:
@@ -140,6 +145,8 @@ class RouterConfig:
     max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
     status_interval_s: float = 0.5  # how often workers' Status is polled
     worker_timeout_s: float = 2.0  # a worker whose Status fails this long is dropped
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))
@@ -154,13 +161,19 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.status_interval_s <= 0 or self.worker_timeout_s <= 0:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
-def _check_worker(port: int, kv_backend: str) -> None:
+def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"port must be in [0, 65535], got {port}")
     if kv_backend not in ("ucx", "inproc"):
         raise ConfigError(f"kv_backend must be ucx or inproc, got {kv_backend!r}")
+    if drain_timeout_s < 0:
+        raise ConfigError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
 
 
 def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:

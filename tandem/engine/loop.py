@@ -71,15 +71,17 @@ class EngineLoop:
     # ---- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        # Scheduler work, not engine.has_unfinished(): a decode-side reservation waiting
+        # for its KV is unfinished but has nothing to step, and must not spin the thread.
+        scheduler = self.engine.scheduler
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            self._drain_commands(block=not busy)
+            self._drain_commands(block=not scheduler.has_work())
             for hook in self._hooks:
                 try:
                     hook(self.engine)
                 except Exception:  # a hook's bug must not stop serving
                     log.exception("engine hook failed")
-            if not self.engine.has_unfinished():
+            if not scheduler.has_work():
                 continue
             try:
                 outputs = self.engine.step()

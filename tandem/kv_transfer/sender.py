@@ -5,8 +5,9 @@ A request's path on the prefill side:
     send_layers(dest, src, (0, 8))     gather layers 0-7 of src blocks now (one copy),
     send_layers(dest, src, (8, 16))    checksum, hand to the transport; no confirmation
     ...
-    send(dest, src, first_token)       the layers not yet sent (possibly none) go out with
-      -> Future                        the first token on the *final* message
+    send(dest, src, first_token,       the layers not yet sent (possibly none) go out with
+         extra)                        the first token and ``extra`` (the sampler's RNG
+      -> Future                        state) on the *final* message
     receiver acks the final message    future -> TransferStatus(DONE) or TransferError(reason)
                                        then, and only then, the caller frees its blocks
 
@@ -121,6 +122,7 @@ class SenderBase(KVSender):
         src_block_ids: Sequence[int],
         first_token: int,
         layers: tuple[int, int] | None = None,
+        extra: bytes | None = None,
     ) -> Future[TransferStatus]:
         ranges = None if layers is None else (layers,)
         out, todo = self._open(destination, src_block_ids, ranges, final=True)
@@ -129,7 +131,7 @@ class SenderBase(KVSender):
         if not todo:  # everything went out with send_layers: a final message with no KV
             todo = [(len(out.sent), len(out.sent))]
         msgs = [self._message(out, r, final=False) for r in todo[:-1]]
-        msgs.append(self._message(out, todo[-1], final=True, first_token=first_token))
+        msgs.append(self._message(out, todo[-1], True, first_token, extra))
         self._transmit(out, msgs)
         return out.future
 
@@ -255,11 +257,12 @@ class SenderBase(KVSender):
         layers: tuple[int, int],
         final: bool,
         first_token: int | None = None,
+        extra: bytes | None = None,
     ) -> Message:
         dst = out.destination.block_ids[: len(out.src_block_ids)]
         payload = gather(self.kv, out.src_block_ids, layers) if layers[0] < layers[1] else None
         header = make_header(
-            out.request_id, layers, out.src_block_ids, dst, payload, first_token, final
+            out.request_id, layers, out.src_block_ids, dst, payload, first_token, final, extra
         )
         if payload is not None and self.fault_hook is not None:
             self.fault_hook(header, payload)

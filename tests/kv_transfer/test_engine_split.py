@@ -6,16 +6,19 @@ The client-visible result must equal one colocated engine, token for token.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer import TransferState, make_receiver, make_sender
 from tests.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("backend", ["inproc", "ucx"])
-def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend):
+def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, params):
     prefill, decode = make_engine(), make_engine(num_blocks=64)
     receiver = make_receiver(backend, decode.kv.tensor, decode.kv_fingerprint())
     sender = make_sender(backend, prefill.kv.tensor, prefill.kv_fingerprint())
@@ -23,21 +26,25 @@ def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend):
         for i, text in enumerate(("hello there", "你好，世界！" * 3, "long prompt " * 30)):
             prompt = tiny_engine.tokenizer.encode(text)
             rid = f"r{i}"
-            dest = receiver.expect(rid, decode.reserve(prompt, GREEDY, rid), lease_s=30)
-            prefill.add_request(prompt, GREEDY, rid, prefill_only=True)
+            dest = receiver.expect(rid, decode.reserve(prompt, params, rid), lease_s=30)
+            prefill.add_request(prompt, params, rid, prefill_only=True)
             (first,) = prefill.step()
-            status = sender.send(dest, first.held_block_ids, first.token_ids[0]).result(30)
-            assert status.state is TransferState.DONE
+            # The sampler's RNG state rides the final message, so seeded sampling continues.
+            rng = None if first.rng_state is None else bytes(first.rng_state.numpy())
+            fut = sender.send(dest, first.held_block_ids, first.token_ids[0], extra=rng)
+            assert fut.result(30).state is TransferState.DONE
             prefill.release(rid)  # the decode side confirmed: the prefill blocks are free
             arrived = receiver.poll(rid)
             receiver.release(rid)
-            out = decode.admit(rid, arrived.first_token)
+            assert arrived.extra == rng
+            state = None if rng is None else torch.frombuffer(bytearray(rng), dtype=torch.uint8)
+            out = decode.admit(rid, arrived.first_token, state)
             tokens, text_out = list(first.token_ids), first.text
             while not out.finished:
                 for out in decode.step():
                     tokens += out.token_ids
                     text_out += out.text
-            expected = list(tiny_engine.stream(prompt, GREEDY))
+            expected = list(tiny_engine.stream(prompt, params))
             assert tokens == [t for o in expected for t in o.token_ids]
             assert text_out == "".join(o.text for o in expected)
     finally:

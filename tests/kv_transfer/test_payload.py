@@ -52,6 +52,15 @@ def test_empty_final_header_round_trip() -> None:
     assert decode_header(encode_header(h)) == h
 
 
+def test_final_header_carries_extra_bytes() -> None:
+    h = make_header("r", (4, 4), (1,), (2,), None, first_token=5, final=True, extra=b"\x00\xffrng")
+    assert decode_header(encode_header(h)).extra == b"\x00\xffrng"
+    with pytest.raises(HeaderError, match="extra is only allowed on the final message"):
+        decode_header(encode_header(dataclasses.replace(h, final=False)))
+    with pytest.raises(ValueError, match="at most 65536"):
+        make_header("r", (4, 4), (1,), (2,), None, 5, final=True, extra=bytes(65537))
+
+
 def test_checksum_sees_one_flipped_bit() -> None:
     payload = gather(make_side(4, seed=4).kv, [0], (0, 1))
     before = checksum(payload)

@@ -92,7 +92,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address")
+    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class WorkerStatus(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     queue_depth: int
@@ -109,4 +110,5 @@ class WorkerStatus(_message.Message):
     kv_blocks_free: int
     kv_blocks_total: int
     kv_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    served: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,28 @@
+"""The decode worker: reserves KV blocks, receives the prompt's KV, decodes, streams tokens.
+
+A request's path (service.py and admission.py; engine calls run on the engine
+thread, see tandem/engine/loop.py):
+
+    Decode(request)                  parsed and checked (INVALID_ARGUMENT, nothing taken)
+      engine.reserve                 blocks for prompt + max_tokens, or RESOURCE_EXHAUSTED
+      receiver.expect(lease)         the reservation is WAITING for its KV
+      -> first response              KvDestination(kv address, request id, block ids, lease)
+    every engine iteration, the admission hook polls each waiting reservation:
+      DONE (every layer verified)    engine.admit(first token, prefill's RNG state): the
+                                     request joins the running batch; its first token's
+                                     text was streamed by the prefill worker, not again here
+      FAILED (lease expired, checksum, peer lost, aborted)
+                                     reservation aborted, blocks freed, UNAVAILABLE(reason)
+    running                          one TokenChunk per step output; finish_reason and
+                                     completion_tokens (first token included) on the last;
+                                     the engine frees the blocks the moment it ends
+    client cancel / deadline / error the stream's clean-up, on the engine thread:
+                                     receiver.release (no more writes), engine.abort (free)
+
+server.py   DecodeServer: engine + KV receiver + gRPC server
+__main__    ``python -m tandem.decode_worker``
+"""
+
+from tandem.decode_worker.server import DecodeServer, serve_decode
+
+__all__ = ["DecodeServer", "serve_decode"]

@@ -1,0 +1,100 @@
+"""DecodeWorker gRPC service: one Decode stream is one request, from reservation to last token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.engine.engine import RequestOutput
+from tandem.engine.sequence import FinishReason
+from tandem.errors import InvalidRequestError, OutOfBlocksError
+from tandem.kv_transfer import TransferError
+from tandem.wire import finish_to_proto
+from tandem.worker.request import parse_request
+
+if TYPE_CHECKING:
+    from tandem.decode_worker.server import DecodeServer
+
+log = logging.getLogger(__name__)
+
+
+def _chunk(out: RequestOutput, first_token_sent: bool = False) -> worker_pb2.DecodeResponse:
+    # The admitted first token was streamed by the prefill worker: never again here.
+    tokens, text = ([], "") if first_token_sent else (out.token_ids, out.text)
+    return worker_pb2.DecodeResponse(
+        chunk=worker_pb2.TokenChunk(
+            token_ids=tokens,
+            text=text,
+            finish_reason=finish_to_proto(out.finish_reason if out.finished else None),
+            completion_tokens=out.num_output_tokens,
+        )
+    )
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, server: DecodeServer) -> None:
+        self.server = server
+        self._active: set[str] = set()  # request ids in this worker (event loop thread)
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        server = self.server
+        loop, admission = server.loop, server.admission
+        try:
+            req = parse_request(request.request, server.engine)
+            if req.request_id in self._active:
+                raise InvalidRequestError(
+                    "request_id", f"request_id {req.request_id!r} is already running"
+                )
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = req.request_id
+        self._active.add(rid)
+        outputs = loop.subscribe(rid)  # before admission, so no step output is missed
+        admitted: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                dest = await loop.call(lambda e: admission.reserve(e, req, admitted))
+            except OutOfBlocksError as exc:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {server.worker_id}: {exc}"
+                )
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            yield worker_pb2.DecodeResponse(
+                destination=worker_pb2.KvDestination(
+                    address=dest.address,
+                    request_id=rid,
+                    block_ids=dest.block_ids,
+                    lease_seconds=admission.lease_s,
+                )
+            )
+            try:
+                out = await admitted
+            except TransferError as exc:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"KV of request {rid} did not arrive: {exc}"
+                )
+            if out.finished:  # the first token ended it (the prefill side normally says so)
+                yield _chunk(out, first_token_sent=True)
+            while not out.finished:
+                out = await outputs.get()
+                yield _chunk(out)
+            if out.finish_reason is not FinishReason.ERROR:
+                server.served += 1
+        finally:
+            loop.unsubscribe(rid)
+            loop.submit(lambda e: admission.end(e, rid))
+            self._active.discard(rid)
+
+    async def Status(self, request, context) -> worker_pb2.WorkerStatus:
+        admission = self.server.admission
+        return await self.server.loop.call(
+            lambda e: self.server.status(e, queue_depth=admission.num_waiting)
+        )

@@ -1,0 +1,139 @@
+"""PrefillWorker gRPC service: one Prefill call is one request's prompt and KV push."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import grpc
+
+from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.engine.engine import LLMEngine, RequestOutput
+from tandem.errors import InvalidRequestError
+from tandem.kv_transfer import Destination, TransferError, TransferStatus
+from tandem.wire import finish_to_proto
+from tandem.worker.request import WorkRequest, parse_request, rng_to_bytes
+
+if TYPE_CHECKING:
+    from tandem.prefill_worker.server import PrefillServer
+
+log = logging.getLogger(__name__)
+
+
+def parse_destination(p: worker_pb2.KvDestination, req: WorkRequest, engine: LLMEngine):
+    if not p.address:
+        raise InvalidRequestError("destination.address", "destination.address must not be empty")
+    if p.request_id != req.request_id:
+        raise InvalidRequestError(
+            "destination.request_id",
+            f"destination.request_id must equal request.request_id {req.request_id!r}, "
+            f"got {p.request_id!r}",
+        )
+    need = engine.kv.blocks_for(len(req.prompt_ids))
+    if len(p.block_ids) < need:
+        raise InvalidRequestError(
+            "destination.block_ids",
+            f"destination.block_ids must hold the prompt's {need} blocks, got {len(p.block_ids)}",
+        )
+    return Destination(p.address, p.request_id, tuple(p.block_ids))
+
+
+class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, server: PrefillServer) -> None:
+        self.server = server
+        self._active: set[str] = set()  # request ids in this worker (event loop thread)
+        self._transfers: dict[str, Future[TransferStatus]] = {}  # engine thread only
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context
+    ) -> worker_pb2.PrefillResponse:
+        loop, engine = self.server.loop, self.server.engine
+        try:
+            req = parse_request(request.request, engine)
+            dest = parse_destination(request.destination, req, engine)
+            if req.request_id in self._active:
+                raise InvalidRequestError(
+                    "request_id", f"request_id {req.request_id!r} is already running"
+                )
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = req.request_id
+        self._active.add(rid)
+        outputs = loop.subscribe(rid)
+        try:
+            await loop.call(
+                lambda e: e.add_request(req.prompt_ids, req.params, rid, prefill_only=True)
+            )
+            first = await outputs.get()
+            if not first.token_ids:  # the engine failed the step that held this request
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"prefill of {rid} failed in the engine"
+                )
+            if first.held_block_ids is None:  # the first token ended the request
+                self.server.served += 1
+                return self._response(first)
+            try:
+                fut = await loop.call(lambda e: self._send(dest, first))
+            except ValueError as exc:  # the destination cannot take these blocks
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {exc}")
+            try:
+                status = await asyncio.wait_for(
+                    asyncio.wrap_future(fut), self.server.config.kv_ack_timeout_s
+                )
+            except asyncio.TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"KV transfer of {rid} to {dest.address}: no ack within "
+                    f"{self.server.config.kv_ack_timeout_s:g} s",
+                )
+            except TransferError as exc:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"KV transfer of {rid} to {dest.address} failed: {exc.reason} ({exc})",
+                )
+            self.server.served += 1
+            return self._response(first, status)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            loop.unsubscribe(rid)
+            # Queued behind a send still in flight on the engine thread, so it sees it.
+            loop.submit(lambda e: self._end(e, rid))
+            self._active.discard(rid)
+
+    async def Status(self, request, context) -> worker_pb2.WorkerStatus:
+        return await self.server.loop.call(self.server.status)
+
+    # ---- engine thread --------------------------------------------------------------
+
+    def _send(self, dest: Destination, first: RequestOutput) -> Future[TransferStatus]:
+        # The gather copies the held blocks here, between steps: a consistent snapshot.
+        fut = self.server.sender.send(
+            dest, first.held_block_ids, first.token_ids[0], extra=rng_to_bytes(first.rng_state)
+        )
+        self._transfers[first.request_id] = fut
+        return fut
+
+    def _end(self, engine: LLMEngine, rid: str) -> None:
+        """Abort an unfinished transfer (nothing more is read from the blocks), then free them."""
+        fut = self._transfers.pop(rid, None)
+        if fut is not None and not fut.done():
+            self.server.sender.abort(rid)
+        engine.abort(rid)  # releases held KV, or stops a prefill still in the batch
+
+    def end_all(self, engine: LLMEngine) -> None:
+        for rid in list(self._transfers):
+            self._end(engine, rid)
+        engine.abort_all()
+
+    @staticmethod
+    def _response(first: RequestOutput, status: TransferStatus | None = None):
+        return worker_pb2.PrefillResponse(
+            first_token_id=first.token_ids[0],
+            text=first.text,
+            finish_reason=finish_to_proto(first.finish_reason),
+            kv_bytes=status.bytes if status else 0,
+            kv_transfer_seconds=status.seconds if status else 0.0,
+        )

@@ -1,0 +1,127 @@
+"""The worker process entry: ``python -m tandem.prefill_worker`` / ``tandem.decode_worker``.
+
+    --config FILE      a role config as YAML (``engine:`` nests; what the launcher writes)
+    --model, --port, --kv-backend, ...   one flag per config field, overriding the file
+
+Once serving it prints one line on stdout, which the launcher waits for:
+
+    READY prefill grpc=127.0.0.1:40123 kv=-
+    READY decode grpc=127.0.0.1:40125 kv=127.0.0.1:40127
+
+SIGTERM / SIGINT: NOT_SERVING, no new requests, in-flight ones get
+``drain_timeout_s``, exit 0. Bad flags or config: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+from tandem.config import DecodeConfig, EngineConfig, PrefillConfig, load_yaml, role_config
+from tandem.errors import TandemError
+
+EXIT_USAGE = 2
+ROLES = {"prefill": PrefillConfig, "decode": DecodeConfig}
+_ENGINE_FLAGS = ("model", "dtype", "device", "num_blocks", "kv_cache_bytes",
+                 "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "cache_dir")  # fmt: skip
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(cls: type, name: str) -> type:
+    default = next(f for f in dataclasses.fields(cls) if f.name == name)
+    value = default.default
+    if isinstance(value, bool) or value is None or value is dataclasses.MISSING:
+        return int if name in ("num_threads", "num_blocks", "max_model_len") else str
+    return type(value)
+
+
+def build_parser(role: str) -> argparse.ArgumentParser:
+    cls = ROLES[role]
+    p = argparse.ArgumentParser(
+        prog=f"python -m tandem.{role}_worker",
+        description=f"A Tandem {role} worker (gRPC server; prints READY when serving).",
+    )
+    p.add_argument("--config", help="YAML role config (engine: nests); flags override it")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    for f in dataclasses.fields(cls):
+        if f.name != "engine":
+            p.add_argument(
+                _flag(f.name), dest=f.name, metavar=f.name.upper(), type=_field_type(cls, f.name)
+            )
+    g = p.add_argument_group("engine")
+    for name in _ENGINE_FLAGS:
+        g.add_argument(
+            _flag(name),
+            dest=f"engine.{name}",
+            metavar=name.upper(),
+            type=_field_type(EngineConfig, name),
+        )
+    g.add_argument(
+        "--threads", dest="engine.num_threads", metavar="N", type=int, help="torch threads"
+    )
+    return p
+
+
+def load_config(role: str, args: argparse.Namespace) -> PrefillConfig | DecodeConfig:
+    values = dict(load_yaml(args.config)) if args.config else {}
+    engine = dict(values.get("engine") or {})
+    for key, value in vars(args).items():
+        if value is None or key in ("config", "verbose"):
+            continue
+        if key.startswith("engine."):
+            engine[key.removeprefix("engine.")] = value
+        else:
+            values[key] = value
+    values["engine"] = engine
+    return role_config(ROLES[role], values, where=args.config or "flags")
+
+
+async def serve(role: str, config: PrefillConfig | DecodeConfig) -> int:
+    if role == "prefill":
+        from tandem.prefill_worker.server import PrefillServer as Server
+    else:
+        from tandem.decode_worker.server import DecodeServer as Server
+    server = Server(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"READY {role} grpc={server.address} kv={server.kv_address or '-'}", flush=True)
+    await stop.wait()
+    logging.getLogger("tandem").info("%s worker: draining", role)
+    await server.stop()
+    return 0
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    args = build_parser(role).parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format=f"tandem {role} %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # UCX reads its environment once: loopback needs TCP (listeners) next to shared memory.
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        config = load_config(role, args)
+        if config.engine.num_threads:  # before torch spins up its pools (the engine does too)
+            import torch
+
+            torch.set_num_threads(config.engine.num_threads)
+        return asyncio.run(serve(role, config))
+    except TandemError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,50 @@
+"""A worker request off the wire: parsed and checked before any KV block is taken."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem._proto.tandem.v1 import worker_pb2
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.errors import InvalidRequestError
+from tandem.wire import sampling_from_proto
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class WorkRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest:
+    """Raise InvalidRequestError (field and limit named) unless ``engine`` can run it.
+
+    Reads only the engine's fixed limits, so it is safe off the engine thread.
+    """
+    rid = p.request_id
+    if not rid:
+        raise InvalidRequestError("request_id", "request_id must not be empty")
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "request_id",
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}",
+        )
+    params = sampling_from_proto(p.sampling)
+    prompt = list(p.prompt_token_ids)
+    engine.validate(prompt, params)
+    return WorkRequest(rid, prompt, params)
+
+
+def rng_to_bytes(state: torch.Tensor | None) -> bytes | None:
+    """A torch.Generator state (uint8 [n], cpu) as bytes for the KV transfer's ``extra``."""
+    return None if state is None else bytes(state.numpy())
+
+
+def rng_from_bytes(data: bytes | None) -> torch.Tensor | None:
+    return None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)

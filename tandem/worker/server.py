@@ -1,0 +1,127 @@
+"""The gRPC server shared by both worker roles: an engine on its own thread behind grpc.aio.
+
+    start()   load the engine (off the event loop), open the KV transfer endpoint,
+              bind the port (0: any free one), start the engine thread and the server,
+              then report SERVING on grpc.health.v1 ("" and the role's service)
+    stop()    NOT_SERVING first (routers stop placing here), no new RPCs, in-flight
+              ones get ``grace`` seconds and are then cancelled; whatever is left
+              in the engine is aborted (blocks freed) before its thread stops
+
+Subclasses add their servicer and their KV transfer endpoint.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from tandem._proto.tandem.v1 import worker_pb2
+from tandem.config import DecodeConfig, PrefillConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.loop import EngineLoop
+from tandem.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServer(abc.ABC):
+    role: str  # "prefill" or "decode"
+    service_name: str  # the full gRPC service name, for health checks
+    role_proto: int  # worker_pb2.Role
+
+    def __init__(self, config: PrefillConfig | DecodeConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine: LLMEngine | None = engine  # tests may share one engine across servers
+        self.loop: EngineLoop | None = None
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+        self.served = 0  # requests completed successfully (event loop thread writes)
+
+    @property
+    def address(self) -> str:
+        """The bound gRPC address, "host:port"."""
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def worker_id(self) -> str:
+        return self.config.worker_id or f"{self.role}-{self.address}"
+
+    @property
+    @abc.abstractmethod
+    def kv_address(self) -> str:
+        """Where KV is received ("" for a prefill worker)."""
+
+    async def start(self) -> None:
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        self.loop = EngineLoop(self.engine)
+        await asyncio.to_thread(self._open_transfer)
+        # No SO_REUSEPORT: a second worker on a taken port must fail, not share it.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._add_servicer(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        where = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = server.add_insecure_port(where)
+        except RuntimeError as exc:
+            self._close_transfer()
+            raise ConfigError(f"cannot listen on {where} (host/port): {exc}") from exc
+        self._server = server
+        self.loop.start()
+        await server.start()
+        for service in ("", self.service_name):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s worker %s serving (kv %s)", self.role, self.address, self.kv_address or "-")
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain for ``grace`` seconds (None: the config's drain_timeout_s), then stop."""
+        if self._server is None:
+            return
+        grace = self.config.drain_timeout_s if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        self._server = None
+        # Cancelled handlers queued their clean-up first; this runs after it (FIFO).
+        await self.loop.call(self._abort_all)
+        self.loop.stop()
+        self._close_transfer()
+        log.info("%s worker %s stopped", self.role, self.address)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def status(self, engine: LLMEngine, queue_depth: int = 0) -> worker_pb2.WorkerStatus:
+        """Runs on the engine thread, so the numbers are one consistent snapshot."""
+        pool = engine.kv.pool
+        return worker_pb2.WorkerStatus(
+            worker_id=self.worker_id,
+            role=self.role_proto,
+            queue_depth=len(engine.scheduler.waiting) + queue_depth,
+            running=len(engine.scheduler.running),
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_total=pool.num_blocks,
+            kv_address=self.kv_address,
+            served=self.served,
+        )
+
+    @abc.abstractmethod
+    def _add_servicer(self, server: grpc.aio.Server) -> None: ...
+
+    @abc.abstractmethod
+    def _open_transfer(self) -> None:
+        """Create the KV sender or receiver (blocking; runs off the event loop)."""
+
+    @abc.abstractmethod
+    def _close_transfer(self) -> None: ...
+
+    @abc.abstractmethod
+    def _abort_all(self, engine: LLMEngine) -> None:
+        """Engine thread: end every request and free its blocks."""

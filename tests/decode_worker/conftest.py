@@ -1,0 +1,1 @@
+from tests.workers import _workers_clean, bg, pair  # noqa: F401

@@ -1,0 +1,175 @@
+"""DecodeWorker on its own: reservations, leases, cancellation, limits, Status and health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
+from tandem.config import DecodeConfig
+from tandem.engine.sampling_params import SamplingParams
+from tests.workers import TIMEOUT, engine_config, request, start_worker, stop_worker, wait_until
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _open(worker, req, timeout=TIMEOUT):
+    stream = worker.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=timeout)
+    return stream, next(stream).destination
+
+
+def test_destination_names_the_reserved_blocks_and_status_counts_them(pair):
+    decode = pair.decode
+    stream, dest = _open(decode, request([5] * 30, PARAMS))  # 70 tokens: 5 blocks
+    assert dest.address == decode.server.kv_address and dest.request_id == "r1"
+    assert len(dest.block_ids) == 5 and dest.lease_seconds == 10
+    status = decode.status()
+    assert (status.kv_blocks_used, status.kv_blocks_free, status.kv_blocks_total) == (5, 59, 64)
+    assert status.queue_depth == 1 and status.running == 0  # waiting for its KV
+    assert status.role == worker_pb2.ROLE_DECODE and status.kv_address == dest.address
+    assert status.worker_id == f"decode-{decode.server.address}"
+    stream.cancel()
+    wait_until(lambda: decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+
+
+def test_cancelled_stream_frees_its_blocks_within_a_second(pair):
+    stream, _ = _open(pair.decode, request([5] * 30, PARAMS))
+    assert pair.decode.used_blocks() == 5
+    stream.cancel()
+    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+
+
+def test_cancel_while_decoding_frees_blocks(pair):
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)  # 59 of 64 blocks
+    req = request([5] * 30, params)
+    stream, dest = _open(pair.decode, req)
+    pair.prefill.stub.Prefill(
+        worker_pb2.PrefillRequest(request=req, destination=dest), timeout=TIMEOUT
+    )
+    chunk = next(stream).chunk
+    assert chunk.token_ids and not chunk.finish_reason
+    stream.cancel()
+    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+
+
+def test_deadline_while_waiting_for_kv_frees_blocks(pair):
+    stream, _ = _open(pair.decode, request([5] * 30, PARAMS), timeout=0.5)
+    with pytest.raises(grpc.RpcError) as err:
+        next(stream)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after the deadline")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+        (dict(temperature=-1.0), "temperature must be finite and >= 0"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(top_k=-2), "top_k must be >= 0"),
+        (dict(min_p=2.0), "min_p must be in [0, 1]"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(max_tokens=5000), "exceeds the context length 4096"),
+        (dict(max_tokens=2000), "needs 127 KV blocks, the pool has 64"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_takes_nothing(pair, change, field):
+    sampling = tandem_pb2.SamplingParams(max_tokens=8, temperature=0)
+    for key, value in change.items():
+        if key == "stop":
+            sampling.stop.extend(value)
+        else:
+            setattr(sampling, key, value)
+    req = worker_pb2.WorkerRequest(request_id="bad", prompt_token_ids=[5] * 30, sampling=sampling)
+    with pytest.raises(grpc.RpcError) as err:
+        list(pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert pair.decode.used_blocks() == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "rid", "message"),
+    [
+        ([], "r", "prompt must not be empty"),
+        ([5, 999], "r", "token id 999 is outside [0, 259)"),
+        ([5], "", "request_id must not be empty"),
+    ],
+)
+def test_bad_request_fields_are_named(pair, prompt, rid, message):
+    req = worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=prompt)
+    with pytest.raises(grpc.RpcError) as err:
+        list(pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+def test_reservation_that_does_not_fit_now_is_resource_exhausted(pair):
+    params = SamplingParams(max_tokens=600, temperature=0)  # 100 + 600 tokens: 44 blocks
+    held, _ = _open(pair.decode, request([5] * 100, params, rid="big"))
+    with pytest.raises(grpc.RpcError) as err:
+        _open(pair.decode, request([5] * 100, params, rid="big2"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs 44 KV blocks, 20 free" in err.value.details()
+    held.cancel()
+    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+
+
+def test_duplicate_request_id_is_refused(pair):
+    first, _ = _open(pair.decode, request([5] * 10, PARAMS, rid="same"))
+    with pytest.raises(grpc.RpcError) as err:
+        _open(pair.decode, request([5] * 10, PARAMS, rid="same"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already running" in err.value.details()
+    first.cancel()
+
+
+def test_health_reports_serving(pair):
+    for worker, service in ((pair.decode, "tandem.v1.DecodeWorker"), (pair.prefill, "")):
+        health = health_pb2_grpc.HealthStub(worker.channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_lease_expiry_without_prefill_is_unavailable_and_frees_blocks(bg):
+    worker = start_worker(bg, DecodeConfig(engine=engine_config(num_blocks=16), kv_lease_s=0.3))
+    try:
+        start = time.monotonic()
+        stream, dest = _open(worker, request([5] * 30, PARAMS))
+        assert dest.lease_seconds == pytest.approx(0.3)
+        with pytest.raises(grpc.RpcError) as err:
+            next(stream)
+        assert time.monotonic() - start < 2
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "lease expired" in err.value.details()
+        worker.check_clean()
+    finally:
+        stop_worker(bg, worker)
+
+
+def _serving(health) -> bool:
+    try:
+        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+    except grpc.RpcError:  # the server already refuses new calls
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_stop_drains_then_cancels_and_frees_everything(bg):
+    worker = start_worker(bg, DecodeConfig(engine=engine_config(num_blocks=16)))
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    stream, _ = _open(worker, request([5] * 30, PARAMS))  # waits for KV that never comes
+    stopping = asyncio.run_coroutine_threadsafe(worker.server.stop(grace=0.5), bg.loop)
+    wait_until(lambda: not _serving(health), 2.0, "NOT_SERVING (or refusing calls) once stopping")
+    stopping.result(TIMEOUT)
+    with pytest.raises(grpc.RpcError) as err:
+        next(stream)
+    assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    engine = worker.server.engine
+    engine.kv.pool.check_integrity()
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
+    worker.channel.close()

@@ -1,0 +1,62 @@
+"""A request driven by hand through both workers equals the colocated engine."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.engine.sampling_params import SamplingParams
+from tests.workers import drive, request
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+PROMPTS = ("hello there", "你好，世界！" * 3, "long prompt " * 30)
+
+
+def _colocated(engine, prompt, params):
+    outs = list(engine.stream(prompt, params))
+    return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_split_equals_colocated(tiny_engine, pair, params):
+    served = pair.prefill.status().served, pair.decode.status().served
+    for i, text in enumerate(PROMPTS):
+        prompt = tiny_engine.tokenizer.encode(text)
+        got = drive(pair, request(prompt, params, rid=f"r{i}"))
+        assert (got.tokens, got.text) == _colocated(tiny_engine, prompt, params)
+        last = got.chunks[-1]
+        assert last.finish_reason == tandem_pb2.FINISH_REASON_LENGTH
+        assert last.completion_tokens == params.max_tokens  # the first token counts
+        assert all(c.finish_reason == 0 for c in got.chunks[:-1])
+        assert got.prefill.kv_bytes > 0 and got.prefill.kv_transfer_seconds > 0
+    n = len(PROMPTS)
+    assert (pair.prefill.status().served, pair.decode.status().served) == (
+        served[0] + n,
+        served[1] + n,
+    )
+
+
+def test_first_token_that_ends_the_request_is_answered_by_prefill(tiny_engine, pair):
+    prompt = tiny_engine.tokenizer.encode("one token only")
+    params = SamplingParams(max_tokens=1, temperature=0)
+    got = drive(pair, request(prompt, params))
+    assert got.prefill.finish_reason in (
+        tandem_pb2.FINISH_REASON_LENGTH,
+        tandem_pb2.FINISH_REASON_STOP,
+    )
+    assert got.prefill.kv_bytes == 0
+    assert (got.tokens, got.text) == _colocated(tiny_engine, prompt, params)
+
+
+def test_concurrent_requests_are_batched_and_all_right(tiny_engine, pair):
+    prompts = [tiny_engine.tokenizer.encode(f"prompt number {i} " * (i + 1)) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(drive, pair, request(p, GREEDY, rid=f"c{i}")) for i, p in enumerate(prompts)
+        ]
+        results = [f.result(60) for f in futures]
+    for prompt, got in zip(prompts, results, strict=True):
+        assert (got.tokens, got.text) == _colocated(tiny_engine, prompt, GREEDY)

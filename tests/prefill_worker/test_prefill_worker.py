@@ -1,0 +1,115 @@
+"""PrefillWorker: bad input, transfer failures and cancellation never leak blocks."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
+from tandem.config import DecodeConfig
+from tandem.engine.sampling_params import SamplingParams
+from tests.workers import TIMEOUT, engine_config, request, start_worker, stop_worker, wait_until
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _prefill(worker, req, dest, timeout=TIMEOUT):
+    return worker.stub.Prefill(
+        worker_pb2.PrefillRequest(request=req, destination=dest), timeout=timeout
+    )
+
+
+def _dest(rid="r1", blocks=(0, 1, 2), address="127.0.0.1:1"):
+    return worker_pb2.KvDestination(
+        address=address, request_id=rid, block_ids=blocks, lease_seconds=5
+    )
+
+
+@pytest.mark.parametrize(
+    ("req", "dest", "message"),
+    [
+        (request([5] * 20, PARAMS), _dest(address=""), "destination.address must not be empty"),
+        (request([5] * 20, PARAMS), _dest(rid="other"), "destination.request_id must equal"),
+        (request([5] * 40, PARAMS), _dest(blocks=(0, 1)), "must hold the prompt's 3 blocks, got 2"),
+        (request([], PARAMS), _dest(), "prompt must not be empty"),
+        (request([5, 300], PARAMS), _dest(), "token id 300 is outside [0, 259)"),
+        (
+            worker_pb2.WorkerRequest(
+                request_id="r1",
+                prompt_token_ids=[5],
+                sampling=tandem_pb2.SamplingParams(repetition_penalty=0.0),
+            ),
+            _dest(),
+            "repetition_penalty must be finite and > 0",
+        ),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_takes_nothing(pair, req, dest, message):
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(pair.prefill, req, dest)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert pair.prefill.used_blocks() == 0 and pair.decode.used_blocks() == 0
+
+
+def test_unreachable_decode_worker_is_unavailable_and_frees_blocks(pair):
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(pair.prefill, request([5] * 40, PARAMS), _dest(address="127.0.0.1:9"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "unreachable" in err.value.details()
+    assert pair.prefill.used_blocks() == 0
+
+
+def test_reservation_gone_before_the_kv_arrives_is_unavailable(pair):
+    req = request([5] * 40, PARAMS)
+    stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
+    dest = next(stream).destination
+    stream.cancel()  # the router gave up: the decode side forgets the request
+    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "decode blocks freed")
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(pair.prefill, req, dest)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "unknown request" in err.value.details()
+    assert pair.prefill.used_blocks() == 0
+
+
+def test_mismatched_decode_worker_is_named_at_once(bg, pair):
+    other = start_worker(bg, DecodeConfig(engine=engine_config(block_size=32, num_blocks=8)))
+    try:
+        req = request([5] * 10, PARAMS)  # one block on either side
+        stream = other.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
+        dest = next(stream).destination
+        with pytest.raises(grpc.RpcError) as err:
+            _prefill(pair.prefill, req, dest)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "block_size: prefill 16, decode 32" in err.value.details()
+        stream.cancel()
+        other.check_clean()
+    finally:
+        stop_worker(bg, other)
+
+
+def test_status_and_health(pair):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    status = pair.prefill.status()
+    assert status.role == worker_pb2.ROLE_PREFILL and status.worker_id.startswith("prefill-")
+    assert (status.queue_depth, status.running, status.kv_blocks_used) == (0, 0, 0)
+    assert status.kv_blocks_free == status.kv_blocks_total == 64 and status.kv_address == ""
+    health = health_pb2_grpc.HealthStub(pair.prefill.channel)
+    reply = health.Check(
+        health_pb2.HealthCheckRequest(service="tandem.v1.PrefillWorker"), timeout=TIMEOUT
+    )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_prefill_deadline_frees_blocks_on_both_sides(pair):
+    req = request([5] * 600, PARAMS)  # long enough that 5 ms cannot cover prefill and transfer
+    stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
+    dest = next(stream).destination
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(pair.prefill, req, dest, timeout=0.005)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: pair.prefill.used_blocks() == 0, 1.0, "prefill blocks freed")
+    stream.cancel()
+    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "decode blocks freed")

@@ -35,7 +35,12 @@ class DecodeServer(WorkerServer):
     def _open_transfer(self) -> None:
         cfg, engine = self.config, self.engine
         self.receiver = make_receiver(
-            cfg.kv_backend, engine.kv.tensor, engine.kv_fingerprint(), cfg.host, cfg.kv_port
+            cfg.kv_backend,
+            engine.kv.tensor,
+            engine.kv_fingerprint(),
+            cfg.host,
+            cfg.kv_port,
+            metrics=self.transfer_metrics,
         )
         self.admission = KvAdmission(self.receiver, cfg.kv_lease_s)
         self.loop.add_hook(self.admission.poll)

@@ -31,7 +31,7 @@ class PrefillServer(WorkerServer):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)
 
     def _open_transfer(self) -> None:
-        options = {}
+        options = {"metrics": self.transfer_metrics}
         if self.config.kv_backend == "ucx":
             options["ack_timeout_s"] = self.config.kv_ack_timeout_s
             options["connect_timeout_s"] = self.config.kv_connect_timeout_s

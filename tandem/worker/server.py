@@ -25,6 +25,7 @@ from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.loop import EngineLoop
 from tandem.errors import ConfigError
+from tandem.kv_transfer.base import TransferMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class WorkerServer(abc.ABC):
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self.served = 0  # requests completed successfully (event loop thread writes)
+        self.transfer_metrics = TransferMetrics()  # filled by the KV sender or receiver
 
     @property
     def address(self) -> str:
@@ -100,6 +102,7 @@ class WorkerServer(abc.ABC):
     def status(self, engine: LLMEngine, queue_depth: int = 0) -> worker_pb2.WorkerStatus:
         """Runs on the engine thread, so the numbers are one consistent snapshot."""
         pool = engine.kv.pool
+        m = self.transfer_metrics
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id,
             role=self.role_proto,
@@ -110,6 +113,9 @@ class WorkerServer(abc.ABC):
             kv_blocks_total=pool.num_blocks,
             kv_address=self.kv_address,
             served=self.served,
+            kv_transfers_total=m.transfers_done,
+            kv_bytes_total=m.bytes_sent + m.bytes_received,
+            kv_transfer_seconds_total=m.seconds_total,
         )
 
     @abc.abstractmethod

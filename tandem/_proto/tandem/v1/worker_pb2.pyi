@@ -92,7 +92,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served")
+    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served", "kv_transfers_total", "kv_bytes_total", "kv_transfer_seconds_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,9 @@ class WorkerStatus(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     queue_depth: int
@@ -111,4 +114,7 @@ class WorkerStatus(_message.Message):
     kv_blocks_total: int
     kv_address: str
     served: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ...) -> None: ...
+    kv_transfers_total: int
+    kv_bytes_total: int
+    kv_transfer_seconds_total: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ..., kv_transfers_total: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,127 @@
+"""Client-side conversions: keyword arguments to requests, responses to dataclasses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.client.errors import InvalidRequest, TandemClientError
+from tandem.client.types import (
+    ChatMessage,
+    Completion,
+    FinishReason,
+    GenerateChunk,
+    Message,
+    ModelInfo,
+    Usage,
+)
+
+_FINISH: dict[int, FinishReason] = {
+    tandem_pb2.FINISH_REASON_STOP: "stop",
+    tandem_pb2.FINISH_REASON_LENGTH: "length",
+    tandem_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    tandem_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def generate_request(
+    prompt: str | None,
+    messages: Sequence[Message] | None,
+    request_id: str,
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    seed: int | None,
+    repetition_penalty: float | None,
+    stop: Iterable[str],
+    ignore_eos: bool,
+) -> tandem_pb2.GenerateRequest:
+    request = tandem_pb2.GenerateRequest(request_id=request_id)
+    _set_input(request, prompt, messages)
+    s = request.sampling
+    # Unset stays unset: the server applies its documented defaults.
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("min_p", min_p),
+        ("seed", seed),
+        ("repetition_penalty", repetition_penalty),
+    ):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.ignore_eos = ignore_eos
+    return request
+
+
+def tokenize_request(
+    prompt: str | None, messages: Sequence[Message] | None
+) -> tandem_pb2.TokenizeRequest:
+    request = tandem_pb2.TokenizeRequest()
+    _set_input(request, prompt, messages)
+    return request
+
+
+def _set_input(request, prompt: str | None, messages: Sequence[Message] | None) -> None:
+    if (prompt is None) == (messages is None):
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of prompt or messages"
+        )
+    if prompt is not None:
+        request.prompt = prompt
+        return
+    for m in messages or ():
+        if isinstance(m, ChatMessage):
+            role, content = m.role, m.content
+        else:
+            role, content = m["role"], m["content"]
+        request.chat.messages.add(role=role, content=content)
+    request.chat.SetInParent()  # an empty list is still "chat", which the server refuses
+
+
+def chunk(response: tandem_pb2.GenerateResponse) -> GenerateChunk:
+    last = response.finish_reason != tandem_pb2.FINISH_REASON_UNSPECIFIED
+    return GenerateChunk(
+        request_id=response.request_id,
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        finish_reason=_FINISH.get(response.finish_reason) if last else None,
+        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
+        if last
+        else None,
+    )
+
+
+def model_info(info: tandem_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(info.model_id, info.context_length, info.vocab_size)
+
+
+class CompletionBuilder:
+    """Joins a stream of chunks into one ``Completion``."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._last: GenerateChunk | None = None
+
+    def add(self, c: GenerateChunk) -> None:
+        self._text.append(c.text)
+        self._ids.extend(c.token_ids)
+        self._last = c
+
+    def build(self) -> Completion:
+        last = self._last
+        if last is None or last.finish_reason is None or last.usage is None:
+            raise TandemClientError(
+                grpc.StatusCode.INTERNAL, "the stream ended without a final response"
+            )
+        return Completion(
+            last.request_id, "".join(self._text), tuple(self._ids), last.finish_reason, last.usage
+        )

@@ -1,0 +1,109 @@
+"""``AsyncTandemClient``: the asyncio client, the same calls as ``TandemClient``.
+
+    async with AsyncTandemClient("127.0.0.1:50051") as client:
+        async for chunk in client.generate(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+
+Cancelling the task that iterates (or leaving the loop early) cancels the call,
+and with it the request on every worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import grpc
+
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from tandem.client import _convert
+from tandem.client.errors import from_rpc_error
+from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
+
+
+class AsyncTandemClient:
+    def __init__(self, address: str, *, timeout: float | None = None) -> None:
+        """``timeout``: the default per-call deadline in seconds (None: no deadline)."""
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        seed: int | None = None,
+        repetition_penalty: float | None = None,
+        stop: Iterable[str] = (),
+        ignore_eos: bool = False,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Streams the generation; the last chunk has ``finish_reason`` and ``usage``."""
+        request = _convert.generate_request(
+            prompt, messages, request_id,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, stop=stop,
+            ignore_eos=ignore_eos,
+        )  # fmt: skip
+        return self._stream(request, self._timeout(timeout))
+
+    async def complete(self, prompt: str | None = None, **kwargs) -> Completion:
+        """``generate`` gathered into one ``Completion`` (same arguments)."""
+        builder = _convert.CompletionBuilder()
+        async for c in self.generate(prompt, **kwargs):
+            builder.add(c)
+        return builder.build()
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            info = await self._stub.GetModelInfo(
+                tandem_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return _convert.model_info(info)
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        request = _convert.tokenize_request(prompt, messages)
+        try:
+            response = await self._stub.Tokenize(request, timeout=self._timeout(timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return list(response.token_ids)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTandemClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def _stream(
+        self, request: tandem_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncIterator[GenerateChunk]:
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            async for response in call:
+                yield _convert.chunk(response)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()

@@ -1,0 +1,61 @@
+"""What a failed call raises: one exception class per gRPC status a caller acts on.
+
+- ``InvalidRequest``   (INVALID_ARGUMENT) fix the request; the message names the field
+  and the limit, e.g. "max_tokens must be >= 1, got 0";
+- ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff;
+- ``Unavailable``      (UNAVAILABLE) no worker of a pool can serve, or one died mid-request;
+- ``DeadlineExceeded`` (DEADLINE_EXCEEDED) the timeout passed; every stage stopped;
+- ``Cancelled``        (CANCELLED) the call was cancelled;
+- ``TandemClientError`` anything else (``code`` says which).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from tandem.errors import TandemError
+
+
+class TandemClientError(TandemError):
+    """A failed call; ``code`` is the gRPC status, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}" if details else code.name)
+        self.code = code
+        self.details = details
+
+
+class InvalidRequest(TandemClientError, ValueError):
+    pass
+
+
+class Overloaded(TandemClientError):
+    pass
+
+
+class Unavailable(TandemClientError):
+    pass
+
+
+class DeadlineExceeded(TandemClientError, TimeoutError):
+    pass
+
+
+class Cancelled(TandemClientError):
+    pass
+
+
+_BY_CODE: dict[grpc.StatusCode, type[TandemClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> TandemClientError:
+    """The exception for a failed call (sync ``grpc.RpcError`` or ``grpc.aio.AioRpcError``)."""
+    code = exc.code()  # type: ignore[attr-defined]
+    details = exc.details() or ""  # type: ignore[attr-defined]
+    return _BY_CODE.get(code, TandemClientError)(code, details)

@@ -1,0 +1,111 @@
+"""``TandemClient``: the blocking client.
+
+    with TandemClient("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", max_tokens=32, temperature=0):
+            print(chunk.text, end="", flush=True)
+
+``timeout`` (seconds) becomes the call's gRPC deadline: when it passes, every
+stage of the cluster stops the request. Leaving a ``generate`` loop early (or
+closing the iterator) cancels the call, which frees the request's KV on the
+workers. Failures raise the exceptions of ``tandem.client.errors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from tandem.client import _convert
+from tandem.client.errors import from_rpc_error
+from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
+
+
+class TandemClient:
+    def __init__(self, address: str, *, timeout: float | None = None) -> None:
+        """``timeout``: the default per-call deadline in seconds (None: no deadline)."""
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        seed: int | None = None,
+        repetition_penalty: float | None = None,
+        stop: Iterable[str] = (),
+        ignore_eos: bool = False,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[GenerateChunk]:
+        """Streams the generation; the last chunk has ``finish_reason`` and ``usage``."""
+        request = _convert.generate_request(
+            prompt, messages, request_id,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, stop=stop,
+            ignore_eos=ignore_eos,
+        )  # fmt: skip
+        return self._stream(request, self._timeout(timeout))
+
+    def complete(self, prompt: str | None = None, **kwargs) -> Completion:
+        """``generate`` gathered into one ``Completion`` (same arguments)."""
+        builder = _convert.CompletionBuilder()
+        for c in self.generate(prompt, **kwargs):
+            builder.add(c)
+        return builder.build()
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            info = self._stub.GetModelInfo(
+                tandem_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout)
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return _convert.model_info(info)
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        request = _convert.tokenize_request(prompt, messages)
+        try:
+            response = self._stub.Tokenize(request, timeout=self._timeout(timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return list(response.token_ids)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _stream(
+        self, request: tandem_pb2.GenerateRequest, timeout: float | None
+    ) -> Iterator[GenerateChunk]:
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for response in call:
+                yield _convert.chunk(response)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; frees the request when left early

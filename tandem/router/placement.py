@@ -1,0 +1,79 @@
+"""Placement: which worker of a pool gets the next request.
+
+A policy sees one ``WorkerLoad`` per placeable worker (healthy, in registration
+order) and returns one of them. The loads are the last polled ``Status`` numbers
+corrected by what the router itself has sent since that poll (see
+``registry.Worker.load``), so that a burst of requests between two polls spreads
+out instead of piling onto the worker that looked emptiest.
+
+- ``least-loaded``: decode: most free KV blocks, then the shortest queue;
+  prefill: the shortest queue, then the fewest running. Remaining ties go to the
+  fewest requests in flight from this router, then to registration order.
+- ``round-robin``: each pool in turn, ignoring the numbers.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.errors import ConfigError
+
+
+class Pool(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    address: str
+    queue_depth: int = 0  # waiting to be scheduled on the worker
+    running: int = 0  # in the worker's batch
+    kv_blocks_free: int = 0
+    inflight: int = 0  # this router's requests on the worker now
+
+
+class PlacementPolicy(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
+        """One of ``candidates`` (never empty, in registration order)."""
+
+
+class LeastLoaded(PlacementPolicy):
+    name = "least-loaded"
+
+    def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
+        if pool is Pool.DECODE:
+            return min(candidates, key=lambda w: (-w.kv_blocks_free, w.queue_depth, w.inflight))
+        return min(candidates, key=lambda w: (w.queue_depth, w.running, w.inflight))
+
+
+class RoundRobin(PlacementPolicy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = {pool: 0 for pool in Pool}
+
+    def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
+        # A counter modulo the current size: membership changes shift the turn,
+        # but every placeable worker still gets one request in each len() in a row.
+        i = self._next[pool] % len(candidates)
+        self._next[pool] = i + 1
+        return candidates[i]
+
+
+_POLICIES: dict[str, type[PlacementPolicy]] = {p.name: p for p in (LeastLoaded, RoundRobin)}
+
+
+def make_policy(name: str) -> PlacementPolicy:
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise ConfigError(
+            f"placement must be one of {', '.join(_POLICIES)}, got {name!r}"
+        ) from None

@@ -1,0 +1,194 @@
+"""The router's view of its workers: membership, health and load.
+
+Workers are given at start (``RouterConfig.prefill_workers`` / ``decode_workers``)
+and can be added and removed while the router runs (``add_worker`` /
+``remove_worker``). Each has one gRPC channel, reused by every request.
+
+A worker is *placeable* while it is healthy. It stops being healthy when
+- its ``Status`` has failed for ``worker_timeout_s`` (polled every
+  ``status_interval_s``), or
+- a request's call to it failed as a dead worker does (``mark_down``);
+and it becomes healthy again at its next successful ``Status``.
+
+Load: each poll stores the worker's numbers; between polls the registry counts
+what this router sent (requests placed, KV blocks reserved) so that placement
+sees a burst of requests as load at once. A poll resets those counts: the
+worker's own numbers include them from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.router.placement import Pool, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+_ROLES = {Pool.PREFILL: worker_pb2.ROLE_PREFILL, Pool.DECODE: worker_pb2.ROLE_DECODE}
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    pool: Pool
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
+    last_ok: float  # monotonic time of the last successful Status (or of registration)
+    healthy: bool = True  # optimistic until Status says otherwise: serves at once
+    removed: bool = False
+    # Last polled numbers.
+    queue_depth: int = 0
+    running: int = 0
+    kv_blocks_free: int = 0
+    # This router's own counts.
+    inflight: int = 0
+    placed_since_poll: int = 0
+    reserved_since_poll: int = 0  # decode: KV blocks named in destinations since the poll
+    closing: list[asyncio.Task] = field(default_factory=list)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            address=self.address,
+            queue_depth=self.queue_depth + self.placed_since_poll,
+            running=self.running,
+            kv_blocks_free=max(0, self.kv_blocks_free - self.reserved_since_poll),
+            inflight=self.inflight,
+        )
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        status_interval_s: float,
+        worker_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.status_interval_s = status_interval_s
+        self.worker_timeout_s = worker_timeout_s
+        self._clock = clock
+        self._workers: dict[tuple[Pool, str], Worker] = {}
+        self._poller: asyncio.Task | None = None
+
+    # Membership ----------------------------------------------------------------
+
+    def add_worker(self, pool: Pool | str, address: str) -> None:
+        """Adds a worker (idempotent); it takes requests at once."""
+        pool = Pool(pool)
+        if (pool, address) in self._workers:
+            return
+        channel = grpc.aio.insecure_channel(address)
+        stub_cls = (
+            worker_pb2_grpc.PrefillWorkerStub
+            if pool is Pool.PREFILL
+            else worker_pb2_grpc.DecodeWorkerStub
+        )
+        self._workers[(pool, address)] = Worker(
+            address, pool, channel, stub_cls(channel), last_ok=self._clock()
+        )
+        log.info("added %s worker %s", pool.value, address)
+
+    def remove_worker(self, pool: Pool | str, address: str) -> bool:
+        """Stops placing on the worker; its channel closes when its last request ends."""
+        worker = self._workers.pop((Pool(pool), address), None)
+        if worker is None:
+            return False
+        worker.removed = True
+        if worker.inflight == 0:
+            self._close(worker)
+        log.info("removed %s worker %s", worker.pool.value, address)
+        return True
+
+    def workers(self, pool: Pool | None = None) -> list[Worker]:
+        return [w for w in self._workers.values() if pool is None or w.pool is pool]
+
+    def placeable(self, pool: Pool, exclude: Iterable[Worker] = ()) -> list[Worker]:
+        skip = set(map(id, exclude))
+        return [w for w in self.workers(pool) if w.healthy and id(w) not in skip]
+
+    # Per-request accounting --------------------------------------------------------
+
+    def acquire(self, worker: Worker) -> None:
+        worker.inflight += 1
+        worker.placed_since_poll += 1
+
+    def release(self, worker: Worker) -> None:
+        worker.inflight -= 1
+        if worker.removed and worker.inflight == 0:
+            self._close(worker)
+
+    def reserved(self, worker: Worker, num_blocks: int) -> None:
+        worker.reserved_since_poll += num_blocks
+
+    def mark_down(self, worker: Worker, reason: str) -> None:
+        if worker.healthy:
+            log.warning("%s worker %s is down: %s", worker.pool.value, worker.address, reason)
+        worker.healthy = False
+
+    # Status polling ------------------------------------------------------------------
+
+    def start(self, after_poll: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Polls every ``status_interval_s``; ``after_poll`` runs after each round."""
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_forever(after_poll), name="status-poller")
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        workers = list(self._workers.values())
+        self._workers.clear()
+        for worker in workers:
+            self._close(worker)
+        await asyncio.gather(*(t for w in workers for t in w.closing), return_exceptions=True)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers()))
+
+    async def _poll_forever(self, after_poll: Callable[[], Awaitable[None]] | None) -> None:
+        while True:
+            await self.poll_once()
+            if after_poll is not None:
+                await after_poll()
+            await asyncio.sleep(self.status_interval_s)
+
+    async def _poll(self, worker: Worker) -> None:
+        timeout = min(self.status_interval_s, self.worker_timeout_s) + 0.5
+        try:
+            status = await worker.stub.Status(worker_pb2.StatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:  # another kind of server there
+                self.mark_down(worker, f"it does not serve a {worker.pool.value} worker's Status")
+            elif worker.healthy and self._clock() - worker.last_ok > self.worker_timeout_s:
+                self.mark_down(
+                    worker,
+                    f"Status failing for over {self.worker_timeout_s:g} s "
+                    f"({exc.code().name}: {exc.details()})",
+                )
+            return
+        if status.role != _ROLES[worker.pool]:
+            self.mark_down(
+                worker,
+                f"it reports role {worker_pb2.Role.Name(status.role)}, "
+                f"but it was registered as a {worker.pool.value} worker",
+            )
+            return
+        worker.queue_depth = status.queue_depth
+        worker.running = status.running
+        worker.kv_blocks_free = status.kv_blocks_free
+        worker.placed_since_poll = 0
+        worker.reserved_since_poll = 0
+        worker.last_ok = self._clock()
+        if not worker.healthy:
+            log.info("%s worker %s answers again", worker.pool.value, worker.address)
+            worker.healthy = True
+
+    def _close(self, worker: Worker) -> None:
+        worker.closing.append(asyncio.ensure_future(worker.channel.close()))

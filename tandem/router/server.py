@@ -1,0 +1,116 @@
+"""``Router``: the router's gRPC server, in-process (tests) or as a process (``__main__``).
+
+It serves ``tandem.v1.Tandem``, ``grpc.health.v1`` and server reflection. Health:
+the server ("") is SERVING while it accepts requests; ``tandem.v1.Tandem`` is
+SERVING only while both pools have a placeable worker (updated after each
+Status poll). ``stop()`` turns health to NOT_SERVING, stops
+accepting, lets in-flight streams finish for up to ``grace`` seconds, cancels
+the rest (which cancels their worker calls), then closes the worker channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from tandem.config import RouterConfig
+from tandem.errors import ConfigError
+from tandem.router.admission import Admission
+from tandem.router.frontend import Frontend
+from tandem.router.placement import Pool, make_policy
+from tandem.router.registry import WorkerRegistry
+from tandem.router.relay import Relay
+from tandem.router.service import TandemService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+
+
+class Router:
+    def __init__(self, config: RouterConfig, frontend: Frontend | None = None) -> None:
+        self.config = config
+        self.frontend = frontend  # loaded in start() when not given
+        self.registry = WorkerRegistry(config.status_interval_s, config.worker_timeout_s)
+        self.admission = Admission(config.max_queue)
+        self.relay = Relay(self.registry, make_policy(config.placement))
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the router is not started")
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        if self.frontend is None:
+            self.frontend = await asyncio.to_thread(Frontend.load, self.config)
+        for address in self.config.prefill_workers:
+            self.registry.add_worker(Pool.PREFILL, address)
+        for address in self.config.decode_workers:
+            self.registry.add_worker(Pool.DECODE, address)
+        await self.registry.poll_once()  # placement has numbers from the first request on
+
+        # No SO_REUSEPORT: a second router on a taken port must fail, not share it silently.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        tandem_pb2_grpc.add_TandemServicer_to_server(
+            TandemService(self.frontend, self.admission, self.relay), server
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        bind = f"{self.config.host}:{self.config.port}"
+        try:
+            port = server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            port, reason = 0, str(exc)
+        else:
+            reason = "bind failed"
+        if not port:
+            await self.registry.stop()
+            raise ConfigError(f"router cannot listen on {bind} (settings host, port): {reason}")
+        self.port = port
+        await server.start()
+        self._server = server
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._update_health()
+        self.registry.start(after_poll=self._update_health)
+        log.info("router serving on %s", self.address)
+
+    async def _update_health(self) -> None:
+        """The process is SERVING while it runs; the Tandem service only while both
+        pools have a placeable worker (a load balancer can then route elsewhere)."""
+        ready = all(self.registry.placeable(pool) for pool in Pool)
+        status = health_pb2.HealthCheckResponse
+        if self._health is not None and self._server is not None:
+            await self._health.set(SERVICE_NAME, status.SERVING if ready else status.NOT_SERVING)
+
+    def add_worker(self, pool: Pool | str, address: str) -> None:
+        self.registry.add_worker(pool, address)
+
+    def remove_worker(self, pool: Pool | str, address: str) -> bool:
+        return self.registry.remove_worker(pool, address)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains in-flight requests for up to ``grace`` seconds (None: the configured drain)."""
+        if self._server is not None:
+            if self._health is not None:
+                await self._health.enter_graceful_shutdown()
+            grace = self.config.drain_timeout_s if grace is None else grace
+            await self._server.stop(grace)
+            self._server = None
+        await self.registry.stop()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -1,0 +1,59 @@
+"""The public ``tandem.v1.Tandem`` service: the gRPC edge of the router.
+
+Generate: validate and tokenize (INVALID_ARGUMENT, no worker contacted) →
+admission (RESOURCE_EXHAUSTED beyond the bound) → ``Relay.generate``, whose
+responses are streamed as they come. A ``RouterError`` becomes the client's
+status. A client cancel or an expired deadline cancels this handler; the
+relay's ``finally`` then cancels the worker calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+
+import grpc
+
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from tandem.errors import InvalidRequestError
+from tandem.router.admission import Admission
+from tandem.router.errors import RouterError
+from tandem.router.frontend import Frontend
+from tandem.router.relay import Relay
+
+log = logging.getLogger(__name__)
+
+
+class TandemService(tandem_pb2_grpc.TandemServicer):
+    def __init__(self, frontend: Frontend, admission: Admission, relay: Relay) -> None:
+        self.frontend = frontend
+        self.admission = admission
+        self.relay = relay
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        try:
+            prepared = self.frontend.prepare(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            with self.admission.admit():
+                stream = self.relay.generate(prepared, context.time_remaining())
+                async with aclosing(stream):
+                    async for response in stream:
+                        yield response
+        except RouterError as exc:
+            log.info("request %s failed: %s: %s", prepared.request_id, exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
+        f = self.frontend
+        return tandem_pb2.ModelInfo(
+            model_id=f.model_id, context_length=f.context_length, vocab_size=f.vocab_size
+        )
+
+    async def Tokenize(self, request, context: grpc.aio.ServicerContext):
+        try:
+            ids = self.frontend.encode(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return tandem_pb2.TokenizeResponse(token_ids=ids)

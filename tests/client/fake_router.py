@@ -1,0 +1,63 @@
+"""A scripted ``tandem.v1.Tandem`` server (sync gRPC, threads) for client tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+
+class FakeTandem(tandem_pb2_grpc.TandemServicer):
+    """Streams "Hel" [1, 2] then "lo" [3] (stop, usage 4 + 3), unless told to fail or hang."""
+
+    def __init__(self) -> None:
+        self.requests: list = []
+        self.abort: tuple[grpc.StatusCode, str] | None = None
+        self.hang = False
+        self.time_remaining: float | None = None
+        self.cancelled = threading.Event()
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        self.time_remaining = context.time_remaining()
+        if self.abort is not None:
+            context.abort(*self.abort)
+        if self.hang:  # only a cancel or the deadline ends the call; the callback sees it end
+            context.add_callback(self.cancelled.set)
+        yield tandem_pb2.GenerateResponse(request_id="r1", text="Hel", token_ids=[1, 2])
+        if self.hang:
+            while context.is_active():
+                time.sleep(0.01)
+            return
+        yield tandem_pb2.GenerateResponse(
+            request_id="r1",
+            text="lo",
+            token_ids=[3],
+            finish_reason=tandem_pb2.FINISH_REASON_STOP,
+            usage=tandem_pb2.Usage(prompt_tokens=4, completion_tokens=3),
+        )
+
+    def GetModelInfo(self, request, context):
+        return tandem_pb2.ModelInfo(model_id="m", context_length=2048, vocab_size=100)
+
+    def Tokenize(self, request, context):
+        self.requests.append(request)
+        if self.abort is not None:
+            context.abort(*self.abort)
+        return tandem_pb2.TokenizeResponse(token_ids=[5, 6])
+
+
+class FakeServer:
+    def __init__(self) -> None:
+        self.servicer = FakeTandem()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        tandem_pb2_grpc.add_TandemServicer_to_server(self.servicer, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(None)

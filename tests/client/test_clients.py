@@ -1,0 +1,94 @@
+"""TandemClient and AsyncTandemClient against a scripted server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tandem.client import (
+    AsyncTandemClient,
+    Completion,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelInfo,
+    Overloaded,
+    TandemClient,
+    Unavailable,
+    Usage,
+)
+
+
+def test_sync_generate_streams_chunks_then_usage(fake):
+    with TandemClient(fake.address) as client:
+        chunks = list(client.generate("hi", max_tokens=3, temperature=0))
+    assert [(c.text, c.token_ids, c.finish_reason) for c in chunks] == [
+        ("Hel", (1, 2), None),
+        ("lo", (3,), "stop"),
+    ]
+    assert chunks[-1].usage == Usage(4, 3)
+    sent = fake.servicer.requests[0]
+    assert sent.prompt == "hi" and sent.sampling.max_tokens == 3
+
+
+def test_sync_complete_model_info_tokenize(fake):
+    with TandemClient(fake.address) as client:
+        done = client.complete(messages=[{"role": "user", "content": "hi"}])
+        assert done == Completion("r1", "Hello", (1, 2, 3), "stop", Usage(4, 3))
+        assert client.model_info() == ModelInfo("m", 2048, 100)
+        assert client.tokenize("hi") == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded),
+        (grpc.StatusCode.UNAVAILABLE, Unavailable),
+    ],
+)
+def test_sync_statuses_raise_their_exception(fake, code, cls):
+    fake.servicer.abort = (code, "top_p must be in (0, 1], got 2.0")
+    with TandemClient(fake.address) as client:
+        with pytest.raises(cls, match=r"top_p must be in \(0, 1\], got 2.0"):
+            list(client.generate("hi"))
+        with pytest.raises(cls):
+            client.tokenize("hi")
+
+
+def test_sync_timeout_is_the_deadline(fake):
+    fake.servicer.hang = True
+    with TandemClient(fake.address, timeout=0.3) as client:
+        with pytest.raises(DeadlineExceeded):
+            list(client.generate("hi"))
+    assert 0 < fake.servicer.time_remaining <= 0.35  # the wire rounds deadlines up a little
+    assert fake.servicer.cancelled.wait(2)
+
+
+def test_sync_leaving_the_loop_early_cancels_the_call(fake):
+    fake.servicer.hang = True
+    with TandemClient(fake.address) as client:
+        stream = client.generate("hi")
+        assert next(stream).text == "Hel"
+        stream.close()
+        assert fake.servicer.cancelled.wait(2)
+
+
+def test_async_client(fake):
+    async def scenario():
+        async with AsyncTandemClient(fake.address) as client:
+            chunks = [c async for c in client.generate("hi", seed=1)]
+            assert [c.text for c in chunks] == ["Hel", "lo"]
+            assert (await client.complete("hi")).usage == Usage(4, 3)
+            assert await client.model_info() == ModelInfo("m", 2048, 100)
+            assert await client.tokenize(messages=[{"role": "user", "content": "x"}]) == [5, 6]
+            fake.servicer.abort = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+            with pytest.raises(Overloaded, match="queue full"):
+                await client.complete("hi")
+            fake.servicer.abort, fake.servicer.hang = None, True
+            with pytest.raises(DeadlineExceeded):
+                await client.complete("hi", timeout=0.3)
+        assert fake.servicer.cancelled.wait(2)
+
+    asyncio.run(scenario())

@@ -1,0 +1,100 @@
+"""Requests from keyword arguments, dataclasses from responses, exceptions from statuses."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.client import (
+    Cancelled,
+    ChatMessage,
+    DeadlineExceeded,
+    GenerateChunk,
+    InvalidRequest,
+    Overloaded,
+    TandemClientError,
+    Unavailable,
+    Usage,
+    _convert,
+)
+from tandem.client.errors import from_rpc_error
+
+NO_SAMPLING = dict(
+    max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None, seed=None,
+    repetition_penalty=None, stop=(), ignore_eos=False,
+)  # fmt: skip
+
+
+def test_unset_sampling_stays_unset_for_the_server_defaults():
+    request = _convert.generate_request("hi", None, "", **NO_SAMPLING)
+    assert request.prompt == "hi" and request.request_id == ""
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+        assert not request.sampling.HasField(name), name
+
+
+def test_set_sampling_is_sent_including_zeroes():
+    values = {**NO_SAMPLING, "max_tokens": 7, "temperature": 0.0, "top_k": 0, "seed": 3}
+    values["stop"] = ["\n"]
+    request = _convert.generate_request("hi", None, "id-1", **values)
+    s = request.sampling
+    assert s.HasField("temperature") and s.temperature == 0.0 and s.HasField("top_k")
+    assert (s.max_tokens, s.seed, list(s.stop), request.request_id) == (7, 3, ["\n"], "id-1")
+
+
+def test_messages_accept_dataclasses_and_mappings():
+    msgs = [ChatMessage("system", "be brief"), {"role": "user", "content": "hi"}]
+    request = _convert.generate_request(None, msgs, "", **NO_SAMPLING)
+    assert request.WhichOneof("input") == "chat"
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        ("system", "be brief"),
+        ("user", "hi"),
+    ]
+    # An empty list is still a chat, for the server to refuse with the field named.
+    assert _convert.tokenize_request(None, []).WhichOneof("input") == "chat"
+
+
+@pytest.mark.parametrize("prompt, messages", [(None, None), ("hi", [])])
+def test_exactly_one_of_prompt_or_messages(prompt, messages):
+    with pytest.raises(InvalidRequest, match="exactly one of prompt or messages"):
+        _convert.tokenize_request(prompt, messages)
+
+
+def test_chunks_carry_usage_and_finish_only_at_the_end():
+    mid = tandem_pb2.GenerateResponse(request_id="r", text="a", token_ids=[1])
+    assert _convert.chunk(mid) == GenerateChunk("r", "a", (1,))
+    last = tandem_pb2.GenerateResponse(
+        request_id="r",
+        finish_reason=tandem_pb2.FINISH_REASON_LENGTH,
+        usage=tandem_pb2.Usage(prompt_tokens=3, completion_tokens=2),
+    )
+    assert _convert.chunk(last) == GenerateChunk("r", "", (), "length", Usage(3, 2))
+
+
+class _Error(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded),
+        (grpc.StatusCode.UNAVAILABLE, Unavailable),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded),
+        (grpc.StatusCode.CANCELLED, Cancelled),
+        (grpc.StatusCode.INTERNAL, TandemClientError),
+    ],
+)
+def test_statuses_map_to_exceptions(code, cls):
+    exc = from_rpc_error(_Error(code, "max_tokens must be >= 1, got 0"))
+    assert type(exc) is cls and exc.code is code
+    assert str(exc) == f"{code.name}: max_tokens must be >= 1, got 0"
+    assert exc.details == "max_tokens must be >= 1, got 0"

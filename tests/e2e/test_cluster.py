@@ -1,0 +1,204 @@
+"""A real cluster (router + workers as processes on loopback ports) driven as clients do.
+
+Uses tiny-random except for the parity test on the default model. Every test
+leaves each worker with zero used KV blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.client import TandemClient
+from tandem.client.errors import DeadlineExceeded, InvalidRequest, Unavailable
+from tandem.config import EngineConfig
+from tandem.deploy.local import ClusterConfig, LocalCluster
+from tandem.engine.sampling_params import SamplingParams
+
+PROMPTS = ["Hello there, how are you?", "你好，请介绍一下你自己。", "long prompt " * 60]
+
+
+def _cluster(tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, **engine):
+    engine_cfg = EngineConfig(model=model, num_blocks=engine.pop("num_blocks", 256), **engine)
+    config = ClusterConfig(
+        num_prefill=prefill, num_decode=decode, engine=engine_cfg, threads_per_worker=1,
+    )  # fmt: skip
+    config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=0))
+    return LocalCluster(config, tmp_path_factory.mktemp(name))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with _cluster(tmp_path_factory, "c22", prefill=2, decode=2) as c:
+        yield c
+
+
+def _status(worker) -> worker_pb2.WorkerStatus:
+    stub = (
+        worker_pb2_grpc.PrefillWorkerStub
+        if worker.name.startswith("prefill")
+        else worker_pb2_grpc.DecodeWorkerStub
+    )
+    with grpc.insecure_channel(worker.ready["grpc"]) as ch:
+        return stub(ch).Status(worker_pb2.StatusRequest(), timeout=5)
+
+
+def _workers(c: LocalCluster) -> list:
+    return [p for p in c.processes if p.name != "router"]
+
+
+def _assert_no_blocks_used(c: LocalCluster, within_s: float = 1.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        used = {w.name: _status(w).kv_blocks_used for w in _workers(c)}
+        if not any(used.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks still used: {used}")
+        time.sleep(0.05)
+
+
+def _colocated(tiny_engine, text: str, params: SamplingParams, raw: bool = False):
+    tok = tiny_engine.tokenizer
+    ids = tok.encode(text) if raw else tok.encode_chat([{"role": "user", "content": text}])
+    outs = list(tiny_engine.stream(ids, params))
+    return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs)
+
+
+def _remote(address: str, text: str, **kw):
+    with TandemClient(address, timeout=60) as client:
+        chunks = list(client.generate(messages=[{"role": "user", "content": text}], **kw))
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def test_greedy_through_the_cluster_equals_colocated(cluster, tiny_engine):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for text in PROMPTS:
+        tokens, out, last = _remote(cluster.address, text, max_tokens=24, temperature=0,
+                                    ignore_eos=True)  # fmt: skip
+        assert (tokens, out) == _colocated(tiny_engine, text, params)
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 24
+    _assert_no_blocks_used(cluster)
+
+
+def test_seeded_sampling_through_the_cluster_equals_colocated(cluster, tiny_engine):
+    kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    tokens, out, _ = _remote(cluster.address, PROMPTS[0], **kw)
+    assert (tokens, out) == _colocated(tiny_engine, PROMPTS[0], SamplingParams(**kw))
+
+
+def test_concurrent_streams_complete_and_every_worker_gets_work(cluster, tiny_engine):
+    before = {w.name: _status(w).served for w in _workers(cluster)}
+    texts = [f"request number {i}: " + "words " * (i % 5) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(
+            lambda t: _remote(cluster.address, t, max_tokens=12, temperature=0, ignore_eos=True),
+            texts,
+        ))  # fmt: skip
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for text, (tokens, out, _) in zip(texts, results, strict=True):
+        assert (tokens, out) == _colocated(tiny_engine, text, params)
+    # Work reached all four workers: each one's served counter moved.
+    served = {w.name: _status(w).served - before[w.name] for w in _workers(cluster)}
+    assert all(v > 0 for v in served.values()), served
+    _assert_no_blocks_used(cluster)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+        (dict(temperature=-1.0), "temperature must be finite and >= 0, got -1.0"),
+        (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(max_tokens=5000), "exceeds the context length 4096"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_allocates_nothing(cluster, kw, message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        _remote(cluster.address, "hi", **kw)
+    _assert_no_blocks_used(cluster, within_s=0)
+
+
+def test_empty_prompt_and_unknown_role(cluster):
+    with TandemClient(cluster.address, timeout=10) as client:
+        with pytest.raises(InvalidRequest, match="prompt"):
+            list(client.generate(prompt=""))
+        with pytest.raises(InvalidRequest, match="role"):
+            list(client.generate(messages=[{"role": "robot", "content": "hi"}]))
+
+
+def test_cancel_and_deadline_free_every_block(cluster):
+    with TandemClient(cluster.address) as client:
+        stream = client.generate(messages=[{"role": "user", "content": "go"}], max_tokens=4000,
+                                 ignore_eos=True)  # fmt: skip
+        next(stream)
+        next(stream)
+        stream.close()  # the client goes away mid-stream
+    _assert_no_blocks_used(cluster, within_s=1.0)
+    with TandemClient(cluster.address) as client, pytest.raises(DeadlineExceeded):
+        list(client.generate(prompt="slow " * 50, max_tokens=3000, ignore_eos=True, timeout=1.0))
+    _assert_no_blocks_used(cluster, within_s=1.0)
+
+
+def test_every_process_reports_serving_to_the_standard_health_client(cluster):
+    for address in [cluster.address, *(w.ready["grpc"] for w in _workers(cluster))]:
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, address
+
+
+def test_a_killed_decode_worker_gives_unavailable_then_the_next_request_succeeds(
+    tmp_path_factory,
+):
+    with _cluster(tmp_path_factory, "kill", prefill=1, decode=2) as c:
+        victim = next(p for p in c.processes if p.name == "decode-0")
+        errors: list[Exception] = []
+
+        def stream_until_killed():
+            try:
+                for _ in range(4):
+                    _remote(c.address, "keep going", max_tokens=3000, ignore_eos=True)
+            except Exception as exc:  # noqa: BLE001 - recorded and checked below
+                errors.append(exc)
+
+        t = threading.Thread(target=stream_until_killed)
+        t.start()
+        time.sleep(2.0)  # streams are running on both decode workers by now
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive(), "a request hung after its decode worker died"
+        assert errors and isinstance(errors[0], Unavailable), errors
+        tokens, _, last = _remote(c.address, "after the crash", max_tokens=8, ignore_eos=True)
+        assert len(tokens) == 8 and last.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_default_model_through_the_cluster_equals_colocated_and_hf(
+    tmp_path_factory, smol_engine, smol_hf
+):
+    from tests.parity import assert_parity, hf_greedy
+
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with _cluster(tmp_path_factory, "smol", model="smollm2-135m-instruct", num_blocks=512) as c:
+        for text in PROMPTS:
+            tokens, out, _ = _remote(c.address, text, max_tokens=24, temperature=0)
+            ids = smol_engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+            colocated = list(smol_engine.stream(ids, params))
+            assert tokens == [t for o in colocated for t in o.token_ids]
+            assert out == "".join(o.text for o in colocated)
+            assert_parity(
+                smol_hf, ids, tokens, hf_greedy(smol_hf, ids, 24, smol_engine.eos_token_ids)
+            )

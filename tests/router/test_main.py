@@ -1,0 +1,64 @@
+"""``python -m tandem.router`` as a process: READY line, serving, SIGTERM exits 0."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.config import RouterConfig, save_yaml
+from tandem.router.__main__ import parse_config
+
+
+def test_flags_override_the_yaml(tmp_path):
+    path = tmp_path / "router.yaml"
+    save_yaml(path, RouterConfig(model="tiny-random", port=1234, max_queue=9))
+    config = parse_config(
+        ["--config", str(path), "--port", "0", "--decode", "h:1", "--decode", "h:2"]
+    )
+    assert (config.model, config.port, config.max_queue) == ("tiny-random", 0, 9)
+    assert config.decode_workers == ("h:1", "h:2") and config.prefill_workers == ()
+
+
+def test_process_prints_ready_serves_health_and_exits_0_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.router", "--model", "tiny-random", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # never hang the suite
+        assert ready, "no READY line within 60 s"
+        line = proc.stdout.readline()
+        assert line.startswith("READY router grpc=127.0.0.1:"), line + proc.stderr.read()
+        address = line.split("grpc=")[1].strip()
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - start < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_setting_exits_2_naming_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.router", "--model", "tiny-random", "--placement", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "placement must be one of least-loaded, round-robin, got 'x'" in result.stderr

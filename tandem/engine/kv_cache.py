@@ -80,7 +80,7 @@ class KVCache:
         # Attention reads a block's unwritten slots (masked); a freed block's old values
         # there could be NaN/inf, and masking cannot hide those. Zero them once here
         # rather than masking on every read.
-        self.tensor[:, :, blocks] = 0
+        self.tensor.index_fill_(2, torch.tensor(blocks, device=self.tensor.device), 0)
         seq.block_table.extend(blocks)
         return True
 

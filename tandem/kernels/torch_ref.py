@@ -30,7 +30,8 @@ def gather_kv(
     context_len: int,
 ) -> torch.Tensor:
     """One sequence's first ``context_len`` cached tokens: [context_len, kv_heads, head_dim]."""
-    return cache[block_table].flatten(0, 1)[:context_len]
+    # index_select, not cache[block_table]: the same copy, several times faster on CPU.
+    return cache.index_select(0, block_table).flatten(0, 1)[:context_len]
 
 
 def prefill_attention(
@@ -87,8 +88,15 @@ def decode_attention(
     Returns [batch, num_heads, head_dim].
     """
     # [batch, S, kv_heads, head_dim] -> [batch, kv_heads, S, head_dim] (a strided view)
-    k = k_cache[block_tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
-    v = v_cache[block_tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    batch, width = block_tables.shape
+    flat = block_tables.flatten()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # index_select over flat ids is several times faster than cache[block_tables].
+        blocks = cache.index_select(0, flat).view(batch, width * cache.shape[1], *cache.shape[2:])
+        return blocks[:, :max_context_len].transpose(1, 2)
+
+    k, v = gather(k_cache), gather(v_cache)
     mask = None
     if q.shape[0] > 1:
         positions = torch.arange(max_context_len, device=q.device)

@@ -43,6 +43,12 @@ class UcxRuntime:
         # UCX reads its environment once, at context creation: set defaults before that.
         # Without this UCX warns about the UCX_* variables that ucxx itself sets.
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        # Endpoints here use peer-failure error handling (a killed peer fails its
+        # transfers at once). UCX only picks transports that advertise peer failure,
+        # which by default leaves shared memory out and moves every byte over TCP
+        # loopback on one host (10x slower); this turns on keepalive-based failure
+        # detection for the shared-memory transports so they qualify.
+        os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="tandem-ucx", daemon=True)
         self._thread.start()

@@ -14,10 +14,13 @@ message per layer, all posted at once. The median of ``--iters`` round trips
 (after ``--warmup``) gives UCX GB/s; the memcpy figure is ``numpy.copyto`` of the
 same number of bytes between two preallocated buffers in this process.
 
-This measures the UCX transport with the KV backend's message pattern, not the
-backend itself: no handshake, checksum per payload or block gather is timed.
-bench/README.md has the figures and what moves them (transports, endpoint error
-handling, rendezvous, message split, progress mode).
+``--path transport`` (the default) measures the UCX transport with the KV
+backend's message pattern: no handshake, checksum or block gather is timed.
+``--path backend`` times Tandem's KV transfer backend itself
+(``tandem/bench/kv_pair.py``): gather and checksum on the sender, staging,
+verification and scatter on the receiver, one request per round trip until its
+ack. bench/README.md has the figures and what moves them (transports, endpoint
+error handling, rendezvous, message split, progress mode).
 
 UCX reads ``UCX_*`` variables when its context is created, so ``--tls`` and
 ``--rndv-thresh`` are put into the environment before ucxx is imported here and
@@ -34,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tandem.bench.kv_pair import round_trips
 from tandem.bench.ucx_pair import PROGRESS_MODES, Sender, crc32
 from tandem.errors import TandemError
 
@@ -88,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB", help="comma-separated sizes")
     p.add_argument("--backend", default="ucx", choices=["ucx"], help="transport (only ucx)")
     p.add_argument(
+        "--path",
+        default="transport",
+        choices=["transport", "backend"],
+        help="time bare UCX messages (default) or Tandem's KV transfer backend end to end "
+        "(gather, checksum, send, verify, scatter, ack)",
+    )
+    p.add_argument(
         "--tls",
         default=None,
         help="UCX_TLS for both processes, e.g. tcp,self or posix,cma,tcp,self "
@@ -109,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--error-handling",
         action="store_true",
-        help="UCX peer-failure detection on both endpoints (rules out shared memory)",
+        help="UCX peer-failure detection on both endpoints, as the backend uses "
+        "(--path backend always has it)",
     )
     p.add_argument(
         "--rndv-thresh", default=None, help="UCX_RNDV_THRESH for both processes (ucxx sets 8192)"
@@ -129,6 +141,8 @@ def _set_ucx_env(args: argparse.Namespace) -> None:
     os.environ.setdefault("UCX_LOG_FILE", "stderr")
     # ucxx sets UCX_MEMTYPE_CACHE itself; without this UCX warns that it is unused.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # As the backend's runtime does: shared memory stays eligible with error handling.
+    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
 
 
 def _memcpy_seconds(nbytes: int, iterations: int) -> float:
@@ -166,6 +180,56 @@ def _bench_size(
     )
 
 
+def _bench_backend(args: argparse.Namespace, shape: KVShape, labels, sizes) -> list[Row]:
+    import torch
+
+    from tandem.bench.kv_pair import ReceiverProcess, fingerprint, kv_tensor
+    from tandem.kv_transfer import make_sender
+
+    dtype = getattr(torch, args.dtype)
+    most = max(shape.blocks_for(size) for size in sizes)
+    kv = kv_tensor(shape, most, dtype, random=True)
+    receiver = ReceiverProcess(shape, most, dtype)
+    sender = make_sender("ucx", kv, fingerprint(shape, dtype))
+    rows = []
+    try:
+        sender.connect(receiver("address"))
+        for label, size in zip(labels, sizes, strict=True):
+            print(f"{label} ...", file=sys.stderr)
+            blocks = shape.blocks_for(size)
+            times, arrived = round_trips(
+                sender, receiver, blocks, args.split, args.warmup + args.iters, label
+            )
+            sent = kv[:, :, :blocks].contiguous().view(torch.uint8).numpy().tobytes()
+            if arrived != sent:
+                raise TandemError(f"transfer benchmark: {label} arrived changed")
+            nbytes = blocks * shape.block_bytes
+            ucx_s = statistics.median(times[args.warmup :])
+            memcpy_s = _memcpy_seconds(nbytes, args.iters)
+            messages = shape.layers if args.split == "layer" else 1
+            rows.append(
+                Row(label, nbytes, blocks, messages, nbytes / ucx_s / 1e9, nbytes / memcpy_s / 1e9)
+            )
+    finally:
+        sender.close()
+        receiver.stop()
+    return rows
+
+
+def _bench_transport(args: argparse.Namespace, shape: KVShape, labels, sizes) -> list[Row]:
+    sender = Sender(args.progress, args.error_handling)
+    try:
+        sender.start()
+        rows = []
+        for label, size in zip(labels, sizes, strict=True):
+            print(f"{label} ...", file=sys.stderr)
+            rows.append(_bench_size(args, sender, shape, label, size))
+        sender.shutdown()
+    finally:
+        sender.kill()
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     labels = [s.strip() for s in args.sizes.split(",") if s.strip()]
     sizes = [parse_size(s) for s in labels]
@@ -179,21 +243,14 @@ def run(args: argparse.Namespace) -> int:
     shape = KVShape(dtype_bytes=DTYPE_BYTES[args.dtype])
     log = sys.stderr
     print(
-        f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} split={args.split} "
-        f"progress={args.progress} error_handling={args.error_handling} "
+        f"path={args.path} UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} "
+        f"split={args.split} progress={args.progress} "
+        f"error_handling={args.error_handling or args.path == 'backend'} "
         f"block={shape.block_bytes} B ({args.dtype}) iters={args.iters}",
         file=log,
     )
-    sender = Sender(args.progress, args.error_handling)
-    try:
-        sender.start()
-        rows = []
-        for label, size in zip(labels, sizes, strict=True):
-            print(f"{label} ...", file=log)
-            rows.append(_bench_size(args, sender, shape, label, size))
-        sender.shutdown()
-    finally:
-        sender.kill()
+    bench = _bench_backend if args.path == "backend" else _bench_transport
+    rows = bench(args, shape, labels, sizes)
     if args.json:
         print(
             json.dumps(

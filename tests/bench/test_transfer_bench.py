@@ -25,8 +25,13 @@ def _bench(*flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "flags",
-    [("--split", "request"), ("--tls", "tcp,self", "--split", "layer")],
-    ids=["default-tls-per-request", "tcp-per-layer"],
+    [
+        ("--split", "request"),
+        ("--tls", "tcp,self", "--split", "layer"),
+        ("--path", "backend"),
+        ("--path", "backend", "--split", "layer"),
+    ],
+    ids=["default-tls-per-request", "tcp-per-layer", "backend", "backend-per-layer"],
 )
 def test_json_rows_are_measured_and_consistent(flags):
     run = _bench("--json", *flags)

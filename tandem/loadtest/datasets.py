@@ -219,7 +219,12 @@ def load_jsonl(path: str | Path, default_output_len: int) -> list[RequestSpec]:
         if isinstance(obj.get("prompt"), str) and obj["prompt"]:
             specs.append(RequestSpec(prompt=obj["prompt"], output_len=output_len))
         elif isinstance(obj.get("messages"), list) and obj["messages"]:
-            messages = tuple((m["role"], m["content"]) for m in obj["messages"])
+            try:
+                messages = tuple((m["role"], m["content"]) for m in obj["messages"])
+            except (KeyError, TypeError):
+                raise InvalidRequestError(
+                    "dataset", f'{where}: each message needs "role" and "content"'
+                ) from None
             specs.append(RequestSpec(messages=messages, output_len=output_len))
         else:
             raise InvalidRequestError(

@@ -105,7 +105,8 @@ def test_jsonl_prompts_chats_and_output_lengths(tmp_path):
     "line, message",
     [("not json", "prompts.jsonl:1: not JSON"),
      ('{"prompt": ""}', 'prompts.jsonl:1: needs a non-empty "prompt"'),
-     ('{"prompt": "x", "output_len": 0}', "output_len must be an integer >= 1, got 0")],
+     ('{"prompt": "x", "output_len": 0}', "output_len must be an integer >= 1, got 0"),
+     ('{"messages": [{"content": "x"}]}', 'each message needs "role" and "content"')],
 )  # fmt: skip
 def test_bad_jsonl_lines_are_named(tmp_path, line, message):
     path = tmp_path / "prompts.jsonl"

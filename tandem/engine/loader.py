@@ -149,3 +149,21 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         tensors.update(load_file(str(f)))
     return tensors
+
+
+def read_model_config(model: str, cache_dir: str | Path | None = None) -> dict:
+    """A model's ``config.json`` without loading its weights: a GGUF (the default model
+    included) is read for its metadata only, never dequantised."""
+    path = Path(model).expanduser()
+    if model == DEFAULT_MODEL:
+        gguf = _smollm2_gguf_path()
+    elif path.is_file() and path.suffix == ".gguf":
+        gguf = path
+    else:
+        return read_config(resolve_model(model, cache_dir))
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        return load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    except Exception as exc:  # transformers raises many types for unsupported files
+        raise ConfigError(f"cannot read the GGUF metadata of {gguf}: {exc}") from exc

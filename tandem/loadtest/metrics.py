@@ -1,0 +1,178 @@
+"""Per-request timings and the summary, defined as vLLM's serving benchmark defines them.
+
+For one request, with times taken on the client (``time.perf_counter``) from the
+moment it was sent:
+- TTFT: until the first streamed response (which carries the first token);
+- E2E: until the last response;
+- TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, for requests with > 1 output token;
+- ITL: every gap between consecutive streamed responses that carry tokens. A
+  response may carry more than one token (the decode worker sends what it has), so
+  an ITL can span several tokens; TPOT is the per-token figure.
+
+Over a run lasting ``duration`` (first send to last response): request throughput
+is completed requests / duration; output (total) token throughput is the completed
+requests' output (prompt + output) tokens, as the server reports them in ``usage``,
+/ duration. A request is *good* when it completed and meets every SLO given (TPOT
+is not defined for one-token outputs and then counts as met); goodput is good
+requests / duration, and SLO attainment is good requests / all measured requests
+(failed ones count as misses).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    send_time: float  # s after the run started
+    input_len: int | None  # expected prompt tokens (None: not counted before sending)
+    output_len: int  # max_tokens asked for
+    chunk_times: list[float] = field(default_factory=list)  # s after send, per response
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each response
+    prompt_tokens: int = 0  # usage, from the last response
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None  # gRPC status name when the call failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason is not None
+
+    @property
+    def token_times(self) -> list[float]:
+        """Arrival times of the responses that carried tokens."""
+        return [t for t, k in zip(self.chunk_times, self.chunk_tokens, strict=True) if k > 0]
+
+    @property
+    def ttft(self) -> float | None:
+        times = self.token_times
+        return times[0] if self.ok and times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.chunk_times[-1] if self.ok and self.chunk_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        times = self.token_times if self.ok else []
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def given(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def met(self, r: RequestRecord) -> bool:
+        if not r.ok:
+            return False
+        if self.ttft_ms is not None and (r.ttft is None or r.ttft * 1e3 > self.ttft_ms):
+            return False
+        tpot = r.tpot
+        return self.tpot_ms is None or tpot is None or tpot * 1e3 <= self.tpot_ms
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Milliseconds; NaN when there was nothing to measure."""
+
+    mean: float
+    median: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Stats:
+        if not seconds:
+            return cls(math.nan, math.nan, math.nan, math.nan)
+        ms = np.asarray(seconds) * 1e3
+        p50, p90, p99 = np.percentile(ms, PERCENTILES)
+        return cls(float(ms.mean()), float(p50), float(p90), float(p99))
+
+
+@dataclass(frozen=True)
+class Summary:
+    num_requests: int
+    completed: int
+    failed: int
+    errors: dict[str, int]  # gRPC status name -> count
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (prompt + output) tokens / s
+    max_concurrency_seen: int
+    ttft_ms: Stats
+    tpot_ms: Stats
+    itl_ms: Stats
+    e2e_ms: Stats
+    slo: SLO
+    good_requests: int
+    goodput: float  # good requests / s
+    slo_attainment: float  # good / all measured requests
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summary:
+    done = [r for r in records if r.ok]
+    errors = Counter(r.error or "INCOMPLETE" for r in records if not r.ok)
+    good = sum(slo.met(r) for r in records)
+    inputs = sum(r.prompt_tokens for r in done)
+    outputs = sum(r.output_tokens for r in done)
+
+    def rate(x: float) -> float:
+        return x / duration_s if duration_s > 0 else math.nan
+
+    return Summary(
+        num_requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        errors=dict(sorted(errors.items())),
+        duration_s=duration_s,
+        input_tokens=inputs,
+        output_tokens=outputs,
+        request_throughput=rate(len(done)),
+        output_throughput=rate(outputs),
+        total_token_throughput=rate(inputs + outputs),
+        max_concurrency_seen=max_in_flight(records),
+        ttft_ms=Stats.of([r.ttft for r in done if r.ttft is not None]),
+        tpot_ms=Stats.of([r.tpot for r in done if r.tpot is not None]),
+        itl_ms=Stats.of([g for r in done for g in r.itls]),
+        e2e_ms=Stats.of([r.e2e for r in done]),
+        slo=slo,
+        good_requests=good,
+        goodput=rate(good),
+        slo_attainment=good / len(records) if records else math.nan,
+    )
+
+
+def max_in_flight(records: list[RequestRecord]) -> int:
+    """The most requests that were open at once (completed ones; from their timelines)."""
+    events = []
+    for r in records:
+        if r.chunk_times:
+            events += [(r.send_time, 1), (r.send_time + r.chunk_times[-1], -1)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak

@@ -1,0 +1,203 @@
+"""``tandem plan``: what fits on a decode worker, and how many workers a target rate needs.
+
+Memory, from the model's config and the hardware:
+    KV bytes per token = 2 (K and V) x layers x KV heads x head size x dtype bytes
+(KV heads, not attention heads: grouped-query attention shares each KV head among
+several query heads). A worker of ``devices`` devices gives the KV cache
+``devices x memory x utilisation - weights``, cut into blocks of ``block_size``
+tokens; a sequence of ``context`` tokens holds ``ceil(context / block_size)`` blocks.
+Activation workspace is not subtracted: lower the utilisation to leave room for it.
+
+Workers, from a ``tandem bench sweep`` result: the deployment that was swept (P
+prefill + D decode workers) sustained C req/s within the SLOs. A target of R req/s
+with the same workload needs ``ceil(R / C x P)`` prefill and ``ceil(R / C x D)``
+decode workers (the sweep cannot tell which pool saturated first, so both scale);
+decode is also bounded by KV memory: by Little's law ``R x mean E2E`` requests hold
+decode KV at once, each ``ceil((prompt + output) / block_size)`` blocks.
+
+Every figure is printed with the arithmetic behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.engine.model_config import ModelConfig
+from tandem.errors import InvalidRequestError
+
+GiB = 1 << 30
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+    "fp8": 1, "float8": 1, "int8": 1,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device_memory_gib: float = 80.0
+    devices_per_worker: int = 1  # tensor parallelism: weights and KV heads split across them
+    memory_utilization: float = 0.9
+    kv_dtype: str = "bfloat16"
+    weight_dtype: str | None = None  # default: kv_dtype
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for flag, dtype in (("--kv-dtype", self.kv_dtype), ("--weight-dtype", self.weight_dtype)):
+            if dtype is not None and dtype not in DTYPE_BYTES:
+                raise InvalidRequestError(
+                    flag, f"{flag} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}"
+                )
+        if not self.device_memory_gib > 0:
+            raise InvalidRequestError("device_memory_gib", "--device-memory-gib must be > 0, "
+                                      f"got {self.device_memory_gib}")  # fmt: skip
+        if self.devices_per_worker < 1 or self.block_size < 1:
+            raise InvalidRequestError("hardware", "--devices-per-worker and --block-size must "
+                                      "be >= 1")  # fmt: skip
+        if not 0 < self.memory_utilization <= 1:
+            raise InvalidRequestError("memory_utilization", "--memory-utilization must be in "
+                                      f"(0, 1], got {self.memory_utilization}")  # fmt: skip
+
+
+def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def param_count(mc: ModelConfig) -> int:
+    """Parameters of the Llama-family decoder Tandem runs (embeddings, layers, norms, head)."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    attn = h * q + 2 * h * kv + q * h
+    attn += (q + 2 * kv) * mc.qkv_bias + h * mc.o_bias
+    mlp = 3 * h * mc.intermediate_size + (2 * mc.intermediate_size + h) * mc.mlp_bias
+    layer = attn + mlp + 2 * h  # two RMSNorm weights
+    embed = mc.vocab_size * h
+    head = 0 if mc.tie_word_embeddings else mc.vocab_size * h
+    return embed + mc.num_layers * layer + h + head
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    kv_bytes_per_token: int
+    weight_bytes: int
+    kv_budget_bytes: int
+    num_blocks: int
+    tokens: int
+    context_len: int
+    blocks_per_seq: int
+    sequences: int
+    lines: tuple[str, ...]  # the arithmetic, for the operator to check
+
+
+def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = "") -> MemoryPlan:
+    if context_len < 1:
+        raise InvalidRequestError("context_len", f"--context-len must be >= 1, got {context_len}")
+    kv_b, w_dtype = DTYPE_BYTES[hw.kv_dtype], hw.weight_dtype or hw.kv_dtype
+    per_token = kv_bytes_per_token(mc, hw.kv_dtype)
+    params = param_count(mc)
+    weights = params * DTYPE_BYTES[w_dtype]
+    total = hw.device_memory_gib * GiB * hw.devices_per_worker
+    budget = max(0, int(total * hw.memory_utilization) - weights)
+    block_bytes = hw.block_size * per_token
+    blocks = budget // block_bytes
+    per_seq = math.ceil(context_len / hw.block_size)
+    seqs = blocks // per_seq
+    gqa = f" (GQA: {mc.num_heads} query heads share them)" if mc.num_kv_heads < mc.num_heads else ""
+    lines = (
+        f"model {model}: {mc.num_layers} layers, {mc.num_kv_heads} KV heads{gqa}, "
+        f"head size {mc.head_dim}, {params / 1e9:.3f} B parameters",
+        f"KV bytes per token = 2 x {mc.num_layers} layers x {mc.num_kv_heads} KV heads x "
+        f"{mc.head_dim} head size x {kv_b} B ({hw.kv_dtype}) = {per_token:,} B "
+        f"({per_token / 1024:.1f} KiB)",
+        f"weights = {params:,} parameters x {DTYPE_BYTES[w_dtype]} B ({w_dtype}) = "
+        f"{weights / GiB:.2f} GiB",
+        f"KV budget per decode worker = {hw.devices_per_worker} device(s) x "
+        f"{hw.device_memory_gib:g} GiB x {hw.memory_utilization:g} - {weights / GiB:.2f} GiB "
+        f"weights = {budget / GiB:.2f} GiB",
+        f"blocks = {budget:,} B // ({hw.block_size} tokens x {per_token:,} B) = {blocks:,} "
+        f"blocks = {blocks * hw.block_size:,} tokens",
+        f"at {context_len:,} tokens of context: ceil({context_len} / {hw.block_size}) = "
+        f"{per_seq} blocks per sequence; {blocks:,} // {per_seq} = {seqs:,} sequences per "
+        "decode worker",
+    )
+    if budget == 0:
+        lines += ("the weights do not leave room for a KV cache: more memory, more "
+                  "--devices-per-worker or a smaller --weight-dtype",)  # fmt: skip
+    return MemoryPlan(per_token, weights, budget, blocks, blocks * hw.block_size,
+                      context_len, per_seq, seqs, lines)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    prefill_workers: int
+    decode_workers: int
+    lines: tuple[str, ...]
+
+
+def worker_plan(
+    sweep: dict, target_rate: float, memory: MemoryPlan | None, block_size: int = 16
+) -> WorkerPlan:
+    if not target_rate > 0:
+        raise InvalidRequestError("target_rate", f"--target-rate must be > 0, got {target_rate}")
+    cap, idx = sweep.get("capacity_rps"), sweep.get("capacity_point")
+    if cap is None or idx is None:
+        raise InvalidRequestError(
+            "sweep", f"the sweep found no point with SLO attainment >= "
+            f"{sweep.get('target_attainment', 0.9):.0%}: sweep lower rates first"
+        )  # fmt: skip
+    dep = sweep["deployment"]
+    p, d = dep["prefill_workers"], dep["decode_workers"]
+    s = sweep["points"][idx]["summary"]
+    scale = target_rate / cap
+    prefill = math.ceil(scale * p - 1e-9)
+    decode_thr = math.ceil(scale * d - 1e-9)
+    slo = sweep.get("slo") or {}
+    slo_text = ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in slo.items() if v) or "none"
+    lines = [
+        f"sweep: {p} prefill + {d} decode workers sustained {cap:.3g} req/s with SLO "
+        f"attainment >= {sweep['target_attainment']:.0%} (SLOs: {slo_text})",
+        f"scale = {target_rate:g} / {cap:.3g} = {scale:.3f}",
+        f"prefill workers = ceil({scale:.3f} x {p}) = {prefill}",
+        f"decode workers for throughput = ceil({scale:.3f} x {d}) = {decode_thr}",
+    ]
+    decode = decode_thr
+    if memory is not None and s["completed"]:
+        tokens = (s["input_tokens"] + s["output_tokens"]) / s["completed"]
+        e2e_s = (s["e2e_ms"]["mean"] or 0) / 1e3
+        in_flight = target_rate * e2e_s
+        per_seq = math.ceil(tokens / block_size)
+        fits = memory.num_blocks // per_seq
+        decode_mem = math.ceil(in_flight / fits - 1e-9) if fits else math.inf
+        decode = max(decode_thr, decode_mem)
+        lines += [
+            f"decode KV: {target_rate:g} req/s x {e2e_s:.2f} s mean E2E = {in_flight:.1f} "
+            f"requests in flight; {tokens:.0f} tokens each = {per_seq} blocks; "
+            f"{memory.num_blocks:,} // {per_seq} = {fits:,} per worker",
+            f"decode workers for KV memory = ceil({in_flight:.1f} / {fits:,}) = {decode_mem}",
+        ]
+    lines.append(f"plan: {prefill} prefill + {decode} decode workers for {target_rate:g} req/s")
+    return WorkerPlan(prefill, decode, tuple(lines))
+
+
+def read_sweep(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError("sweep", f"cannot read sweep result {path}: {exc}") from None
+    if not isinstance(data, dict) or "points" not in data or "deployment" not in data:
+        raise InvalidRequestError("sweep", f"{path} is not a sweep.json from tandem bench sweep")
+    return data
+
+
+def model_config(model: str) -> ModelConfig:
+    """From a built-in name, a Hugging Face directory (or its config.json) or a GGUF."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.name.endswith(".json"):
+        try:
+            return ModelConfig.from_hf(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise InvalidRequestError("model", f"cannot read {path}: {exc}") from None
+    from tandem.engine.loader import read_model_config
+
+    return ModelConfig.from_hf(read_model_config(model))

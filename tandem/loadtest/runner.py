@@ -1,0 +1,270 @@
+"""Sends the load and records every request's token timeline.
+
+A run: connect and read the model's limits (``GetModelInfo``); build the dataset
+(``Tokenize`` counts prompts as the server does); send the warm-up requests and
+wait for them (their results are dropped); then send the measured requests at
+the arrival times drawn for the rate (or as fast as the concurrency limit lets
+them go) until ``num_requests`` were sent or ``duration_s`` has passed, and wait
+for the last one. A request's clock starts when it is sent; when a concurrency
+limit holds it back, the wait for a free slot is not part of its latency (as in
+vLLM's benchmark).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tandem.client import AsyncTandemClient, ModelInfo
+from tandem.client.errors import TandemClientError
+from tandem.errors import InvalidRequestError
+from tandem.loadtest import arrivals, datasets
+from tandem.loadtest.datasets import LengthDist, RequestSpec
+from tandem.loadtest.metrics import SLO, RequestRecord, Summary, summarize
+
+# Requests a duration-bounded run prepares up front (cycled if the run needs more).
+DURATION_POOL = 512
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    kind: str = "synthetic"  # synthetic, jsonl or sharegpt
+    path: str | None = None
+    input_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
+    # jsonl: output length of lines without "output_len"; sharegpt: replaces the replies'.
+    file_output_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("synthetic", "jsonl", "sharegpt"):
+            raise InvalidRequestError(
+                "dataset", f"--dataset must be synthetic, jsonl or sharegpt, got {self.kind!r}"
+            )
+        if (self.kind == "synthetic") != (self.path is None):
+            raise InvalidRequestError(
+                "dataset", f"--dataset {self.kind} needs --dataset-path"
+                if self.path is None else "--dataset-path is only for jsonl and sharegpt"
+            )  # fmt: skip
+
+    def describe(self) -> str:
+        if self.kind == "synthetic":
+            return (f"synthetic, input {self.input_len.describe()}, "
+                    f"output {self.output_len.describe()} tokens")  # fmt: skip
+        return f"{self.kind} {self.path}"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    target: str  # HOST:PORT of a router
+    request_rate: float = math.inf  # requests/s; inf: all at once (pace set by concurrency)
+    burstiness: float = 1.0  # gamma shape; 1 is Poisson
+    max_concurrency: int | None = None
+    num_requests: int | None = 100
+    duration_s: float | None = None  # instead of num_requests
+    num_warmup: int = 2
+    seed: int = 0
+    temperature: float = 0.0
+    timeout_s: float = 300.0  # per-request deadline
+    slo: SLO = field(default_factory=SLO)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        arrivals.validate(self.request_rate, self.burstiness)
+        if (self.num_requests is None) == (self.duration_s is None):
+            raise InvalidRequestError("num_requests", "give one of --num-requests or --duration")
+        for name, value in (("--num-requests", self.num_requests),
+                            ("--max-concurrency", self.max_concurrency)):  # fmt: skip
+            if value is not None and value < 1:
+                raise InvalidRequestError(name, f"{name} must be >= 1, got {value}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise InvalidRequestError("duration", f"--duration must be > 0, got {self.duration_s}")
+        if self.num_warmup < 0:
+            raise InvalidRequestError("num_warmup", f"--num-warmup must be >= 0, got "
+                                      f"{self.num_warmup}")  # fmt: skip
+        if not self.timeout_s > 0:
+            raise InvalidRequestError("timeout", f"--timeout must be > 0, got {self.timeout_s}")
+        for name, value in (("--slo-ttft-ms", self.slo.ttft_ms),
+                            ("--slo-tpot-ms", self.slo.tpot_ms)):  # fmt: skip
+            if value is not None and not value > 0:
+                raise InvalidRequestError(name, f"{name} must be > 0, got {value}")
+        if (
+            self.duration_s is not None
+            and math.isinf(self.request_rate)
+            and (self.max_concurrency is None)
+        ):
+            raise InvalidRequestError(
+                "duration", "--duration needs a finite --request-rate or a --max-concurrency"
+            )
+
+    def describe(self) -> str:
+        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}/s"
+        bound = (f"{self.num_requests} requests" if self.num_requests is not None
+                 else f"{self.duration_s:g} s")  # fmt: skip
+        conc = f", max concurrency {self.max_concurrency}" if self.max_concurrency else ""
+        burst = f", burstiness {self.burstiness:g}" if self.burstiness != 1 else ""
+        return f"{bound} at rate {rate}{burst}{conc}"
+
+
+@dataclass
+class LoadResult:
+    config: LoadConfig
+    model: ModelInfo
+    records: list[RequestRecord]
+    duration_s: float
+    started_at: str  # wall-clock ISO time of the first measured send
+    summary: Summary
+
+
+def run(config: LoadConfig) -> LoadResult:
+    return asyncio.run(run_async(config))
+
+
+async def run_async(config: LoadConfig) -> LoadResult:
+    async with AsyncTandemClient(config.target, timeout=config.timeout_s) as client:
+        try:
+            model = await client.model_info(timeout=min(config.timeout_s, 30.0))
+        except TandemClientError as exc:
+            raise TandemClientError(exc.code, f"cannot reach a router at {config.target}: "
+                                    f"{exc.details}") from None  # fmt: skip
+        specs = await build_dataset(client, config, model)
+        warmup, measured = specs[: config.num_warmup], specs[config.num_warmup :]
+        if warmup:
+            await asyncio.gather(*(_send(client, s, RequestRecord(-1, 0.0, s.input_len,
+                                 s.output_len), config) for s in warmup))  # fmt: skip
+        return await _measure(client, config, model, measured)
+
+
+async def build_dataset(
+    client: AsyncTandemClient, config: LoadConfig, model: ModelInfo
+) -> list[RequestSpec]:
+    """Warm-up specs first, then the measured ones."""
+    ds = config.dataset
+    if config.num_requests is not None:
+        n = config.num_warmup + config.num_requests
+    elif math.isfinite(config.request_rate):
+        n = config.num_warmup + math.ceil(config.request_rate * config.duration_s * 1.5) + 8
+    else:
+        n = config.num_warmup + DURATION_POOL
+
+    async def count(**kw) -> int:
+        return len(await client.tokenize(**kw))
+
+    if ds.kind == "synthetic":
+        longest = ds.input_len.upper + ds.output_len.upper
+        if longest > model.context_length:
+            raise InvalidRequestError(
+                "input_len",
+                f"--input-len + --output-len may reach {longest} tokens, over the "
+                f"context length {model.context_length} of {model.model_id}",
+            )
+        specs = await datasets.synthetic(n, ds.input_len, ds.output_len, config.seed, count)
+    elif ds.kind == "jsonl":
+        default = ds.file_output_len or int(ds.output_len.a)
+        loaded = datasets.pick(datasets.load_jsonl(ds.path, default), n, config.seed)
+        specs = await datasets.count_inputs(loaded, count)
+    else:
+        pairs = datasets.load_sharegpt(ds.path)
+        specs = await datasets.sharegpt(pairs, model.context_length, count)
+        if ds.file_output_len:
+            specs = [RequestSpec(s.prompt, s.messages, s.input_len, ds.file_output_len)
+                     for s in specs]  # fmt: skip
+        specs = datasets.pick(specs, n, config.seed)
+    for i, s in enumerate(specs):
+        if s.input_len is not None and s.input_len + s.output_len > model.context_length:
+            raise InvalidRequestError(
+                "dataset",
+                f"request {i}: {s.input_len} prompt + {s.output_len} output tokens exceed "
+                f"the context length {model.context_length}",
+            )
+    return specs
+
+
+async def _measure(
+    client: AsyncTandemClient, config: LoadConfig, model: ModelInfo, specs: list[RequestSpec]
+) -> LoadResult:
+    bounded = config.num_requests is not None
+    offsets: Iterator[float] = arrivals.schedule(config.request_rate, config.burstiness,
+                                                 config.seed)  # fmt: skip
+    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    bar = _progress(config)
+    records: list[RequestRecord] = []
+    tasks: list[asyncio.Task] = []
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    start = time.perf_counter()
+    for i, (spec, offset) in enumerate(zip(itertools.cycle(specs), offsets)):
+        if bounded and i >= config.num_requests:
+            break
+        if not bounded and offset >= config.duration_s:
+            break
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if slots is not None:
+            await slots.acquire()
+        now = time.perf_counter() - start
+        if not bounded and now >= config.duration_s:
+            if slots is not None:
+                slots.release()
+            break
+        rec = RequestRecord(i, now, spec.input_len, spec.output_len)
+        records.append(rec)
+        tasks.append(asyncio.create_task(_send(client, spec, rec, config, slots, bar)))
+    if bar is not None and not bounded:
+        bar.total = len(records)
+        bar.refresh()
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return LoadResult(config, model, records, duration, started_at,
+                      summarize(records, duration, config.slo))  # fmt: skip
+
+
+async def _send(
+    client: AsyncTandemClient,
+    spec: RequestSpec,
+    rec: RequestRecord,
+    config: LoadConfig,
+    slots: asyncio.Semaphore | None = None,
+    bar=None,
+) -> None:
+    t0 = time.perf_counter()
+    try:
+        stream = client.generate(**spec.input_kwargs(), max_tokens=spec.output_len,
+                                 ignore_eos=True, temperature=config.temperature)  # fmt: skip
+        async for chunk in stream:
+            rec.chunk_times.append(time.perf_counter() - t0)
+            rec.chunk_tokens.append(len(chunk.token_ids))
+            if chunk.usage is not None:
+                rec.prompt_tokens = chunk.usage.prompt_tokens
+                rec.output_tokens = chunk.usage.completion_tokens
+                rec.finish_reason = chunk.finish_reason
+        if rec.finish_reason is None:
+            rec.error = "INCOMPLETE"  # the stream ended without its last response
+        elif rec.finish_reason in ("error", "cancelled"):
+            rec.error = f"FINISH_{rec.finish_reason.upper()}"
+    except TandemClientError as exc:
+        rec.error = exc.code.name
+    except Exception as exc:  # noqa: BLE001 - a load test counts failures, it does not stop
+        rec.error = type(exc).__name__
+    finally:
+        if slots is not None:
+            slots.release()
+        if bar is not None:
+            bar.update(1)
+
+
+def _progress(config: LoadConfig):
+    if not config.progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    total = config.num_requests  # unknown up front for a duration-bounded run
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr, leave=False)

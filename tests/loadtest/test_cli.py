@@ -1,0 +1,80 @@
+"""The commands' argument errors, and the harness's independence from server code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tandem.cli import main
+
+LOAD = ["bench", "load", "--target", "127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["bench", "load"], "the following arguments are required: --target"),
+     ([*LOAD, "--dataset", "csv"], "argument --dataset: invalid choice: 'csv'"),
+     (["bench", "sweep", "--target", "x:1", "--out", "d"],
+      "one of the arguments --request-rates --concurrencies is required"),
+     (["bench", "sweep", "--target", "x:1", "--request-rates", "1,two"],
+      "expected comma-separated numbers, got '1,two'"),
+     (["plan", "--context-len", "many"], "argument --context-len: invalid int value")],
+)  # fmt: skip
+def test_argparse_errors_exit_2_with_the_argument_named(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [([*LOAD, "--request-rate", "-1"], "--request-rate must be > 0, got -1.0"),
+     ([*LOAD, "--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+     ([*LOAD, "--num-requests", "5", "--duration", "3"],
+      "give one of --num-requests or --duration"),
+     ([*LOAD, "--duration", "3"], "--duration needs a finite --request-rate or a "
+      "--max-concurrency"),
+     ([*LOAD, "--input-len", "uniform:9-3"], "--input-len lengths must be >= 1"),
+     ([*LOAD, "--dataset", "jsonl"], "--dataset jsonl needs --dataset-path"),
+     ([*LOAD, "--slo-ttft-ms", "0"], "--slo-ttft-ms must be > 0, got 0.0"),
+     (["bench", "sweep", "--target", "x:1", "--concurrencies", "1,2"],
+      "bench sweep needs --out DIR"),
+     (["plan", "--sweep", "s.json"], "--sweep and --target-rate go together"),
+     (["plan", "--kv-dtype", "int3"], "--kv-dtype must be one of"),
+     (["plan", "--model", "no-such-model"], "unknown model 'no-such-model'")],
+)  # fmt: skip
+def test_bad_values_end_with_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: ") and message in err, err
+
+
+def test_a_target_without_a_router_is_a_clear_error(capsys):
+    assert main([*LOAD, "--num-requests", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE: cannot reach a router at 127.0.0.1:1" in err, err
+
+
+def test_plan_prints_its_arithmetic(capsys):
+    assert main(["plan", "--device-memory-gib", "24", "--context-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "= 23,040 B (22.5 KiB)" in out
+    assert "ceil(2048 / 16) = 128 blocks per sequence" in out
+
+
+SERVER_SIDE = ("torch", "tandem.engine", "tandem.router", "tandem.prefill_worker",
+               "tandem.decode_worker", "tandem.worker", "tandem.kv_transfer")  # fmt: skip
+
+
+def test_the_harness_imports_no_server_code():
+    code = (
+        "import sys\n"
+        "import tandem.loadtest.cli, tandem.loadtest.runner, tandem.loadtest.report\n"
+        "import tandem.loadtest.sweep\n"
+        f"print([m for m in sys.modules if m.startswith({SERVER_SIDE!r})])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,157 @@
+"""Datasets: length distributions, exact synthetic prompt lengths, JSONL and ShareGPT files.
+
+The server's tokenizer is stood in for by counters whose rules are known: byte-level
+(one token per byte, like tiny-random) and one token per word, each with a BOS token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from tandem.errors import InvalidRequestError
+from tandem.loadtest import datasets
+from tandem.loadtest.datasets import LengthDist, PromptComposer, RequestSpec
+
+
+def _text(prompt=None, messages=None) -> str:
+    return prompt if prompt is not None else " ".join(m["content"] for m in messages)
+
+
+async def bytes_counter(prompt=None, messages=None) -> int:
+    return 1 + len(_text(prompt, messages).encode())  # BOS + one token per byte
+
+
+async def words_counter(prompt=None, messages=None) -> int:
+    return 1 + len(_text(prompt, messages).split())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize(
+    "spec, dist",
+    [("128", LengthDist("fixed", 128)), ("fixed:7", LengthDist("fixed", 7)),
+     ("uniform:10-20", LengthDist("uniform", 10, 20)),
+     ("normal:100,15", LengthDist("normal", 100.0, 15.0))],
+)  # fmt: skip
+def test_length_specs_parse(spec, dist):
+    assert LengthDist.parse(spec, "--input-len") == dist
+
+
+@pytest.mark.parametrize("spec", ["", "abc", "uniform:20-10", "uniform:5", "normal:10",
+                                  "poisson:3", "0", "normal:10,-1"])  # fmt: skip
+def test_bad_length_specs_name_the_flag(spec):
+    with pytest.raises(InvalidRequestError, match="--input-len"):
+        LengthDist.parse(spec, "--input-len")
+
+
+def test_length_samples_are_seeded_and_follow_the_distribution():
+    uni = LengthDist("uniform", 10, 20)
+    a = uni.sample(5000, np.random.default_rng(1))
+    assert a == uni.sample(5000, np.random.default_rng(1))
+    assert min(a) == 10 and max(a) == 20  # inclusive range
+    normal = np.array(LengthDist("normal", 200, 20).sample(20000, np.random.default_rng(2)))
+    assert normal.mean() == pytest.approx(200, abs=1) and normal.std() == pytest.approx(
+        20, rel=0.05
+    )
+    assert min(LengthDist("normal", 2, 10).sample(1000, np.random.default_rng(3))) >= 1
+    assert LengthDist("fixed", 9).sample(3, np.random.default_rng(0)) == [9, 9, 9]
+
+
+@pytest.mark.parametrize("counter", [bytes_counter, words_counter])
+def test_composed_prompts_have_the_exact_token_count(counter):
+    composer = run(PromptComposer.calibrate(counter))
+    assert composer.base == 1
+    rng = np.random.default_rng(0)
+    # Byte-level, the cheapest word costs 3 (" of"): from 4 tokens up every count is reachable.
+    for n in (4, 5, 17, 64, 257):
+        prompt = composer.compose(n, rng)
+        assert run(counter(prompt=prompt)) == n, (n, prompt)
+
+
+def test_synthetic_dataset_is_exact_repeatable_and_varied():
+    inp, out = LengthDist("uniform", 20, 40), LengthDist("normal", 30, 5)
+    a = run(datasets.synthetic(12, inp, out, seed=5, count=bytes_counter))
+    assert a == run(datasets.synthetic(12, inp, out, seed=5, count=bytes_counter))
+    assert a != run(datasets.synthetic(12, inp, out, seed=6, count=bytes_counter))
+    for spec in a:
+        assert run(bytes_counter(prompt=spec.prompt)) == spec.input_len
+        assert 20 <= spec.input_len <= 40 and spec.output_len >= 1
+    # Different words from the start: the prefix cache cannot serve one prompt from another.
+    assert len({s.prompt.split()[0] + s.prompt.split()[1] for s in a}) > 6
+
+
+def test_jsonl_prompts_chats_and_output_lengths(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "Once upon a time", "output_len": 7}) + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi there"}]}) + "\n"
+    )  # fmt: skip
+    specs = datasets.load_jsonl(path, default_output_len=33)
+    assert specs == [
+        RequestSpec(prompt="Once upon a time", output_len=7),
+        RequestSpec(messages=(("user", "Hi there"),), output_len=33),
+    ]
+    counted = run(datasets.count_inputs(specs, words_counter))
+    assert [s.input_len for s in counted] == [5, 3]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [("not json", "prompts.jsonl:1: not JSON"),
+     ('{"prompt": ""}', 'prompts.jsonl:1: needs a non-empty "prompt"'),
+     ('{"prompt": "x", "output_len": 0}', "output_len must be an integer >= 1, got 0"),
+     ('{"messages": [{"content": "x"}]}', 'each message needs "role" and "content"')],
+)  # fmt: skip
+def test_bad_jsonl_lines_are_named(tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InvalidRequestError, match=message):
+        datasets.load_jsonl(path, 10)
+
+
+def test_sharegpt_takes_the_first_human_turn_and_its_reply_length(tmp_path):
+    data = [
+        {"id": "a", "conversations": [
+            {"from": "human", "value": "What is a KV cache, in two sentences please?"},
+            {"from": "gpt", "value": "It stores keys and values of past tokens for reuse."},
+            {"from": "human", "value": "ignored"}]},
+        {"id": "short", "conversations": [{"from": "human", "value": "Hi"},
+                                          {"from": "gpt", "value": "Hello!"}]},
+        {"id": "no reply", "conversations": [{"from": "human", "value": "Anyone there?"}]},
+        {"id": "roles", "messages": [
+            {"role": "user", "content": "Name four primary colours now"},
+            {"role": "assistant", "content": "Red, yellow, blue, green."}]},
+    ]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    pairs = datasets.load_sharegpt(path)
+    assert len(pairs) == 3  # "no reply" has no pair
+    specs = run(datasets.sharegpt(pairs, context_length=4096, count=words_counter))
+    # "Hi" / "Hello!" is under 4 tokens and left out, as vLLM's benchmark does.
+    assert [s.messages[0][1] for s in specs] == [pairs[0][0], pairs[2][0]]
+    assert [s.output_len for s in specs] == [1 + 10, 1 + 4]
+    assert specs[0].input_len == 1 + 9
+    tight = run(datasets.sharegpt(pairs, context_length=16, count=words_counter))
+    assert len(tight) == 1  # 10 + 11 tokens no longer fit
+
+
+def test_pick_is_seeded_and_cycles():
+    specs = [RequestSpec(prompt=str(i)) for i in range(3)]
+    picked = datasets.pick(specs, 7, seed=1)
+    assert picked == datasets.pick(specs, 7, seed=1)
+    assert sorted(s.prompt for s in picked[:3]) == ["0", "1", "2"]
+    assert picked[3:6] == picked[:3]
+
+
+def test_unreadable_files_are_named(tmp_path):
+    with pytest.raises(InvalidRequestError, match="cannot read .*missing.jsonl"):
+        datasets.load_jsonl(tmp_path / "missing.jsonl", 1)
+    (tmp_path / "x.json").write_text('{"not": "a list"}')
+    with pytest.raises(InvalidRequestError, match="expected a JSON list"):
+        datasets.load_sharegpt(tmp_path / "x.json")

@@ -1,0 +1,86 @@
+"""Metric arithmetic on hand-made timelines (times in seconds after each request was sent)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.loadtest.metrics import SLO, RequestRecord, Stats, max_in_flight, summarize
+
+
+def rec(index=0, send=0.0, times=(), tokens=None, prompt=10, error=None, finish="length"):
+    tokens = list(tokens) if tokens is not None else [1] * len(times)
+    return RequestRecord(
+        index, send, prompt, sum(tokens), list(times), tokens, prompt_tokens=prompt,
+        output_tokens=sum(tokens), finish_reason=None if error else finish, error=error,
+    )  # fmt: skip
+
+
+def test_ttft_tpot_and_itl_of_one_request():
+    # 5 tokens in 4 responses; the third carries 2 tokens.
+    r = rec(times=[0.100, 0.150, 0.250, 0.300], tokens=[1, 1, 2, 1])
+    assert r.ttft == pytest.approx(0.100)
+    assert r.e2e == pytest.approx(0.300)
+    assert r.tpot == pytest.approx((0.300 - 0.100) / (5 - 1))  # 50 ms
+    assert r.itls == pytest.approx([0.050, 0.100, 0.050])  # one gap per response
+
+
+def test_a_last_response_without_tokens_ends_e2e_but_adds_no_itl():
+    r = rec(times=[0.1, 0.2, 0.21], tokens=[1, 1, 0])
+    assert r.itls == pytest.approx([0.1])
+    assert r.e2e == pytest.approx(0.21)
+    assert r.tpot == pytest.approx((0.21 - 0.1) / 1)
+
+
+def test_one_token_output_has_no_tpot_and_a_failed_request_has_no_timings():
+    assert rec(times=[0.05]).tpot is None
+    failed = rec(times=[0.1, 0.2], error="UNAVAILABLE")
+    assert (failed.ok, failed.ttft, failed.e2e, failed.tpot, failed.itls) == (
+        False, None, None, None, [],
+    )  # fmt: skip
+
+
+def test_summary_throughput_goodput_and_attainment():
+    records = [
+        rec(0, 0.0, [0.100, 0.150, 0.250, 0.300], [1, 1, 2, 1], prompt=10),  # TPOT 50 ms
+        rec(1, 0.5, [0.300, 0.310, 0.320], prompt=20),  # TTFT 300 ms, TPOT 10 ms
+        rec(2, 0.7, [], error="UNAVAILABLE"),
+        rec(3, 1.0, [0.050], prompt=30),  # one token: TPOT not defined, counts as met
+    ]
+    s = summarize(records, duration_s=2.0, slo=SLO(ttft_ms=200, tpot_ms=40))
+    assert (s.num_requests, s.completed, s.failed) == (4, 3, 1)
+    assert s.errors == {"UNAVAILABLE": 1}
+    assert (s.input_tokens, s.output_tokens) == (60, 5 + 3 + 1)
+    assert s.request_throughput == pytest.approx(3 / 2.0)
+    assert s.output_throughput == pytest.approx(9 / 2.0)
+    assert s.total_token_throughput == pytest.approx(69 / 2.0)
+    # Only request 3 meets both SLOs: 0 misses TPOT, 1 misses TTFT, 2 failed.
+    assert s.good_requests == 1
+    assert s.goodput == pytest.approx(1 / 2.0)
+    assert s.slo_attainment == pytest.approx(1 / 4)
+    # TTFTs 100, 300, 50 ms; numpy's linear interpolation: p90 = 100 + 0.8 x 200.
+    assert s.ttft_ms == Stats(mean=150.0, median=100.0, p90=260.0, p99=296.0)
+    assert s.tpot_ms.mean == pytest.approx(30.0)  # (50 + 10) / 2
+    assert s.itl_ms.mean == pytest.approx((50 + 100 + 50 + 10 + 10) / 5)
+    assert s.e2e_ms.median == pytest.approx(300.0)
+    assert s.max_concurrency_seen == 1  # [0, 0.3], [0.5, 0.82], [1.0, 1.05] do not overlap
+
+
+def test_max_in_flight_counts_overlapping_requests():
+    records = [rec(0, 0.0, [1.0]), rec(1, 0.5, [1.0]), rec(2, 0.9, [0.05]), rec(3, 2.0, [0.1])]
+    assert max_in_flight(records) == 3  # at 0.9 s requests 0, 1 and 2 are open
+    back_to_back = [rec(0, 0.0, [1.0]), rec(1, 1.0, [1.0])]
+    assert max_in_flight(back_to_back) == 1
+
+
+def test_without_slos_goodput_is_the_completed_rate():
+    records = [rec(0, 0.0, [0.1, 0.2]), rec(1, 0.0, [], error="DEADLINE_EXCEEDED")]
+    s = summarize(records, 4.0, SLO())
+    assert (s.good_requests, s.goodput, s.slo_attainment) == (1, 0.25, 0.5)
+
+
+def test_empty_measurements_are_nan_not_errors():
+    s = summarize([rec(0, 0.0, [], error="UNAVAILABLE")], 1.0, SLO(ttft_ms=10))
+    assert math.isnan(s.ttft_ms.median) and math.isnan(s.tpot_ms.p99)
+    assert s.slo_attainment == 0.0

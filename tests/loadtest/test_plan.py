@@ -1,0 +1,118 @@
+"""``tandem plan`` against hand computations: SmolLM2-135M and a Llama-3-70B-shaped config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tandem.errors import InvalidRequestError
+from tandem.loadtest import plan
+from tandem.loadtest.plan import Hardware
+
+GiB = 2**30
+
+LLAMA_70B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return plan.model_config("smollm2-135m-instruct")  # the GGUF's metadata, no weights
+
+
+@pytest.fixture
+def llama70b(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    return plan.model_config(str(path))
+
+
+def test_smollm2_architecture_as_its_config_states(smol):
+    assert (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (30, 9, 3, 64)
+
+
+def test_smollm2_kv_bytes_weights_and_what_fits(smol):
+    # 2 (K, V) x 30 layers x 3 KV heads x 64 x 2 bytes (bf16)
+    assert plan.kv_bytes_per_token(smol, "bfloat16") == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert plan.kv_bytes_per_token(smol, "float32") == 46_080
+    # Tied embeddings 49152 x 576; per layer q, o 576^2, k, v 576 x 192, MLP 3 x 576 x 1536,
+    # two norms; a final norm.
+    layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
+    assert plan.param_count(smol) == 49152 * 576 + 30 * layer + 576 == 134_515_008
+    m = plan.memory_plan(smol, Hardware(device_memory_gib=80), context_len=4096)
+    budget = int(80 * GiB * 0.9) - 134_515_008 * 2
+    assert m.kv_budget_bytes == budget == 77_040_381_312
+    assert m.num_blocks == budget // (16 * 23_040) == 208_985
+    assert m.tokens == 208_985 * 16
+    assert m.blocks_per_seq == 256 and m.sequences == 208_985 // 256 == 816
+    text = "\n".join(m.lines)
+    assert "2 x 30 layers x 3 KV heads x 64 head size x 2 B (bfloat16) = 23,040 B" in text
+    assert "816 sequences per decode worker" in text
+
+
+def test_70b_style_config_with_gqa_and_eight_devices(llama70b):
+    assert llama70b.head_dim == 8192 // 64 == 128
+    assert plan.kv_bytes_per_token(llama70b, "bf16") == 2 * 80 * 8 * 128 * 2 == 327_680
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    params = 2 * 128256 * 8192 + 80 * layer + 8192
+    assert plan.param_count(llama70b) == params == 70_553_706_496
+    hw = Hardware(device_memory_gib=80, devices_per_worker=8, memory_utilization=0.9)
+    m = plan.memory_plan(llama70b, hw, context_len=4096)
+    assert m.kv_budget_bytes == int(8 * 80 * GiB * 0.9) - 2 * params == 477_367_877_632
+    assert m.num_blocks == 477_367_877_632 // (16 * 327_680) == 91_050
+    assert m.sequences == 91_050 // 256 == 355
+    assert "GQA: 64 query heads share them" in m.lines[0]
+
+
+def test_weights_that_do_not_fit_leave_no_kv(llama70b):
+    m = plan.memory_plan(llama70b, Hardware(device_memory_gib=80), context_len=4096)
+    assert (m.kv_budget_bytes, m.num_blocks, m.sequences) == (0, 0, 0)
+    assert "do not leave room for a KV cache" in m.lines[-1]
+
+
+def _sweep(capacity=4.0, point=None):
+    summary = {"completed": 10, "input_tokens": 10 * 1000, "output_tokens": 10 * 500,
+               "e2e_ms": {"mean": 20_000.0}}  # fmt: skip
+    return {
+        "deployment": {"prefill_workers": 1, "decode_workers": 2},
+        "slo": {"ttft_ms": 500.0, "tpot_ms": 50.0},
+        "target_attainment": 0.9,
+        "capacity_rps": capacity,
+        "capacity_point": point,
+        "points": [{"x": capacity, "summary": summary}],
+    }
+
+
+def test_workers_for_a_target_rate_by_throughput_and_by_kv_memory(smol):
+    memory = plan.memory_plan(smol, Hardware(device_memory_gib=80), 4096)
+    memory = plan.MemoryPlan(**{**memory.__dict__, "num_blocks": 94 * 30})  # 30 sequences fit
+    w = plan.worker_plan(_sweep(point=0), target_rate=10.0, memory=memory)
+    # scale 10 / 4 = 2.5: prefill ceil(2.5 x 1) = 3, decode ceil(2.5 x 2) = 5 for throughput;
+    # KV: 10 req/s x 20 s = 200 in flight, 1500 tokens = 94 blocks each, 30 per worker -> 7.
+    assert (w.prefill_workers, w.decode_workers) == (3, math.ceil(200 / 30)) == (3, 7)
+    assert "scale = 10 / 4 = 2.500" in w.lines[1]
+    assert w.lines[-1] == "plan: 3 prefill + 7 decode workers for 10 req/s"
+    exact = plan.worker_plan(_sweep(point=0), target_rate=8.0, memory=None)
+    assert (exact.prefill_workers, exact.decode_workers) == (2, 4)
+
+
+def test_a_sweep_without_capacity_cannot_plan():
+    with pytest.raises(InvalidRequestError, match="no point with SLO attainment >= 90%"):
+        plan.worker_plan(_sweep(capacity=None), 1.0, None)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [(dict(kv_dtype="int3"), "--kv-dtype must be one of"),
+     (dict(memory_utilization=1.5), "--memory-utilization must be in"),
+     (dict(device_memory_gib=0), "--device-memory-gib must be > 0")],
+)  # fmt: skip
+def test_bad_hardware_names_the_flag(kw, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        Hardware(**kw)

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_transfer_arguments(xfer)
     xfer.set_defaults(func=cmd_bench_transfer)
-    from tandem.loadtest.cli import add_bench_parsers, add_plan_parser
+    from tandem.bench.load.cli import add_bench_parsers, add_plan_parser
 
     add_bench_parsers(bench_sub)
     add_plan_parser(sub)
@@ -237,7 +237,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with LocalCluster(config) as cluster:
         log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
         _generate_remote(cluster.address, args.prompt, False, params, timeout=300)
-        from tandem.loadtest.cli import demo_load
+        from tandem.bench.load.cli import demo_load
 
         demo_load(cluster.address)
         log.info("demo: stopping the cluster")

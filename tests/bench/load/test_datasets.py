@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
+from tandem.bench.load import datasets
+from tandem.bench.load.datasets import LengthDist, PromptComposer, RequestSpec
 from tandem.errors import InvalidRequestError
-from tandem.loadtest import datasets
-from tandem.loadtest.datasets import LengthDist, PromptComposer, RequestSpec
 
 
 def _text(prompt=None, messages=None) -> str:

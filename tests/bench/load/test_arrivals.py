@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from tandem.bench.load import arrivals
 from tandem.errors import InvalidRequestError
-from tandem.loadtest import arrivals
 
 N = 20_000
 

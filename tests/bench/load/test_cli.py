@@ -72,8 +72,8 @@ SERVER_SIDE = ("torch", "tandem.engine", "tandem.router", "tandem.prefill_worker
 def test_the_harness_imports_no_server_code():
     code = (
         "import sys\n"
-        "import tandem.loadtest.cli, tandem.loadtest.runner, tandem.loadtest.report\n"
-        "import tandem.loadtest.sweep\n"
+        "import tandem.bench.load.cli, tandem.bench.load.runner, tandem.bench.load.report\n"
+        "import tandem.bench.load.sweep\n"
         f"print([m for m in sys.modules if m.startswith({SERVER_SIDE!r})])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,8 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from tandem.loadtest.metrics import RequestRecord, Summary
-from tandem.loadtest.runner import LoadResult
+from tandem.bench.load.metrics import RequestRecord, Summary
+from tandem.bench.load.runner import LoadResult
 
 CDF_PLOT = "latency_cdf.png"
 TIMELINE_PLOT = "token_timeline.png"

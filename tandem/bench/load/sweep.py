@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.bench.load import report
+from tandem.bench.load.runner import LoadConfig, LoadResult, run
 from tandem.errors import InvalidRequestError
-from tandem.loadtest import report
-from tandem.loadtest.runner import LoadConfig, LoadResult, run
 
 LATENCY_PLOT = "throughput_latency.png"
 ATTAINMENT_PLOT = "slo_attainment.png"

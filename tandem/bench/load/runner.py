@@ -21,12 +21,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tandem.bench.load import arrivals, datasets
+from tandem.bench.load.datasets import LengthDist, RequestSpec
+from tandem.bench.load.metrics import SLO, RequestRecord, Summary, summarize
 from tandem.client import AsyncTandemClient, ModelInfo
 from tandem.client.errors import TandemClientError
 from tandem.errors import InvalidRequestError
-from tandem.loadtest import arrivals, datasets
-from tandem.loadtest.datasets import LengthDist, RequestSpec
-from tandem.loadtest.metrics import SLO, RequestRecord, Summary, summarize
 
 # Requests a duration-bounded run prepares up front (cycled if the run needs more).
 DURATION_POOL = 512

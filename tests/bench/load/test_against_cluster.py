@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from tandem.bench.load import sweep
 from tandem.cli import main
 from tandem.config import EngineConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster
-from tandem.loadtest import sweep
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tandem.loadtest.metrics import SLO, RequestRecord, Stats, max_in_flight, summarize
+from tandem.bench.load.metrics import SLO, RequestRecord, Stats, max_in_flight, summarize
 
 
 def rec(index=0, send=0.0, times=(), tokens=None, prompt=10, error=None, finish="length"):

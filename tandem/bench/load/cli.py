@@ -169,9 +169,9 @@ def add_plan_parser(sub) -> None:
 
 
 def load_config(args: argparse.Namespace, **overrides):
-    from tandem.loadtest.datasets import LengthDist
-    from tandem.loadtest.metrics import SLO
-    from tandem.loadtest.runner import DatasetConfig, LoadConfig
+    from tandem.bench.load.datasets import LengthDist
+    from tandem.bench.load.metrics import SLO
+    from tandem.bench.load.runner import DatasetConfig, LoadConfig
 
     output = LengthDist.parse(args.output_len or "128", "--output-len")
     file_output = None
@@ -212,8 +212,8 @@ def load_config(args: argparse.Namespace, **overrides):
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from tandem.loadtest import report
-    from tandem.loadtest.runner import run
+    from tandem.bench.load import report
+    from tandem.bench.load.runner import run
 
     config = load_config(args)
     log.info("load: %s; %s", config.describe(), config.dataset.describe())
@@ -226,7 +226,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tandem.loadtest import sweep
+    from tandem.bench.load import sweep
 
     if not args.out:
         from tandem.errors import InvalidRequestError
@@ -254,8 +254,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from tandem.bench.load import plan
     from tandem.errors import InvalidRequestError
-    from tandem.loadtest import plan
 
     if (args.sweep is None) != (args.target_rate is None):
         raise InvalidRequestError("--sweep", "--sweep and --target-rate go together")
@@ -279,9 +279,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def demo_load(address: str) -> None:
     """The short load that ends ``tandem demo``: 16 requests, 4 at a time."""
-    from tandem.loadtest import report
-    from tandem.loadtest.datasets import LengthDist
-    from tandem.loadtest.runner import DatasetConfig, LoadConfig, run
+    from tandem.bench.load import report
+    from tandem.bench.load.datasets import LengthDist
+    from tandem.bench.load.runner import DatasetConfig, LoadConfig, run
 
     config = LoadConfig(
         target=address,

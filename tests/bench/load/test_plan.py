@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from tandem.bench.load import plan
+from tandem.bench.load.plan import Hardware
 from tandem.errors import InvalidRequestError
-from tandem.loadtest import plan
-from tandem.loadtest.plan import Hardware
 
 GiB = 2**30
 

@@ -3,15 +3,51 @@
 ``get_backend(name)`` returns a module-like object exposing ``store_kv``,
 ``prefill_attention`` and ``decode_attention`` with the signatures of
 :mod:`tandem.kernels.torch_ref`, the reference every other backend is tested against.
+
+Backends: ``torch`` (the reference, any device) and ``triton`` (paged kernels that
+read KV blocks in place; CUDA, or CPU under ``TRITON_INTERPRET=1`` for tests).
+``resolve_backend`` turns the ``attention_backend`` setting into one of them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
+
+import torch
 
 from tandem.errors import ConfigError
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
+CHOICES = ("auto", *BACKENDS)
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto``: triton on CUDA when it is installed, torch otherwise; the rest as asked.
+
+    Fails with the setting named when the asked backend cannot run on ``device``.
+    """
+    if name not in CHOICES:
+        raise ConfigError(f"attention_backend must be one of {', '.join(CHOICES)}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_installed() else "torch"
+    if name == "triton":
+        if not triton_installed():
+            raise ConfigError(
+                "attention_backend 'triton' needs the triton package, which is not installed "
+                "(CUDA builds of torch bring it; or pip install triton)"
+            )
+        # Whether the kernels are interpreted was fixed when they were imported.
+        if device.type != "cuda" and not get_backend("triton").INTERPRET:
+            raise ConfigError(
+                f"attention_backend 'triton' runs on CUDA devices, got device {device}; "
+                "use attention_backend 'torch' there (or TRITON_INTERPRET=1, slow, for tests)"
+            )
+    return name
 
 
 def get_backend(name: str) -> ModuleType:
@@ -19,6 +55,12 @@ def get_backend(name: str) -> ModuleType:
         from tandem.kernels import torch_ref
 
         return torch_ref
+    if name == "triton":
+        try:
+            from tandem.kernels import triton as triton_backend
+        except ImportError as exc:
+            raise ConfigError(f"attention_backend 'triton' cannot be imported: {exc}") from exc
+        return triton_backend
     raise ConfigError(
         f"attention_backend {name!r} is not available (available: {', '.join(BACKENDS)})"
     )

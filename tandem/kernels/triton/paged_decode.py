@@ -168,11 +168,10 @@ def _merge_kernel(
 
 
 def choose_num_splits(
-    batch: int, kv_heads: int, max_context_len: int, device: torch.device, block_n: int
+    batch: int, kv_heads: int, max_context_len: int, num_sms: int, block_n: int
 ) -> int:
     """Enough splits for about two programs per SM, none shorter than MIN_SPLIT_TOKENS."""
-    programs = batch * kv_heads
-    wanted = -(-2 * num_sms(device) // programs)
+    wanted = -(-2 * num_sms // (batch * kv_heads))
     by_length = max(1, max_context_len // max(MIN_SPLIT_TOKENS, block_n))
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -222,7 +221,9 @@ def decode_attention(
     bd = block_d(head_dim)
     if block_n is None:
         block_n = 16 if INTERPRET else (64 if bd <= 128 else 32)
-    splits = num_splits or choose_num_splits(batch, kv_heads, max_context_len, q.device, block_n)
+    splits = num_splits or choose_num_splits(
+        batch, kv_heads, max_context_len, num_sms(q.device), block_n
+    )
     splits = max(1, min(splits, max_context_len))
     # Whole tiles per split where splits are long enough (aligned loads); the last split
     # may be short, and none is empty for the longest sequence.

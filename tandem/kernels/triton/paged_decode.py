@@ -32,7 +32,7 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _decode_kernel(
     q_ptr,
     k_ptr,

@@ -41,6 +41,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     g.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        help="auto (default: triton on CUDA, torch otherwise), torch, triton",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
 
@@ -129,6 +134,7 @@ def engine_config(args: argparse.Namespace):
         ("model", "model"),
         ("dtype", "dtype"),
         ("device", "device"),
+        ("attention_backend", "attention_backend"),
         ("threads", "num_threads"),
     ):
         if getattr(args, flag, None) is not None:

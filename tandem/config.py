@@ -7,6 +7,7 @@ value fails at start-up with the setting named.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,6 +15,11 @@ from typing import Any, TypeVar
 from tandem.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # torch everywhere for now
+    attention_backend: str = "auto"  # triton on CUDA (when installed), torch otherwise
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cache_dir: str | None = None  # dequantised GGUF and tiny-random; default ~/.cache/tandem
 
@@ -44,6 +50,16 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "triton" and not _triton_installed():
+            raise ConfigError(
+                "attention_backend 'triton' needs the triton package, which is not installed "
+                "(CUDA builds of torch bring it); use 'auto' or 'torch'"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -81,6 +81,7 @@ def _commands(config_files: dict[str, Path], missing: Path) -> dict[str, list[st
         "top_p_0": [*GEN, "--top-p", "0", "hi"],
         "top_p_1.5": [*GEN, "--top-p", "1.5", "hi"],
         "top_k_neg": [*GEN, "--top-k", "-1", "hi"],
+        "attention_backend": [*GEN, "--attention-backend", "cuda", "hi"],
         "over_context": [*GEN, "--raw", "--max-tokens", "5000", "hi"],
         "yaml_unknown_key": [*GEN, "--config", str(config_files["unknown_key"]), "hi"],
         "yaml_bad_value": [*GEN, "--config", str(config_files["bad_value"]), "hi"],
@@ -164,6 +165,7 @@ EARLY_ERRORS = {
     "top_p_0": "top_p must be in (0, 1], got 0.0",
     "top_p_1.5": "top_p must be in (0, 1], got 1.5",
     "top_k_neg": "top_k must be >= 0 (0 disables it), got -1",
+    "attention_backend": "attention_backend must be one of auto, torch, triton, got 'cuda'",
     "unknown_model": "unknown model 'nope': expected one of smollm2-135m-instruct, tiny-random, "
     "a Hugging Face directory or a .gguf file",
     "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value})",

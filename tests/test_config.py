@@ -27,6 +27,10 @@ from tandem.errors import ConfigError
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
         ({"num_threads": 0}, "num_threads must be >= 1, got 0"),
+        (
+            {"attention_backend": "cuda"},
+            "attention_backend must be one of auto, torch, triton, got 'cuda'",
+        ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
@@ -34,6 +38,18 @@ def test_engine_config_names_the_bad_setting(overrides, message):
     with pytest.raises(ConfigError) as err:
         EngineConfig(**overrides)
     assert str(err.value) == message
+
+
+def test_triton_backend_without_triton_is_named(monkeypatch):
+    import tandem.config
+
+    monkeypatch.setattr(tandem.config, "_triton_installed", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(attention_backend="triton")
+    assert str(err.value).startswith(
+        "attention_backend 'triton' needs the triton package, which is not installed"
+    )
+    assert EngineConfig(attention_backend="auto").attention_backend == "auto"  # falls back
 
 
 def test_engine_config_accepts_the_limits():

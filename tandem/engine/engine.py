@@ -40,7 +40,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import FinishReason, Sequence, Status
 from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tandem.errors import ConfigError, InvalidRequestError, OutOfBlocksError
-from tandem.kernels import get_backend
+from tandem.kernels import get_backend, resolve_backend
 from tandem.kv_transfer.base import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        # Before the weights load: a backend that cannot run here fails at once.
+        self.attention_backend = resolve_backend(config.attention_backend, self.device)
 
         model_dir = resolve_model(config.model, config.cache_dir)
         self.model_dir = model_dir
@@ -110,7 +112,7 @@ class LLMEngine:
             config.enable_prefix_caching,
         )
         log.info(
-            "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s)",
+            "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s), %s attention",
             config.model,
             cfg.num_layers,
             num_blocks,
@@ -118,9 +120,9 @@ class LLMEngine:
             num_blocks * per_block / 2**20,
             self.dtype,
             self.device,
+            self.attention_backend,
         )
-        backend = "torch" if config.attention_backend == "auto" else config.attention_backend
-        self.runner = ModelRunner(self.model, self.kv, get_backend(backend))
+        self.runner = ModelRunner(self.model, self.kv, get_backend(self.attention_backend))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}

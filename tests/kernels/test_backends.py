@@ -1,8 +1,8 @@
 """The attention backends against a naive dense reference.
 
 The reference and the cases are backend-generic: every backend in ``BACKEND_NAMES``
-runs every case (add "triton" there once it exists). Only ``gather_kv``, a helper of
-the torch reference itself, is tested outside that list.
+runs every case (triton on CPU through its interpreter, see conftest.py). Only
+``gather_kv``, a helper of the torch reference itself, is tested outside that list.
 
 Caches start filled with random values, not zeros, so that reading a wrong slot or
 writing outside the given ones changes the result. The values past a sequence's end
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from tandem.kernels import get_backend, torch_ref
+from tests.kernels.conftest import triton_backend_or_skip
 
-BACKEND_NAMES = ("torch",)
+BACKEND_NAMES = ("torch", "triton")
 
 KV_HEADS = 2
 HEAD_DIM = 32
@@ -31,10 +32,12 @@ NUM_BLOCKS = 12
 SHUFFLED_BLOCK_IDS = (7, 2, 11, 5, 0, 9, 3, 10, 1, 6, 4, 8)
 
 # bf16 stores ~3 significant digits and the torch reference also rounds scores and
-# probabilities to bf16: its largest error here is 8e-3. float32 errors are ~1e-6.
+# probabilities to bf16: its largest error here is 8e-3. float16 has 3 more bits.
+# float32 errors are ~1e-6.
 TOLERANCES = {
     torch.float32: {"atol": 2e-5, "rtol": 2e-5},
     torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
 }
 
 
@@ -65,6 +68,8 @@ def _one_thread():
 
 @pytest.fixture(params=BACKEND_NAMES)
 def backend(request: pytest.FixtureRequest) -> ModuleType:
+    if request.param == "triton":
+        triton_backend_or_skip()
     return get_backend(request.param)
 
 
@@ -73,7 +78,7 @@ def backend(request: pytest.FixtureRequest) -> ModuleType:
         Shape(block_size, group, dtype)
         for block_size in (4, 16)
         for group in (1, 3)
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
     ],
     ids=lambda s: f"bs{s.block_size}-group{s.group}-{str(s.dtype).removeprefix('torch.')}",
 )

@@ -1,0 +1,107 @@
+"""What the Triton launchers share: input checks, the interpreter switch, device facts.
+
+``TRITON_INTERPRET=1`` is read by ``@triton.jit`` when a kernel module is imported,
+not at launch: the kernels in this package are interpreted (numpy, on CPU tensors)
+if and only if the variable was set before the first import of this package.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# Fixed at import, like the @triton.jit decorators of the kernel modules that import this.
+INTERPRET: bool = bool(knobs.runtime.interpret)
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def mma(a, b, WIDEN: tl.constexpr):
+    """``a @ b`` accumulated in float32; WIDEN (see ``widen``) does it in IEEE float32."""
+    if WIDEN:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+def widen(dtype: torch.dtype) -> bool:
+    """Whether ``mma`` must widen its inputs to float32 and use IEEE products.
+
+    float32: tf32 products would miss the reference by ~1e-3. Under the interpreter:
+    ``tl.dot`` on bfloat16 returns garbage in Triton 3.9; bf16 x bf16 products are
+    exact in float32, so widening gives what a bf16 tensor-core dot with float32
+    accumulation gives.
+    """
+    return dtype == torch.float32 or INTERPRET
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"the triton backend runs on CUDA tensors, got {device} "
+            "(set TRITON_INTERPRET=1 before importing it to run the kernels on CPU)"
+        )
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """[num_blocks, block_size, kv_heads, head_dim] each, same shape and dtype, dim stride 1."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in DTYPES:
+        raise ValueError(
+            f"k_cache and v_cache must share a dtype in {DTYPES}, "
+            f"got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous along head_dim")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str = "q") -> int:
+    """[tokens, num_heads, head_dim] matching the cache; returns the GQA group size."""
+    if q.dim() != 3 or q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(
+            f"{name} must be [tokens, num_heads, {k_cache.shape[-1]}], got {tuple(q.shape)}"
+        )
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{name} dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along head_dim")
+    kv_heads = k_cache.shape[2]
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of kv_heads {kv_heads}")
+    return q.shape[1] // kv_heads
+
+
+def check_index(t: torch.Tensor, name: str, dims: int) -> None:
+    if t.dim() != dims or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a {dims}-d int32/int64 tensor, got {t.dtype} {t.shape}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim")
+
+
+def block_d(head_dim: int) -> int:
+    # tl.dot needs every dim >= 16; masked lanes past head_dim load zeros.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

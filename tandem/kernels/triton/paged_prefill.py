@@ -1,0 +1,241 @@
+"""Paged prefill attention: causal flash-attention of a sequence's new tokens.
+
+The new tokens are the last ``query_len`` of ``context_len``; the first
+``context_len - query_len`` (an earlier chunk, a prefix-cache hit) are already in
+cached blocks, and every key is read in place through the block table.
+
+Grid: (query tile, head), heaviest tiles first. A tile of BLOCK_M query rows at
+positions ``prefix + row`` runs an online softmax over key tiles of BLOCK_N: the
+tiles every row sees whole come first with no mask, then the ones across the
+causal diagonal with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.triton.common import (
+    INTERPRET,
+    block_d,
+    check_cache,
+    check_device,
+    check_index,
+    check_query,
+    mma,
+    widen,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m,
+    lsum,
+    acc,
+    n0,
+    q_pos,
+    context_len,
+    table_ptr,
+    k_ptr,
+    v_ptr,
+    kv_head,
+    scale_log2,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """One key tile's step of the online softmax; CAUSAL masks keys past each row."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    in_context = pos < context_len
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
+    token = (pos % BLOCK_SIZE).to(tl.int64)
+    kv_mask = in_context[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(
+        k_ptr
+        + block[:, None] * stride_kb
+        + token[:, None] * stride_kt
+        + kv_head * stride_kh
+        + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_ptr
+        + block[:, None] * stride_vb
+        + token[:, None] * stride_vt
+        + kv_head * stride_vh
+        + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
+    return m_new, lsum, acc
+
+
+# Lengths vary every call: compiling a variant per divisibility-by-16 buys nothing.
+@triton.jit(do_not_specialize=["query_len", "context_len"])
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    out_ptr,
+    scale_log2,  # softmax scale x log2(e): the softmax runs in base 2
+    query_len,
+    context_len,
+    stride_qt,
+    stride_qh,
+    stride_kb,  # cache strides: block, token, head (head_dim is contiguous)
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    # The last query tiles see the most keys: start them first.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    prefix = context_len - query_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < query_len) & (d[None, :] < HEAD_DIM)
+    q_off = rows[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    q_pos = prefix + rows  # padding rows past query_len see keys up to context_len only
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys below the tile's first position are visible to every row of the tile.
+    whole = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    end = tl.minimum(prefix + (tile + 1) * BLOCK_M, context_len)
+    for n0 in range(0, whole, BLOCK_N):
+        m, lsum, acc = _attend_tile(
+            q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
+            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN,
+        )  # fmt: skip
+    # Key 0 is in the first tile and visible to every row, so m is finite from then on.
+    for n0 in range(whole, end, BLOCK_N):
+        m, lsum, acc = _attend_tile(
+            q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
+            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN,
+        )  # fmt: skip
+
+    out = acc / lsum[:, None]
+    o_off = rows[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def default_tiles(head_dim: int, query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) for this head size and prompt length."""
+    if INTERPRET:
+        return 16, 16, 1, 1
+    if dtype == torch.float32:  # a checking dtype, not a serving one: keep shared memory small
+        return 64, 32, 4, 2
+    if query_len <= 64:
+        return 64, 64, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [query_len, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [n_blocks], int32/int64
+    context_len: int,
+    scale: float,
+    *,
+    block_m: int | None = None,  # tuning knobs, for the benchmark
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its whole cached context.
+
+    The interface of :func:`tandem.kernels.torch_ref.prefill_attention`: the new
+    tokens' K/V must already be stored. Returns [query_len, num_heads, head_dim].
+    """
+    check_cache(k_cache, v_cache)
+    group = check_query(q, k_cache)
+    check_index(block_table, "block_table", 1)
+    check_device(q, k_cache, v_cache, block_table)
+    query_len, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    if not 1 <= query_len <= context_len:
+        raise ValueError(f"query_len {query_len} must be in [1, context_len {context_len}]")
+    if block_table.shape[0] * block_size < context_len:
+        raise ValueError(
+            f"block_table holds {block_table.shape[0]} blocks of {block_size}, "
+            f"fewer than context_len {context_len} tokens"
+        )
+    bm, bn, warps, stages = default_tiles(head_dim, query_len, q.dtype)
+    bm, bn = block_m or bm, block_n or bn
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(query_len, bm), num_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        out,
+        scale * LOG2E,
+        query_len,
+        context_len,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=block_d(head_dim),
+        WIDEN=widen(q.dtype),
+        num_warps=num_warps or warps,
+        num_stages=num_stages or stages,
+    )
+    return out

@@ -1,0 +1,86 @@
+"""bench/kernels_gpu.py without a GPU: its CPU pass, and its timed cases on tiny shapes.
+
+The script is meant to be run blind on a GPU machine in one call; these tests run
+every code path it has there (cases, checks, report) on CPU, the kernels
+interpreted, so that run does not die on a typo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kernels.conftest import triton_backend_or_skip
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("kernels_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; a GPU would time for real")
+def test_without_cuda_it_checks_on_tiny_shapes_and_says_so():
+    triton_backend_or_skip()
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("no CUDA device: nothing to time")
+    summary = json.loads(lines[-1])
+    assert summary["device"] == "cpu" and summary["failed"] == []
+    assert summary["checked"] == 18  # decode, prefill, store_kv x 2 layouts x 3 dtypes
+
+
+def test_help_names_the_options():
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0
+    for flag in ("--quick", "--no-sweep", "--budget-s"):
+        assert flag in run.stdout
+
+
+def test_timed_cases_run_and_report(script, monkeypatch, capsys):
+    ops = triton_backend_or_skip()
+    from tandem.kernels import torch_ref
+
+    monkeypatch.setattr(script, "HEADS_7B", (4, 2, 16))
+    monkeypatch.setattr(script, "BLOCK_SIZE", 4)
+    b = script.Bench(torch.device("cpu"), budget_s=60)
+    b.run("decode", "2 x 37", lambda: script.decode_case(b, ops, 2, 37, copy_gbps=10.0))
+    b.run("prefill", "9 new", lambda: script.prefill_case(b, ops, 9, 0, mm_tflops=1.0))
+    b.run("prefill", "5 + 11", lambda: script.prefill_case(b, ops, 5, 11, mm_tflops=1.0))
+    b.run("store", "7 tokens", lambda: script.store_case(b, ops, torch_ref, 7, copy_gbps=10.0))
+    b.run("profile", "norms", lambda: script.norm_rope_case(b, 3))
+    tiles = {"block_n": 16, "num_warps": 1, "num_stages": 1}
+    b.run("sweep", "tiles", lambda: script.decode_case(b, ops, 1, 20, 10.0, **tiles))
+    b.run("broken", "raises", lambda: 1 / 0)
+    b.budget_s = -1
+    b.run("late", "skipped", lambda: pytest.fail("ran past the budget"))
+
+    status = script.report(b, {"device": "cpu"})
+
+    assert status == 1  # the case that raised
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["failed"] == ["broken: raises"]
+    assert summary["skipped"] == 1
+    rows = {r["case"]: r for r in summary["rows"]}
+    for case in ("2 x 37", "9 new", "5 + 11", "7 tokens", "tiles"):
+        assert rows[case]["ok"] is True, case
+        assert rows[case]["ms"] > 0 and rows[case]["sdpa_ms"] > 0
+    assert "sdpa_gbps" in rows["2 x 37"] and "sdpa_tflops" in rows["9 new"]
+    assert rows["norms"]["ok"] is None and rows["norms"]["rmsnorm_ms"] > 0

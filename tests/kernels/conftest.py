@@ -1,0 +1,29 @@
+"""The kernel tests run the Triton backend on CPU through Triton's interpreter.
+
+``@triton.jit`` reads TRITON_INTERPRET when a kernel module is imported, so it is
+set here, before any test imports ``tandem.kernels.triton`` (nothing imports that
+package at collection time). A value already in the environment wins.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def triton_backend_or_skip():
+    """The triton backend module, or a skip that says why it cannot run here."""
+    if not TRITON_INSTALLED:
+        pytest.skip("triton is not installed")
+    from tandem.kernels import triton as backend
+
+    if not backend.INTERPRET and not torch.cuda.is_available():
+        pytest.skip("tandem.kernels.triton was imported without TRITON_INTERPRET=1 and no CUDA")
+    return backend

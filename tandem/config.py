@@ -163,6 +163,10 @@ class RouterConfig:
     worker_timeout_s: float = 2.0  # a worker whose Status fails this long is dropped
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+    # A worker that leaves a ping unanswered this long (pinged every worker_keepalive_s
+    # while requests are open to it) fails those requests with UNAVAILABLE.
+    worker_keepalive_s: float = 10.0
+    worker_keepalive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))
@@ -181,6 +185,11 @@ class RouterConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.worker_keepalive_s <= 0 or self.worker_keepalive_timeout_s <= 0:
+            raise ConfigError(
+                "worker_keepalive_s and worker_keepalive_timeout_s must be > 0, got "
+                f"{self.worker_keepalive_s} and {self.worker_keepalive_timeout_s}"
+            )
 
 
 def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:

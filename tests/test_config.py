@@ -103,3 +103,13 @@ def test_role_config_names_bad_engine_settings():
 
     with pytest.raises(ConfigError, match="unknown setting blocks in f.yaml"):
         role_config(PrefillConfig, {"engine": {"blocks": 3}}, where="f.yaml")
+
+
+@pytest.mark.parametrize(
+    "field", ["worker_keepalive_s", "worker_keepalive_timeout_s", "status_interval_s"]
+)
+def test_router_intervals_must_be_positive(field):
+    from tandem.config import RouterConfig
+
+    with pytest.raises(ConfigError, match=field):
+        RouterConfig(**{field: 0})

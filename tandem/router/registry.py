@@ -69,8 +69,10 @@ class WorkerRegistry:
         status_interval_s: float,
         worker_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        channel_options: list[tuple[str, int]] | None = None,
     ) -> None:
         self.status_interval_s = status_interval_s
+        self.channel_options = channel_options or []
         self.worker_timeout_s = worker_timeout_s
         self._clock = clock
         self._workers: dict[tuple[Pool, str], Worker] = {}
@@ -83,7 +85,7 @@ class WorkerRegistry:
         pool = Pool(pool)
         if (pool, address) in self._workers:
             return
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options=self.channel_options)
         stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
             if pool is Pool.PREFILL

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
+from tandem.keepalive import SERVER_OPTIONS, channel_options
 from tandem.router.admission import Admission
 from tandem.router.frontend import Frontend
 from tandem.router.placement import Pool, make_policy
@@ -36,7 +37,13 @@ class Router:
     def __init__(self, config: RouterConfig, frontend: Frontend | None = None) -> None:
         self.config = config
         self.frontend = frontend  # loaded in start() when not given
-        self.registry = WorkerRegistry(config.status_interval_s, config.worker_timeout_s)
+        self.registry = WorkerRegistry(
+            config.status_interval_s,
+            config.worker_timeout_s,
+            channel_options=channel_options(
+                config.worker_keepalive_s, config.worker_keepalive_timeout_s
+            ),
+        )
         self.admission = Admission(config.max_queue)
         self.relay = Relay(self.registry, make_policy(config.placement))
         self.port: int | None = None
@@ -59,8 +66,7 @@ class Router:
             self.registry.add_worker(Pool.DECODE, address)
         await self.registry.poll_once()  # placement has numbers from the first request on
 
-        # No SO_REUSEPORT: a second router on a taken port must fail, not share it silently.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         tandem_pb2_grpc.add_TandemServicer_to_server(
             TandemService(self.frontend, self.admission, self.relay), server
         )

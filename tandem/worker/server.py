@@ -25,6 +25,7 @@ from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.loop import EngineLoop
 from tandem.errors import ConfigError
+from tandem.keepalive import SERVER_OPTIONS
 from tandem.kv_transfer.base import TransferMetrics
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ class WorkerServer(abc.ABC):
             self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.loop = EngineLoop(self.engine)
         await asyncio.to_thread(self._open_transfer)
-        # No SO_REUSEPORT: a second worker on a taken port must fail, not share it.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         self._add_servicer(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         where = f"{self.config.host}:{self.config.port}"

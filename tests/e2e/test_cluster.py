@@ -28,12 +28,15 @@ from tandem.engine.sampling_params import SamplingParams
 PROMPTS = ["Hello there, how are you?", "你好，请介绍一下你自己。", "long prompt " * 60]
 
 
-def _cluster(tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, **engine):
+def _cluster(
+    tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, router=None, **engine
+):
     engine_cfg = EngineConfig(model=model, num_blocks=engine.pop("num_blocks", 256), **engine)
     config = ClusterConfig(
         num_prefill=prefill, num_decode=decode, engine=engine_cfg, threads_per_worker=1,
     )  # fmt: skip
-    config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=0))
+    router_cfg = dataclasses.replace(config.router, port=0, **(router or {}))
+    config = dataclasses.replace(config, router=router_cfg)
     return LocalCluster(config, tmp_path_factory.mktemp(name))
 
 
@@ -182,6 +185,37 @@ def test_a_killed_decode_worker_gives_unavailable_then_the_next_request_succeeds
         assert not t.is_alive(), "a request hung after its decode worker died"
         assert errors and isinstance(errors[0], Unavailable), errors
         tokens, _, last = _remote(c.address, "after the crash", max_tokens=8, ignore_eos=True)
+        assert len(tokens) == 8 and last.finish_reason == "length"
+
+
+def test_a_frozen_decode_worker_fails_its_streams_by_keepalive_not_deadline(tmp_path_factory):
+    # SIGSTOP: the process holds its sockets open and answers nothing, as a host that
+    # lost power or network would look to the router (no TCP reset).
+    keepalive = {"worker_keepalive_s": 0.5, "worker_keepalive_timeout_s": 0.5}
+    with _cluster(tmp_path_factory, "freeze", prefill=1, decode=2, router=keepalive) as c:
+        victim = next(p for p in c.processes if p.name == "decode-0")
+
+        def stream(_) -> tuple[str, float]:
+            start = time.monotonic()
+            try:
+                _remote(c.address, "go", max_tokens=1500, ignore_eos=True)  # 60 s deadline
+                outcome = "done"
+            except Unavailable:
+                outcome = "unavailable"
+            return outcome, time.monotonic() - start
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream, i) for i in range(4)]  # spread over both workers
+            time.sleep(1.5)
+            os.kill(victim.popen.pid, signal.SIGSTOP)
+            try:
+                results = [f.result(timeout=45) for f in futures]
+            finally:
+                os.kill(victim.popen.pid, signal.SIGCONT)
+        outcomes = sorted(o for o, _ in results)
+        assert "unavailable" in outcomes and "done" in outcomes, results
+        assert max(s for o, s in results if o == "unavailable") < 15, results
+        tokens, _, last = _remote(c.address, "after the freeze", max_tokens=8, ignore_eos=True)
         assert len(tokens) == 8 and last.finish_reason == "length"
 
 

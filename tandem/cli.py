@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_transfer_arguments(xfer)
     xfer.set_defaults(func=cmd_bench_transfer)
+
+    from tandem.deploy.ray_cluster.cli import add_parser as add_ray_parser
+
+    add_ray_parser(sub)
     return parser
 
 

@@ -190,3 +190,20 @@ def test_status_table_shows_node_queue_and_kv_use():
     )
     assert "64/256 25%" in text and "10.0.0.7" in text and "autoscale=off" in text
     assert "prefill-0   starting" in text and "decode-1 serving" in text
+
+
+def test_the_shipped_deploy_files_agree_with_each_other():
+    from pathlib import Path
+
+    from tandem.config import load_yaml
+
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    cfg = deploy_config(load_yaml(root / "tandem-ray.yaml"), where="deploy/tandem-ray.yaml")
+    cluster = yaml.safe_load((root / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert types[cluster["head_node_type"]]["resources"] == {}  # no worker on the head
+    for pool in ("prefill", "decode"):
+        res = cfg.pool(pool).resources
+        assert res == {pool: 1}
+        # The node type of that name offers the pool's resource, and no other type does.
+        assert [name for name, t in types.items() if pool in t["resources"]] == [pool]

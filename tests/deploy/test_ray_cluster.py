@@ -81,19 +81,25 @@ class Deployment:
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     from tandem.deploy.ray_cluster.head import head_processes, read_state
+    from tandem.deploy.ray_cluster.launch import connected
 
     d = Deployment(tmp_path_factory.mktemp("ray"))
     started = time.monotonic()
     up = _tandem("ray", "up", "--config", str(d.config_file), "--state-file", str(d.state_file))
     assert up.returncode == 0, up.stderr[-3000:]
     d.router = re.search(r"serving tiny-random on (\S+)", up.stdout).group(1)
-    d.head_procs = head_processes(read_state(d.state_file))
+    state = read_state(d.state_file)
+    d.head_procs = head_processes(state)
     print(f"ray up took {time.monotonic() - started:.1f} s")
-    yield d
-    # Whatever the tests did, nothing may survive `down`.
+    # One driver connection for the module: status and scale reuse it (fast polling).
+    with connected(state["address"], state["namespace"], state["auth_mode"]):
+        yield d
+    # Whatever the tests did, nothing may survive `down`: not the head's daemons,
+    # nor any actor process started since `up` (all are the head's descendants).
+    procs = d.head_procs + head_processes(read_state(d.state_file))
     down = _tandem("ray", "down", "--state-file", str(d.state_file))
     assert down.returncode == 0, down.stderr[-3000:]
-    _assert_gone(d.head_procs)
+    _assert_gone(procs)
 
 
 def _assert_gone(procs: list, within_s: float = 30.0) -> None:
@@ -121,11 +127,16 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0, interval_s: float =
 def test_up_serves_a_generation_through_the_router_with_pools_placed_by_resource(dep):
     finish, tokens = dep.generate(max_tokens=8, ignore_eos=True)
     assert finish == "length" and len(tokens) == 8
-    st = dep.status()
+    # Each worker served it (the controller's numbers are polled every 0.5 s).
+    st = _wait_for(
+        lambda: (st := dep.status()) and all(w.get("served") for w in st["workers"]) and st,
+        "both workers' served counts",
+        timeout_s=10,
+    )
     assert st["router"] == dep.router and st["targets"] == {"prefill": 1, "decode": 1}
     for pool in ("prefill", "decode"):
         (w,) = dep.workers(pool, st)
-        assert w["state"] == "serving" and w["node_ip"] and w["served"] >= 1
+        assert w["state"] == "serving" and w["node_ip"] and w["served"] == 1
         assert w["resources"].get(pool) == 1  # placed on the pool's custom resource
     assert {(w["pool"], w["address"]) for w in st["router_workers"]} == {
         (w["pool"], w["address"]) for w in st["workers"]
@@ -165,7 +176,8 @@ def test_scale_down_drains_a_worker_with_a_stream_in_flight_and_the_stream_compl
     assert len(decode) == 2
     with ThreadPoolExecutor(2) as pool:
         streams = [
-            pool.submit(dep.generate, f"long {i}", max_tokens=2000, ignore_eos=True)
+            # 3000 tokens hold most of a worker's 256 blocks of 16: one stream per worker.
+            pool.submit(dep.generate, f"long {i}", max_tokens=3000, ignore_eos=True)
             for i in range(2)
         ]
 
@@ -179,7 +191,7 @@ def test_scale_down_drains_a_worker_with_a_stream_in_flight_and_the_stream_compl
         served = {w["name"]: w["served"] for w in dep.workers("decode", before)}
         st = dep.scale(decode=1)  # returns once the removed worker has drained
         outcomes = [s.result(timeout=120) for s in streams]
-    assert [(f, len(t)) for f, t in outcomes] == [("length", 2000)] * 2
+    assert [(f, len(t)) for f, t in outcomes] == [("length", 3000)] * 2
     (kept,) = dep.workers("decode", st)
     (removed,) = [w for w in decode if w["name"] != kept["name"]]
     assert removed["address"] not in {w["address"] for w in st["router_workers"]}
@@ -214,7 +226,7 @@ def test_a_killed_worker_is_restarted_by_ray_and_used_by_the_router_again(dep):
 
 
 def test_status_cli_then_down_leaves_no_tandem_actors_and_no_processes(dep):
-    from tandem.deploy.ray_cluster.head import read_state
+    from tandem.deploy.ray_cluster.head import head_processes, read_state
     from tandem.deploy.ray_cluster.launch import connected, stop_deployment, tandem_actors
 
     out = _tandem("ray", "status", "--state-file", str(dep.state_file))
@@ -223,11 +235,14 @@ def test_status_cli_then_down_leaves_no_tandem_actors_and_no_processes(dep):
     assert re.search(r"prefill\s+prefill-0\s+serving", out.stdout)
 
     state = read_state(dep.state_file)
+    procs = head_processes(state)  # the actors started since `up` included
+    assert sum("WorkerActor" in p.name() or "WorkerActor" in " ".join(p.cmdline()) for p in procs)
     stopped = stop_deployment(state["address"], state["namespace"], 5, state["auth_mode"])
     assert stopped
     with connected(state["address"], state["namespace"], state["auth_mode"]) as ray:
         assert tandem_actors(ray, state["namespace"]) == []
+    ray.shutdown()  # this driver's connection goes before the head does
     down = _tandem("ray", "down", "--state-file", str(dep.state_file))
     assert down.returncode == 0 and "local Ray head" in down.stderr
     assert not dep.state_file.exists()
-    _assert_gone(dep.head_procs)
+    _assert_gone(procs + dep.head_procs)

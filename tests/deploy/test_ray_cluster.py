@@ -172,7 +172,12 @@ def test_scale_decode_up_under_load_loses_no_request_and_the_new_worker_serves(d
 
 
 def test_scale_down_drains_a_worker_with_a_stream_in_flight_and_the_stream_completes(dep):
-    decode = dep.workers("decode")
+    # Idle first: the status numbers are polled, so "running" seen below is then ours.
+    decode = _wait_for(
+        lambda: (ws := dep.workers("decode")) and all(w.get("running") == 0 for w in ws) and ws,
+        "the previous test's streams to end",
+        timeout_s=20,
+    )
     assert len(decode) == 2
     with ThreadPoolExecutor(2) as pool:
         streams = [

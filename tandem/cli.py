@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(bench_sub)
     add_plan_parser(sub)
+
+    from tandem.deploy.ray_cluster.cli import add_parser as add_ray_parser
+
+    add_ray_parser(sub)
     return parser
 
 

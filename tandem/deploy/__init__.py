@@ -1,1 +1,1 @@
-"""Starting Tandem's processes: on this machine (local.py) and, later, on Ray."""
+"""Starting Tandem's processes: on this machine (local.py) and on Ray (ray_cluster/)."""

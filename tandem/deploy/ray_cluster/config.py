@@ -1,0 +1,182 @@
+"""What ``tandem ray up`` deploys: role configs, per-pool Ray resources, autoscaling.
+
+YAML (every section optional; role sections are the same as for ``tandem serve``):
+
+    engine:  {model: smollm2-135m-instruct}     # EngineConfig, for every worker
+    router:  {port: 50051}                      # RouterConfig (workers are filled in)
+    prefill: {kv_backend: ucx}                  # PrefillConfig (engine, host, port replaced)
+    decode:  {kv_lease_s: 30}                   # DecodeConfig (engine, host, ports replaced)
+    ray:
+      namespace: tandem
+      prefill: {replicas: 2, num_cpus: 8, num_gpus: 1, resources: {prefill: 1}}
+      decode:  {replicas: 2, num_cpus: 8, num_gpus: 1, resources: {decode: 1}}
+      router:  {num_cpus: 1}
+      autoscale: {enabled: true, prefill: {max_replicas: 8, target: 2}, ...}
+
+Placement: each worker asks for ``num_cpus``, ``num_gpus`` and its pool's custom
+resources, so an operator dedicates node types to a pool by giving those nodes
+the resource (``ray start --resources '{"prefill": 1}'``). A pool's workers are
+spread over the nodes that qualify (``strategy: SPREAD``). A worker that needs
+several GPUs gets a placement group of one STRICT_PACK bundle: its devices are
+reserved on one node together, and stay reserved for it across restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.config import (
+    DecodeConfig,
+    EngineConfig,
+    PrefillConfig,
+    RouterConfig,
+    from_dict,
+    role_config,
+)
+from tandem.deploy.autoscale import AutoscaleConfig, PoolPolicy
+from tandem.errors import ConfigError
+
+STRATEGIES = ("SPREAD", "DEFAULT")
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    """What one actor asks Ray for, and how it is placed and restarted."""
+
+    replicas: int = 1  # workers at start (ignored for the router)
+    num_cpus: float = 1.0  # also the worker's torch thread budget (at least 1)
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom, e.g. {"decode": 1}
+    strategy: str = "SPREAD"  # across nodes; DEFAULT lets Ray pack them
+    placement_group: bool | None = None  # None: when num_gpus > 1
+    max_restarts: int = -1  # Ray restarts a crashed actor; -1: without limit
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "resources", dict(self.resources))
+        if self.replicas < 0:
+            raise ConfigError(f"replicas must be >= 0, got {self.replicas}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ConfigError(
+                f"num_cpus and num_gpus must be >= 0, got {self.num_cpus}, {self.num_gpus}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU") or amount < 0:
+                raise ConfigError(
+                    f"resources: custom resources must be named (not CPU/GPU) and >= 0, "
+                    f"got {name}: {amount}"
+                )
+        if self.max_restarts < -1:
+            raise ConfigError(f"max_restarts must be >= -1, got {self.max_restarts}")
+
+    @property
+    def uses_placement_group(self) -> bool:
+        return self.num_gpus > 1 if self.placement_group is None else self.placement_group
+
+    def bundle(self) -> dict[str, float]:
+        """The resources of one actor, as a placement-group bundle or a request to the
+        Ray autoscaler."""
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        return {k: v for k, v in bundle.items() if v}
+
+
+@dataclass(frozen=True)
+class RayDeployConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=lambda: RouterConfig(host="0.0.0.0"))
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    namespace: str = "tandem"
+    prefill_pool: ActorResources = field(
+        default_factory=lambda: ActorResources(resources={"prefill": 1})
+    )
+    decode_pool: ActorResources = field(
+        default_factory=lambda: ActorResources(resources={"decode": 1})
+    )
+    router_actor: ActorResources = field(default_factory=ActorResources)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    startup_timeout_s: float = 600.0  # a worker not serving by then is given up (nodes may boot)
+    monitor_interval_s: float = 1.0  # how often the controller checks its actors
+    drain_timeout_s: float = 30.0  # a worker removed by scale-down finishes its requests in this
+    request_nodes: bool = True  # tell Ray's autoscaler the pools' resource needs
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ConfigError("ray.namespace must not be empty")
+        for name in ("startup_timeout_s", "monitor_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ray.{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"ray.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.prefill_pool.replicas < 1 or self.decode_pool.replicas < 1:
+            raise ConfigError(
+                f"a deployment needs >= 1 prefill and >= 1 decode worker, got "
+                f"prefill={self.prefill_pool.replicas}, decode={self.decode_pool.replicas}"
+            )
+
+    def pool(self, name: str) -> ActorResources:
+        return self.prefill_pool if name == "prefill" else self.decode_pool
+
+    def worker_config(self, pool: str, host: str) -> PrefillConfig | DecodeConfig:
+        """The role config one worker of ``pool`` runs, bound to ``host`` on free ports."""
+        threads = max(1, int(self.pool(pool).num_cpus))
+        engine = dataclasses.replace(self.engine, num_threads=self.engine.num_threads or threads)
+        if pool == "prefill":
+            return dataclasses.replace(self.prefill, engine=engine, host=host, port=0)
+        return dataclasses.replace(self.decode, engine=engine, host=host, port=0, kv_port=0)
+
+    def router_config(self) -> RouterConfig:
+        return dataclasses.replace(
+            self.router,
+            model=self.engine.model,
+            cache_dir=self.engine.cache_dir,
+            prefill_workers=(),
+            decode_workers=(),
+        )
+
+
+def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
+    """A RayDeployConfig from YAML-shaped values (see the module docstring)."""
+    values = dict(values)
+    unknown = sorted(set(values) - {"engine", "router", "prefill", "decode", "ray"})
+    if unknown:
+        raise ConfigError(
+            f"unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+            f"{' in ' + where if where else ''} (known: engine, router, prefill, decode, ray)"
+        )
+    out: dict[str, Any] = {}
+    if "engine" in values:
+        out["engine"] = from_dict(EngineConfig, values["engine"] or {}, where=where)
+    if "router" in values:
+        out["router"] = role_config(
+            RouterConfig, {"host": "0.0.0.0", **(values["router"] or {})}, where=where
+        )
+    for key, cls in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
+        if key in values:
+            out[key] = role_config(cls, values[key] or {}, where=where)
+    ray = dict(values.get("ray") or {})
+    for key, name in (("prefill", "prefill_pool"), ("decode", "decode_pool")):
+        if key in ray:
+            section = {"resources": {key: 1}, **(ray.pop(key) or {})}
+            ray[name] = from_dict(ActorResources, section, where=f"{where} ray.{key}")
+    if "router" in ray:
+        ray["router_actor"] = from_dict(ActorResources, ray.pop("router") or {}, where=where)
+    if "autoscale" in ray:
+        scale = dict(ray.pop("autoscale") or {})
+        defaults = AutoscaleConfig()
+        for pool in ("prefill", "decode"):
+            if pool in scale:
+                base = dataclasses.asdict(getattr(defaults, pool))
+                scale[pool] = from_dict(PoolPolicy, {**base, **(scale[pool] or {})}, where=where)
+        ray["autoscale"] = from_dict(AutoscaleConfig, scale, where=f"{where} ray.autoscale")
+    for name in ("prefill_pool", "decode_pool", "router_actor", "autoscale"):
+        if name in ray and not dataclasses.is_dataclass(ray[name]):
+            raise ConfigError(f"ray.{name} is not a setting; use ray.prefill / decode / router")
+    return from_dict(RayDeployConfig, {**out, **ray}, where=where)

@@ -1,0 +1,376 @@
+"""The controller: one detached, named Ray actor that owns a deployment.
+
+It creates the router actor and the worker actors (so they share its fate: when
+it is killed, they go too), keeps the router's membership equal to the serving
+workers, and answers ``tandem ray status / scale / down``.
+
+A worker's life:
+
+    starting   actor created (placement group first when it needs one); waits for
+               its server, up to ``startup_timeout_s`` (a node may be booting)
+    serving    added to the router, which places requests on it from then on
+      crash    Ray restarts the actor (``max_restarts``): a new server on new ports
+               announces itself (``worker_started``); the old address is removed
+               from the router and the new one added. The monitor, which reads
+               every worker's stats each ``monitor_interval_s``, catches the same
+               change if the announcement is lost, and gives up on a worker that
+               has not answered for ``startup_timeout_s`` (a replacement starts)
+    draining   scale-down: removed from the router first (no new requests), then
+               its server stops taking calls and lets in-flight ones finish
+               (``drain_timeout_s``), then the actor is killed
+
+Pool sizes change by ``scale`` (by hand) or by the autoscaling policy
+(``tandem/deploy/autoscale.py``), which reads the same stats every
+``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.deploy.autoscale import POOLS, Autoscaler
+from tandem.deploy.ray_cluster.config import RayDeployConfig
+from tandem.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "controller"
+ROUTER_NAME = "router"
+
+
+@dataclass(eq=False)
+class _Worker:
+    name: str
+    pool: str
+    handle: Any  # ray.actor.ActorHandle
+    placement_group: Any = None
+    state: str = "starting"  # starting | serving | draining
+    info: dict[str, Any] = field(default_factory=dict)  # WorkerActor.info()
+    stats: dict[str, Any] = field(default_factory=dict)  # last WorkerActor.stats()
+    restarts: int = 0
+    last_seen: float = 0.0  # monotonic time of the last answer
+
+    @property
+    def address(self) -> str:
+        return self.info.get("address", "")
+
+
+class Controller:
+    def __init__(self, config: RayDeployConfig) -> None:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        )
+        self.config = config
+        self.targets = {pool: config.pool(pool).replicas for pool in POOLS}
+        self.workers: dict[str, _Worker] = {}
+        self.router: Any = None
+        self.router_info: dict[str, Any] = {}
+        self.autoscaler = Autoscaler(config.autoscale)
+        self.events: deque[str] = deque(maxlen=50)  # recent membership changes, for status
+        self._ids = itertools.count()
+        self._lock: asyncio.Lock | None = None  # made on the actor's event loop
+        self._tasks: list[asyncio.Task] = []
+        self._actor_classes: dict[str, Any] = {}
+
+    # ---- calls from the CLI ------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Start the router, then the pools; returns the router's address."""
+        import ray
+
+        from tandem.deploy.ray_cluster.actors import RouterActor
+        from tandem.deploy.ray_cluster.placement import actor_options
+
+        self._lock = asyncio.Lock()
+        cfg = self.config
+        router_cls = ray.remote(RouterActor)
+        self.router = router_cls.options(
+            name=ROUTER_NAME, namespace=cfg.namespace, **actor_options(cfg.router_actor)
+        ).remote(cfg.router_config())
+        self.router_info = await self.router.info.remote()
+        self._event(f"router serving on {self.router_info['address']}")
+        await self._reconcile()
+        self._tasks = [
+            asyncio.create_task(self._monitor_forever()),
+            asyncio.create_task(self._autoscale_forever()),
+        ]
+        return self.router_info["address"]
+
+    async def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
+        """Set pool sizes (None: unchanged) and wait until the pools have them."""
+        wanted = {"prefill": prefill, "decode": decode}
+        for pool, n in wanted.items():
+            if n is None:
+                continue
+            policy = self.config.autoscale.policy(pool)
+            if n < 1:
+                raise ConfigError(f"--{pool} must be >= 1, got {n}")
+            if self.config.autoscale.enabled and not (
+                policy.min_replicas <= n <= policy.max_replicas
+            ):
+                raise ConfigError(
+                    f"--{pool} {n} is outside the autoscaling bounds "
+                    f"[{policy.min_replicas}, {policy.max_replicas}] (ray.autoscale.{pool})"
+                )
+        now = time.monotonic()
+        for pool, n in wanted.items():
+            if n is not None and n != self.targets[pool]:
+                self.targets[pool] = n
+                self.autoscaler.resized(pool, now)
+        await self._reconcile()
+        return await self.status()
+
+    async def status(self) -> dict[str, Any]:
+        try:
+            router_view = await asyncio.wait_for(self.router.workers.remote(), 5.0)
+        except Exception:  # restarting: the view is back at the next call
+            router_view = []
+        workers = sorted(self.workers.values(), key=lambda w: (w.pool, int(w.name.split("-")[-1])))
+        return {
+            "router": self.router_info.get("address", ""),
+            "router_node": self.router_info.get("node_ip", ""),
+            "targets": dict(self.targets),
+            "autoscale": self.config.autoscale.enabled,
+            "workers": [
+                {
+                    **w.info,
+                    **w.stats,
+                    "name": w.name,
+                    "pool": w.pool,
+                    "state": w.state,
+                    "restarts": w.restarts,
+                }
+                for w in workers
+            ],  # fmt: skip
+            "router_workers": router_view,  # the router's own membership and health
+            "events": list(self.events),
+        }
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Drain the router's in-flight streams, then stop every actor this controller made."""
+        import ray
+
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.router is not None:
+            try:
+                await self.router.stop.remote(grace)
+            except Exception as exc:  # already gone: nothing to drain there
+                log.warning("router stop: %s", exc)
+            ray.kill(self.router, no_restart=True)
+            self.router = None
+        await asyncio.gather(
+            *(self._stop_worker(w, grace=1.0) for w in list(self.workers.values()))
+        )
+        if self.config.request_nodes:
+            self._request_capacity(empty=True)
+        self._event("shut down")
+
+    # ---- calls from worker actors ---------------------------------------------------------
+
+    async def worker_started(self, info: dict[str, Any]) -> None:
+        """A worker's server is up. After a restart, its new address replaces the old one."""
+        w = self.workers.get(info["name"])
+        if w is None or w.state != "serving" or info["incarnation"] == w.info.get("incarnation"):
+            return  # a first start (``_start_worker`` registers it) or news already known
+        await self._replace(w, info)
+
+    # ---- pools -----------------------------------------------------------------------------
+
+    async def _reconcile(self) -> None:
+        """Start or drain workers until each pool's serving count equals its target."""
+        async with self._lock:
+            if self.config.request_nodes:
+                self._request_capacity()
+            jobs = []
+            for pool in POOLS:
+                live = [w for w in self.workers.values() if w.pool == pool and w.state == "serving"]
+                missing = self.targets[pool] - len(live)
+                jobs += [self._start_worker(pool) for _ in range(missing)]
+                for w in self._pick_for_removal(live, -missing):
+                    w.state = "draining"
+                    jobs.append(self._stop_worker(w, self.config.drain_timeout_s))
+            await asyncio.gather(*jobs)
+
+    @staticmethod
+    def _pick_for_removal(live: list[_Worker], count: int) -> list[_Worker]:
+        """The least busy workers, newest first among equals."""
+        if count <= 0:
+            return []
+
+        def busy(w: _Worker) -> tuple:
+            s = w.stats
+            return (s.get("running", 0) + s.get("queue_depth", 0), -int(w.name.split("-")[-1]))
+
+        return sorted(live, key=busy)[:count]
+
+    async def _start_worker(self, pool: str) -> None:
+        import ray
+
+        from tandem.deploy.ray_cluster.placement import reserve
+
+        cfg = self.config
+        name = f"{pool}-{next(self._ids)}"
+        options, pg = reserve(cfg.pool(pool), name)
+        try:
+            if pg is not None:
+                await asyncio.wait_for(pg.ready(), cfg.startup_timeout_s)
+            handle = (
+                self._worker_class()
+                .options(name=name, namespace=cfg.namespace, max_concurrency=4, **options)
+                .remote(pool, name, cfg, CONTROLLER_NAME)
+            )
+            w = _Worker(name, pool, handle, placement_group=pg)
+            self.workers[name] = w
+            w.info = await asyncio.wait_for(handle.info.remote(), cfg.startup_timeout_s)
+        except Exception as exc:
+            log.error("%s did not start: %r", name, exc)
+            self._event(f"{name} did not start: {type(exc).__name__}: {exc}")
+            w = self.workers.pop(name, None)
+            if w is not None:
+                ray.kill(w.handle, no_restart=True)
+            if pg is not None:
+                ray.util.remove_placement_group(pg)
+            return
+        await self.router.add_worker.remote(pool, w.address)
+        w.state, w.last_seen = "serving", time.monotonic()
+        self._event(f"{name} serving on {w.address} (node {w.info['node_ip']})")
+
+    async def _stop_worker(self, w: _Worker, grace: float) -> None:
+        """Out of the router, drain, kill."""
+        import ray
+
+        w.state = "draining"
+        if self.router is not None and w.address:
+            await self.router.remove_worker.remote(w.pool, w.address)
+            # A request placed just before the removal reaches the worker before it stops.
+            await asyncio.sleep(0.5)
+        try:
+            served = await asyncio.wait_for(w.handle.drain.remote(grace), grace + 30)
+            self._event(f"{w.name} drained ({served} requests served)")
+        except Exception as exc:
+            self._event(f"{w.name} did not drain: {type(exc).__name__}")
+        ray.kill(w.handle, no_restart=True)
+        if w.placement_group is not None:
+            ray.util.remove_placement_group(w.placement_group)
+        self.workers.pop(w.name, None)
+
+    async def _replace(self, w: _Worker, info: dict[str, Any]) -> None:
+        """The worker restarted: its old address leaves the router, the new one joins."""
+        old = w.address
+        w.info, w.restarts, w.last_seen = info, w.restarts + 1, time.monotonic()
+        await self.router.remove_worker.remote(w.pool, old)
+        await self.router.add_worker.remote(w.pool, info["address"])
+        self._event(f"{w.name} restarted: {old} -> {info['address']}")
+
+    # ---- background loops --------------------------------------------------------------------
+
+    async def _monitor_forever(self) -> None:
+        while True:
+            try:
+                await self._monitor_once()
+            except Exception:
+                log.exception("monitor round failed")
+            await asyncio.sleep(self.config.monitor_interval_s)
+
+    async def _monitor_once(self) -> None:
+        serving = [w for w in self.workers.values() if w.state == "serving"]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(w.handle.stats.remote(), 5.0) for w in serving),
+            return_exceptions=True,
+        )
+        now = time.monotonic()
+        lost = []
+        for w, stats in zip(serving, results, strict=True):
+            if w.state != "serving":
+                continue  # a drain began meanwhile
+            if isinstance(stats, BaseException):
+                # Restarting (or gone): the router stops placing on it by itself.
+                if now - w.last_seen > self.config.startup_timeout_s:
+                    lost.append(w)
+                continue
+            if stats["incarnation"] != w.info.get("incarnation"):
+                await self._replace(w, {k: stats[k] for k in w.info})
+            w.stats, w.last_seen = stats, now
+        for w in lost:
+            self._event(f"{w.name} lost: no answer for {self.config.startup_timeout_s:g} s")
+            await self._stop_worker(w, grace=0)
+        await self._check_router()
+        if lost:
+            await self._reconcile()  # replacements
+
+    async def _check_router(self) -> None:
+        """A restarted router knows no workers: give it the serving ones again."""
+        try:
+            info = await asyncio.wait_for(self.router.info.remote(), 5.0)
+        except Exception:
+            return
+        if info["incarnation"] == self.router_info.get("incarnation"):
+            return
+        self.router_info = info
+        for w in self.workers.values():
+            if w.state == "serving":
+                await self.router.add_worker.remote(w.pool, w.address)
+        self._event(f"router restarted on {info['address']}; workers registered again")
+
+    async def _autoscale_forever(self) -> None:
+        cfg = self.config.autoscale
+        while cfg.enabled:
+            await asyncio.sleep(cfg.interval_s)
+            try:
+                await self._autoscale_once()
+            except Exception:
+                log.exception("autoscale round failed")
+
+    async def _autoscale_once(self) -> None:
+        serving = [w for w in self.workers.values() if w.state == "serving" and w.stats]
+        loads = {
+            "prefill": [w.stats["queue_depth"] for w in serving if w.pool == "prefill"],
+            "decode": [
+                w.stats["kv_blocks_used"] / max(1, w.stats["kv_blocks_total"])
+                for w in serving
+                if w.pool == "decode"
+            ],
+        }
+        decisions = self.autoscaler.decide(time.monotonic(), dict(self.targets), loads)
+        changed = False
+        for pool, d in decisions.items():
+            if d.replicas != self.targets[pool]:
+                self._event(f"autoscale {pool}: {d.current} -> {d.replicas} ({d.reason})")
+                self.targets[pool] = d.replicas
+                changed = True
+        if changed:
+            await self._reconcile()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _worker_class(self) -> Any:
+        if "worker" not in self._actor_classes:
+            import ray
+
+            from tandem.deploy.ray_cluster.actors import WorkerActor
+
+            self._actor_classes["worker"] = ray.remote(WorkerActor)
+        return self._actor_classes["worker"]
+
+    def _request_capacity(self, empty: bool = False) -> None:
+        from tandem.deploy.ray_cluster.placement import request_capacity
+
+        try:
+            request_capacity(
+                [] if empty else [(self.config.pool(p), self.targets[p]) for p in POOLS]
+            )
+        except Exception as exc:  # no autoscaler API on this cluster: placement still works
+            log.info("resource request to the Ray autoscaler failed: %s", exc)
+
+    def _event(self, text: str) -> None:
+        log.info("%s", text)
+        self.events.append(f"{time.strftime('%H:%M:%S')} {text}")

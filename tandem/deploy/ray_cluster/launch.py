@@ -1,0 +1,230 @@
+"""What ``tandem ray up / status / scale / down`` do, as functions (the CLI is cli.py).
+
+Each call connects to the Ray cluster as a short-lived driver, talks to the
+deployment's controller (the detached actor ``controller`` in the configured
+namespace) and disconnects; the deployment lives on in the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tandem.deploy.ray_cluster.config import RayDeployConfig
+from tandem.deploy.ray_cluster.controller import CONTROLLER_NAME, Controller
+from tandem.deploy.ray_cluster.head import (
+    AUTH_MODE_ENV,
+    RayDeployError,
+    read_state,
+    start_head,
+    stop_head,
+    write_state,
+)
+from tandem.errors import TandemError
+
+log = logging.getLogger(__name__)
+
+
+def require_ray() -> None:
+    """Fail with the install command when Ray is missing (without importing it)."""
+    if importlib.util.find_spec("ray") is None:
+        raise RayDeployError(
+            "Ray is not installed; install Tandem with the ray extra: pip install 'tandem[ray]'"
+        )
+
+
+@contextlib.contextmanager
+def connected(address: str, namespace: str, auth_mode: str | None = None) -> Iterator[Any]:
+    """A driver connection for the block's length (reused if this process has one).
+
+    ``auth_mode``: what a local head recorded; otherwise $RAY_AUTH_MODE decides, as
+    for any Ray driver.
+    """
+    require_ray()
+    if auth_mode:  # before Ray is imported: it reads the mode once
+        os.environ.setdefault(AUTH_MODE_ENV, auth_mode)
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    try:
+        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING,
+                 log_to_driver=False)  # fmt: skip
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise RayDeployError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def controller(ray, namespace: str):
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    except ValueError:
+        raise RayDeployError(
+            f"no Tandem deployment in namespace {namespace!r} on this Ray cluster "
+            "(start one with `tandem ray up`)"
+        ) from None
+
+
+def up(
+    config: RayDeployConfig,
+    address: str | None,
+    state_file: Path,
+    local_cpus: int = 8,
+) -> dict[str, Any]:
+    """Deploy; returns the recorded state (``router`` is the address clients use).
+
+    Without ``address`` a local head is started with ``local_cpus`` logical CPUs and
+    the pools' custom resources, sized so every pool's maximum fits.
+    """
+    if read_state(state_file).get("router"):
+        raise RayDeployError(
+            f"{state_file} records a running deployment; `tandem ray down` first "
+            "(or pass --state-file)"
+        )
+    require_ray()
+    state: dict[str, Any] = {"namespace": config.namespace}
+    if address is None:
+        state.update(start_head(local_cpus, _local_resources(config)))
+        address = state["address"]
+    state["address"] = address
+    write_state(state_file, state)  # now, so that `down` can clean up a failed start
+    try:
+        with connected(address, config.namespace, state.get("auth_mode")) as ray:
+            try:
+                ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
+            except ValueError:
+                pass
+            else:
+                raise RayDeployError(
+                    f"a Tandem deployment already runs in namespace {config.namespace!r}; "
+                    "`tandem ray down` it or set ray.namespace"
+                )
+            ctrl = (
+                ray.remote(Controller)
+                .options(
+                    name=CONTROLLER_NAME,
+                    namespace=config.namespace,
+                    lifetime="detached",
+                    num_cpus=0,
+                    max_concurrency=100,
+                    # On the head: the controller lives as long as the cluster does.
+                    resources={"node:__internal_head__": 0.001},
+                )
+                .remote(config)
+            )
+            state["router"] = ray.get(ctrl.start.remote())
+    except BaseException:
+        down(state_file)
+        raise
+    write_state(state_file, state)
+    return state
+
+
+def _local_resources(config: RayDeployConfig) -> dict[str, float]:
+    """Custom resources a one-node head needs to place every pool at its largest."""
+    out: dict[str, float] = {}
+    for pool in ("prefill", "decode"):
+        res = config.pool(pool)
+        most = max(res.replicas, config.autoscale.policy(pool).max_replicas) + 1
+        for name, amount in res.resources.items():
+            out[name] = out.get(name, 0) + amount * most
+    for name, amount in config.router_actor.resources.items():
+        out[name] = out.get(name, 0) + amount
+    return out
+
+
+def status(state_file: Path, address: str | None = None) -> dict[str, Any]:
+    state = _state(state_file, address)
+    with connected(state["address"], state["namespace"], state.get("auth_mode")) as ray:
+        return ray.get(controller(ray, state["namespace"]).status.remote())
+
+
+def scale(
+    state_file: Path, prefill: int | None, decode: int | None, address: str | None = None
+) -> dict[str, Any]:
+    state = _state(state_file, address)
+    with connected(state["address"], state["namespace"], state.get("auth_mode")) as ray:
+        try:
+            return ray.get(controller(ray, state["namespace"]).scale.remote(prefill, decode))
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, TandemError):  # a bad size: the message names the bound
+                raise RayDeployError(str(cause)) from None
+            raise
+
+
+def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> list[str]:
+    """Stop the deployment (router drains first), then the local head if `up` started it.
+
+    Returns what was stopped, for the CLI to print.
+    """
+    state = _state(state_file, address, required=False)
+    stopped: list[str] = []
+    if state.get("address"):
+        try:
+            stopped += stop_deployment(
+                state["address"], state["namespace"], grace, state.get("auth_mode")
+            )
+        except RayDeployError as exc:
+            if not state.get("head_pid"):
+                raise
+            log.warning("%s", exc)  # the head goes anyway, and its actors with it
+    if state.get("head_pid"):
+        stop_head(state)
+        stopped.append(f"local Ray head (pid {state['head_pid']})")
+    if state_file.exists():
+        state_file.unlink()
+    return stopped
+
+
+def stop_deployment(
+    address: str, namespace: str, grace: float = 30.0, auth_mode: str | None = None
+) -> list[str]:
+    """Shut the controller's actors down, kill the controller, wait until no actor
+    of the namespace is left."""
+    with connected(address, namespace, auth_mode) as ray:
+        try:
+            ctrl = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+        except ValueError:
+            return []
+        try:
+            ray.get(ctrl.shutdown.remote(grace), timeout=grace + 120)
+        finally:
+            ray.kill(ctrl, no_restart=True)
+        deadline = time.monotonic() + 30
+        while left := tandem_actors(ray, namespace):
+            if time.monotonic() > deadline:
+                raise RayDeployError(f"actors still alive after `down`: {', '.join(left)}")
+            time.sleep(0.2)
+        return [f"deployment in namespace {namespace!r} on {address}"]
+
+
+def tandem_actors(ray, namespace: str) -> list[str]:
+    """Named actors alive in ``namespace`` (every actor a deployment makes is named)."""
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace
+    )
+
+
+def _state(state_file: Path, address: str | None, required: bool = True) -> dict[str, Any]:
+    state = read_state(state_file)
+    if address:
+        state = {"namespace": state.get("namespace", "tandem"), "address": address}
+    if required and not state.get("address"):
+        raise RayDeployError(
+            f"no deployment recorded in {state_file}; pass --address or run `tandem ray up`"
+        )
+    state.setdefault("namespace", "tandem")
+    return state

@@ -121,7 +121,7 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0, interval_s: float =
         if value:
             return value
         time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}; last: {value!r}")
 
 
 def test_up_serves_a_generation_through_the_router_with_pools_placed_by_resource(dep):
@@ -131,7 +131,7 @@ def test_up_serves_a_generation_through_the_router_with_pools_placed_by_resource
     st = _wait_for(
         lambda: (st := dep.status()) and all(w.get("served") for w in st["workers"]) and st,
         "both workers' served counts",
-        timeout_s=10,
+        timeout_s=30,
     )
     assert st["router"] == dep.router and st["targets"] == {"prefill": 1, "decode": 1}
     for pool in ("prefill", "decode"):
@@ -225,7 +225,7 @@ def test_a_killed_worker_is_restarted_by_ray_and_used_by_the_router_again(dep):
     after = _wait_for(
         lambda: [w for w in dep.workers("decode") if w.get("served", 0) >= 3],
         "the restarted worker's served count (polled every 0.5 s)",
-        timeout_s=10,
+        timeout_s=30,
     )
     assert after[0]["pid"] == now["pid"]
 

@@ -30,6 +30,75 @@ def mma(a, b, WIDEN: tl.constexpr):
     return out
 
 
+@triton.jit
+def attend_tile(
+    q,
+    m,
+    lsum,
+    acc,
+    n0,
+    q_pos,
+    context_len,
+    table_ptr,
+    k_ptr,
+    v_ptr,
+    kv_head,
+    scale_log2,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """One key tile's step of the online softmax (base 2) over K/V read through a block table.
+
+    Keys at ``n0 .. n0 + BLOCK_N`` of the sequence whose block table is ``table_ptr``;
+    CAUSAL masks, for each query row, the keys past ``q_pos`` and past ``context_len``
+    (without it every key of the tile must be valid). Returns the new (m, lsum, acc).
+    """
+    pos = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    in_context = pos < context_len
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
+    token = (pos % BLOCK_SIZE).to(tl.int64)
+    kv_mask = in_context[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(
+        k_ptr
+        + block[:, None] * stride_kb
+        + token[:, None] * stride_kt
+        + kv_head * stride_kh
+        + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_ptr
+        + block[:, None] * stride_vb
+        + token[:, None] * stride_vt
+        + kv_head * stride_vh
+        + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
+    return m_new, lsum, acc
+
+
 def widen(dtype: torch.dtype) -> bool:
     """Whether ``mma`` must widen its inputs to float32 and use IEEE products.
 

@@ -16,12 +16,12 @@ import triton.language as tl
 
 from tandem.kernels.triton.common import (
     INTERPRET,
+    attend_tile,
     block_d,
     check_cache,
     check_device,
     check_index,
     check_query,
-    mma,
     num_sms,
     widen,
 )
@@ -83,38 +83,15 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = tables_ptr + b * stride_tb
     # Every tile holds at least one valid token, so m is finite after the first one.
+    # The newest token sees the whole context: a causal mask at position end - 1 is
+    # exactly "keys before end", which masks the last, partial tile.
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + end - 1
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        token = (pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(
-            k_ptr
-            + block[:, None] * stride_kb
-            + token[:, None] * stride_kt
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr
-            + block[:, None] * stride_vb
-            + token[:, None] * stride_vt
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
-        m = m_new
+        m, lsum, acc = attend_tile(
+            q, m, lsum, acc, n0, q_pos, end, table, k_ptr, v_ptr, kv_head,
+            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN,
+        )  # fmt: skip
 
     if SPLIT:
         # An empty split (past this sequence's end) leaves lsum = 0 and m = -inf: its

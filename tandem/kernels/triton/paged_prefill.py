@@ -18,80 +18,16 @@ import triton.language as tl
 
 from tandem.kernels.triton.common import (
     INTERPRET,
+    attend_tile,
     block_d,
     check_cache,
     check_device,
     check_index,
     check_query,
-    mma,
     widen,
 )
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    m,
-    lsum,
-    acc,
-    n0,
-    q_pos,
-    context_len,
-    table_ptr,
-    k_ptr,
-    v_ptr,
-    kv_head,
-    scale_log2,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WIDEN: tl.constexpr,
-):
-    """One key tile's step of the online softmax; CAUSAL masks keys past each row."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    in_context = pos < context_len
-    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
-    token = (pos % BLOCK_SIZE).to(tl.int64)
-    kv_mask = in_context[:, None] & (d[None, :] < HEAD_DIM)
-    k = tl.load(
-        k_ptr
-        + block[:, None] * stride_kb
-        + token[:, None] * stride_kt
-        + kv_head * stride_kh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_M, BLOCK_N]
-    if CAUSAL:
-        visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    lsum = lsum * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_ptr
-        + block[:, None] * stride_vb
-        + token[:, None] * stride_vt
-        + kv_head * stride_vh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
-    return m_new, lsum, acc
 
 
 # Lengths vary every call: compiling a variant per divisibility-by-16 buys nothing.
@@ -143,14 +79,14 @@ def _prefill_kernel(
     whole = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(prefix + (tile + 1) * BLOCK_M, context_len)
     for n0 in range(0, whole, BLOCK_N):
-        m, lsum, acc = _attend_tile(
+        m, lsum, acc = attend_tile(
             q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
             scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN,
         )  # fmt: skip
     # Key 0 is in the first tile and visible to every row, so m is finite from then on.
     for n0 in range(whole, end, BLOCK_N):
-        m, lsum, acc = _attend_tile(
+        m, lsum, acc = attend_tile(
             q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
             scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN,

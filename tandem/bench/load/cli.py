@@ -225,6 +225,27 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def sweep_config(args: argparse.Namespace):
+    from tandem.bench.load import sweep
+
+    # The base stands for the first point (each point replaces rate or concurrency),
+    # so that checks such as "--duration needs a finite rate" see a real point.
+    if args.request_rates:
+        first = {"request_rate": min(args.request_rates)}
+    elif args.concurrencies:
+        first = {"max_concurrency": min(args.concurrencies)}
+    else:
+        first = {}
+    return sweep.SweepConfig(
+        base=load_config(args, **first),
+        rates=tuple(args.request_rates or ()),
+        concurrencies=tuple(args.concurrencies or ()),
+        target_attainment=args.target_attainment,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+    )
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from tandem.bench.load import sweep
 
@@ -232,14 +253,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from tandem.errors import InvalidRequestError
 
         raise InvalidRequestError("--out", "bench sweep needs --out DIR for its results")
-    config = sweep.SweepConfig(
-        base=load_config(args),
-        rates=tuple(args.request_rates or ()),
-        concurrencies=tuple(args.concurrencies or ()),
-        target_attainment=args.target_attainment,
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
-    )
+    config = sweep_config(args)
 
     def progress(result) -> None:
         s = result.summary

@@ -115,7 +115,9 @@ class LengthDist:
 
     @property
     def upper(self) -> int:
-        """A bound no sample exceeds (normal: mean + 4 std), to check against the context."""
+        """The longest length to check against the context up front: exact for fixed and
+        uniform; mean + 4 std for normal, which a sample may still exceed (every request
+        is checked again once its prompt is counted)."""
         if self.kind == "fixed":
             return int(self.a)
         if self.kind == "uniform":

@@ -2,7 +2,7 @@
 
 For one request, with times taken on the client (``time.perf_counter``) from the
 moment it was sent:
-- TTFT: until the first streamed response (which carries the first token);
+- TTFT: until the first streamed response that carries a token;
 - E2E: until the last response;
 - TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, for requests with > 1 output token;
 - ITL: every gap between consecutive streamed responses that carry tokens. A
@@ -165,7 +165,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summ
 
 
 def max_in_flight(records: list[RequestRecord]) -> int:
-    """The most requests that were open at once (completed ones; from their timelines)."""
+    """The most requests open at once, from the timelines of those that got any response."""
     events = []
     for r in records:
         if r.chunk_times:

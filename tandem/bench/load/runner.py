@@ -190,8 +190,7 @@ async def _measure(
     client: AsyncTandemClient, config: LoadConfig, model: ModelInfo, specs: list[RequestSpec]
 ) -> LoadResult:
     bounded = config.num_requests is not None
-    offsets: Iterator[float] = arrivals.schedule(config.request_rate, config.burstiness,
-                                                 config.seed)  # fmt: skip
+    offsets = _from_first(arrivals.schedule(config.request_rate, config.burstiness, config.seed))
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     bar = _progress(config)
     records: list[RequestRecord] = []
@@ -225,6 +224,14 @@ async def _measure(
         bar.close()
     return LoadResult(config, model, records, duration, started_at,
                       summarize(records, duration, config.slo))  # fmt: skip
+
+
+def _from_first(offsets: Iterator[float]) -> Iterator[float]:
+    """The schedule shifted so that the first request goes at once: a run's duration
+    (and so its throughput) is counted from the first send, not from an idle gap."""
+    first = next(offsets)
+    for offset in itertools.chain([first], offsets):
+        yield offset - first
 
 
 async def _send(

@@ -78,3 +78,19 @@ def test_the_harness_imports_no_server_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "points, expect",
+    [(["--request-rates", "2,0.5"], ("request_rate", 0.5)),
+     (["--concurrencies", "4,2"], ("max_concurrency", 2))],
+)  # fmt: skip
+def test_a_duration_sweep_builds_every_point(points, expect):
+    # The base config once failed its own "--duration needs a finite rate" check.
+    from tandem.bench.load.cli import sweep_config
+    from tandem.cli import build_parser
+
+    argv = ["bench", "sweep", "--target", "127.0.0.1:1", "--duration", "5", "--out", "x"]
+    config = sweep_config(build_parser().parse_args(argv + points))
+    assert getattr(config.base, expect[0]) == expect[1]
+    assert [c.duration_s for _, c in config.points()] == [5, 5]

@@ -190,9 +190,10 @@ def _bench_backend(args: argparse.Namespace, shape: KVShape, labels, sizes) -> l
     most = max(shape.blocks_for(size) for size in sizes)
     kv = kv_tensor(shape, most, dtype, random=True)
     receiver = ReceiverProcess(shape, most, dtype)
-    sender = make_sender("ucx", kv, fingerprint(shape, dtype))
+    sender = None
     rows = []
     try:
+        sender = make_sender("ucx", kv, fingerprint(shape, dtype))
         sender.connect(receiver("address"))
         for label, size in zip(labels, sizes, strict=True):
             print(f"{label} ...", file=sys.stderr)
@@ -211,7 +212,8 @@ def _bench_backend(args: argparse.Namespace, shape: KVShape, labels, sizes) -> l
                 Row(label, nbytes, blocks, messages, nbytes / ucx_s / 1e9, nbytes / memcpy_s / 1e9)
             )
     finally:
-        sender.close()
+        if sender is not None:
+            sender.close()
         receiver.stop()
     return rows
 
@@ -242,10 +244,17 @@ def run(args: argparse.Namespace) -> int:
     _set_ucx_env(args)
     shape = KVShape(dtype_bytes=DTYPE_BYTES[args.dtype])
     log = sys.stderr
+    if args.path == "backend" and (args.progress != "blocking" or args.error_handling):
+        raise TandemError(
+            "--progress and --error-handling choose how bare UCX is driven (--path transport); "
+            "the backend always runs a progress thread with error handling"
+        )
+    progress, error_handling = (
+        ("thread", True) if args.path == "backend" else (args.progress, args.error_handling)
+    )
     print(
         f"path={args.path} UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} "
-        f"split={args.split} progress={args.progress} "
-        f"error_handling={args.error_handling or args.path == 'backend'} "
+        f"split={args.split} progress={progress} error_handling={error_handling} "
         f"block={shape.block_bytes} B ({args.dtype}) iters={args.iters}",
         file=log,
     )

@@ -7,7 +7,6 @@ value fails at start-up with the setting named.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,10 +15,6 @@ from tandem.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -54,11 +49,6 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
-            )
-        if self.attention_backend == "triton" and not _triton_installed():
-            raise ConfigError(
-                "attention_backend 'triton' needs the triton package, which is not installed "
-                "(CUDA builds of torch bring it); use 'auto' or 'torch'"
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -40,18 +40,6 @@ def test_engine_config_names_the_bad_setting(overrides, message):
     assert str(err.value) == message
 
 
-def test_triton_backend_without_triton_is_named(monkeypatch):
-    import tandem.config
-
-    monkeypatch.setattr(tandem.config, "_triton_installed", lambda: False)
-    with pytest.raises(ConfigError) as err:
-        EngineConfig(attention_backend="triton")
-    assert str(err.value).startswith(
-        "attention_backend 'triton' needs the triton package, which is not installed"
-    )
-    assert EngineConfig(attention_backend="auto").attention_backend == "auto"  # falls back
-
-
 def test_engine_config_accepts_the_limits():
     config = EngineConfig(block_size=1, num_blocks=1, max_model_len=2, max_num_seqs=1)
     assert (config.block_size, config.num_blocks, config.max_model_len) == (1, 1, 2)

@@ -31,14 +31,17 @@ def resolve_backend(name: str, device: torch.device) -> str:
     """The ``attention_backend`` setting for ``device``: ``auto`` is triton on CUDA when
     triton is installed, torch otherwise; the others stay as asked.
 
-    Fails with the setting named when the asked backend cannot run on ``device``.
+    Fails with the setting named when the asked backend cannot run on ``device``. This
+    runs where the engine runs: a config written on a machine without triton (a Ray
+    driver, a laptop) is still valid for workers that have it.
     """
     if name == "auto":
         return "triton" if device.type == "cuda" and triton_installed() else "torch"
     if name == "triton":
         if not triton_installed():
             raise ConfigError(
-                "attention_backend 'triton' needs the triton package, which is not installed"
+                "attention_backend 'triton' needs the triton package, which is not installed "
+                "(CUDA builds of torch bring it); use 'auto' or 'torch'"
             )
         # Whether the kernels are interpreted was fixed when they were imported.
         if device.type != "cuda" and not get_backend("triton").INTERPRET:

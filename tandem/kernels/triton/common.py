@@ -18,6 +18,8 @@ from triton import knobs
 INTERPRET: bool = bool(knobs.runtime.interpret)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernels' softmax runs in base 2 (exp2): scores are scaled by scale x log2(e).
+LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tandem.kernels.triton.common import (
     INTERPRET,
+    LOG2E,
     attend_tile,
     block_d,
     check_cache,
@@ -26,7 +27,6 @@ from tandem.kernels.triton.common import (
     widen,
 )
 
-LOG2E = 1.4426950408889634
 # A split shorter than this costs more in the merge than it gains in parallelism.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64

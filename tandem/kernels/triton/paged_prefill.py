@@ -18,6 +18,7 @@ import triton.language as tl
 
 from tandem.kernels.triton.common import (
     INTERPRET,
+    LOG2E,
     attend_tile,
     block_d,
     check_cache,
@@ -26,8 +27,6 @@ from tandem.kernels.triton.common import (
     check_query,
     widen,
 )
-
-LOG2E = 1.4426950408889634
 
 
 # Lengths vary every call: compiling a variant per divisibility-by-16 buys nothing.

@@ -82,15 +82,16 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 status = await asyncio.wait_for(
                     asyncio.wrap_future(fut), self.server.config.kv_ack_timeout_s
                 )
+            # ABORTED, not UNAVAILABLE: this worker is fine, the decode side failed.
             except asyncio.TimeoutError:
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.ABORTED,
                     f"KV transfer of {rid} to {dest.address}: no ack within "
                     f"{self.server.config.kv_ack_timeout_s:g} s",
                 )
             except TransferError as exc:
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.ABORTED,
                     f"KV transfer of {rid} to {dest.address} failed: {exc.reason} ({exc})",
                 )
             self.server.served += 1

@@ -7,7 +7,10 @@
 2. Pick a prefill worker and call ``Prefill(request, destination)``. It returns
    the first token, which goes to the client at once (time to first token). If
    that token ends the request, the response carries finish_reason and usage and
-   the decode stream is cancelled.
+   the decode stream is cancelled. A prefill worker that is gone or busy
+   (UNAVAILABLE, RESOURCE_EXHAUSTED) is replaced by one other: the reservation
+   still waits for its KV. ABORTED means the KV transfer to the decode worker
+   failed: the request fails as UNAVAILABLE and the prefill worker is not blamed.
 3. Relay the decode stream's chunks in order. The decode worker never resends
    the first token, so nothing is duplicated; its last chunk has finish_reason.
 
@@ -37,7 +40,8 @@ from tandem.router.registry import Worker, WorkerRegistry
 log = logging.getLogger(__name__)
 
 Code = grpc.StatusCode
-# Codes after which another decode worker may take the request: nothing was computed.
+# Codes after which another worker of the pool may take the request: nothing was
+# computed (decode) or nothing reached the reservation (prefill).
 _RETRY_OPEN = (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE)
 # Codes that mean the worker process (or our link to it) is gone. CANCELLED here
 # was not our doing (ours arrives as asyncio.CancelledError): the server went away.
@@ -77,9 +81,8 @@ class Relay:
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         decode, stream, destination = await self._open_decode(worker_req, deadline)
         try:
-            first = await self._prefill(
-                worker_pb2.PrefillRequest(request=worker_req, destination=destination), deadline
-            )
+            prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
+            first = _first_response(prefill, await self._prefill(prefill, deadline))
             yield first
             if first.finish_reason:
                 return
@@ -131,32 +134,35 @@ class Relay:
 
     async def _prefill(
         self, request: worker_pb2.PrefillRequest, deadline: float | None
-    ) -> tandem_pb2.GenerateResponse:
-        candidates = self.registry.placeable(Pool.PREFILL)
-        if not candidates:
-            raise self._none_available(Pool.PREFILL)
-        worker = self._pick(Pool.PREFILL, candidates)
-        timeout = _remaining(deadline)
-        self.registry.acquire(worker)
-        call = worker.stub.Prefill(request, timeout=timeout)
-        try:
-            result = await call
-        except grpc.aio.AioRpcError as exc:
-            raise self._failed(worker, exc) from None
-        finally:
-            if not call.done():
-                call.cancel()
-            self.registry.release(worker)
-        response = tandem_pb2.GenerateResponse(
-            request_id=request.request.request_id,
-            text=result.text,
-            token_ids=[result.first_token_id],
-        )
-        if result.finish_reason:
-            response.finish_reason = result.finish_reason
-            response.usage.prompt_tokens = len(request.request.prompt_token_ids)
-            response.usage.completion_tokens = 1
-        return response
+    ) -> worker_pb2.PrefillResponse:
+        tried: list[Worker] = []
+        while True:
+            candidates = self.registry.placeable(Pool.PREFILL, exclude=tried)
+            if not candidates:
+                raise self._none_available(Pool.PREFILL)
+            worker = self._pick(Pool.PREFILL, candidates)
+            tried.append(worker)
+            timeout = _remaining(deadline)
+            self.registry.acquire(worker)
+            call = worker.stub.Prefill(request, timeout=timeout)
+            try:
+                return await call
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is Code.ABORTED:  # the KV never reached the decode worker
+                    raise RouterError.unavailable(
+                        f"KV transfer from prefill worker {worker.address} to decode worker "
+                        f"{request.destination.address} failed: {exc.details()}"
+                    ) from None
+                error = self._failed(worker, exc)
+                # Gone or busy before sending anything: the reservation still waits.
+                if exc.code() in _RETRY_OPEN and len(tried) < 2:
+                    log.info("request %s: %s", request.request.request_id, error.message)
+                    continue
+                raise error from None
+            finally:
+                if not call.done():
+                    call.cancel()
+                self.registry.release(worker)
 
     async def _relay_decode(
         self, req: PreparedRequest, worker: Worker, stream: grpc.aio.UnaryStreamCall
@@ -208,6 +214,22 @@ class Relay:
         total = len(self.registry.workers(pool))
         why = f"all {total} registered are down" if total else "none is registered"
         return RouterError.unavailable(f"no {pool.value} worker is available ({why})")
+
+
+def _first_response(
+    request: worker_pb2.PrefillRequest, result: worker_pb2.PrefillResponse
+) -> tandem_pb2.GenerateResponse:
+    """The client's first response: the prefill's token, and usage if it ended the request."""
+    response = tandem_pb2.GenerateResponse(
+        request_id=request.request.request_id,
+        text=result.text,
+        token_ids=[result.first_token_id],
+    )
+    if result.finish_reason:
+        response.finish_reason = result.finish_reason
+        response.usage.prompt_tokens = len(request.request.prompt_token_ids)
+        response.usage.completion_tokens = 1
+    return response
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
+from tandem.router.placement import Pool
 from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, wait_until
 
 
@@ -159,17 +160,42 @@ def test_decode_dying_mid_stream_is_unavailable_and_the_next_request_avoids_it(f
     run(scenario())
 
 
-def test_prefill_failure_is_unavailable_and_cancels_decode(frontend):
+def test_a_prefill_worker_that_is_gone_is_replaced_once(frontend):
     async def scenario():
         bad, good = FakePrefill(error=grpc.StatusCode.UNAVAILABLE), FakePrefill()
+        async with cluster(frontend, [bad, good], placement="round-robin") as c:
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert len(bad.calls) == 1 and len(good.calls) == 1
+            # The same reservation waited for the second prefill: one decode call.
+            assert len(c.decode[0].calls) == 1
+            assert [w.address for w in c.router.registry.placeable(Pool.PREFILL)] == [good.address]
+
+    run(scenario())
+
+
+def test_no_prefill_worker_left_is_unavailable_and_cancels_decode(frontend):
+    async def scenario():
+        bad = [FakePrefill(error=grpc.StatusCode.UNAVAILABLE) for _ in range(3)]
         decode = FakeDecode(gate=asyncio.Event())
-        async with cluster(frontend, [bad, good], [decode], placement="round-robin") as c:
+        async with cluster(frontend, bad, [decode]) as c:
             with pytest.raises(Unavailable, match="prefill worker .* is unavailable"):
                 await c.client.complete("hello")
+            assert sorted(len(w.calls) for w in bad) == [0, 1, 1]  # one retry, not more
             await wait_until(lambda: decode.calls[0].cancelled_at is not None, what="cancel")
             decode.gate.set()
-            done = await c.client.complete("hello")  # round-robin would pick bad again
-            assert done.finish_reason == "length" and len(good.calls) == 1
+
+    run(scenario())
+
+
+def test_a_failed_kv_transfer_is_unavailable_and_does_not_blame_the_prefill_worker(frontend):
+    async def scenario():
+        prefill = FakePrefill(error=grpc.StatusCode.ABORTED)
+        async with cluster(frontend, [prefill]) as c:
+            with pytest.raises(Unavailable, match="KV transfer from prefill worker .* failed"):
+                await c.client.complete("hello")
+            assert len(prefill.calls) == 1  # not retried: the decode side failed
+            assert c.router.registry.placeable(Pool.PREFILL)  # and still trusted
 
     run(scenario())
 

@@ -50,7 +50,11 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Errors: INVALID_ARGUMENT (the request or destination does not fit this worker),
+        INTERNAL (the engine failed the prefill), ABORTED (the KV transfer to the
+        destination failed or was not acknowledged: the decode side's fault, so the
+        router must not blame this worker), UNAVAILABLE (this worker is going away).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

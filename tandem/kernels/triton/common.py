@@ -8,14 +8,21 @@ if and only if the variable was set before the first import of this package.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
+
+try:  # newer Triton parses its environment in one place
+    from triton import knobs
+
+    _interpret = bool(knobs.runtime.interpret)
+except ImportError:  # older Triton reads the variable itself, with the same spellings
+    _interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 # Fixed at import, like the @triton.jit decorators of the kernel modules that import this.
-INTERPRET: bool = bool(knobs.runtime.interpret)
+INTERPRET: bool = _interpret
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The kernels' softmax runs in base 2 (exp2): scores are scaled by scale x log2(e).

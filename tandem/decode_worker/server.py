@@ -50,6 +50,9 @@ class DecodeServer(WorkerServer):
             self.receiver.close()
             self.receiver = None
 
+    def _waiting_outside_engine(self) -> int:
+        return self.admission.num_waiting  # waiting for their KV to arrive
+
     def _abort_all(self, engine: LLMEngine) -> None:
         self.admission.end_all(engine)
 

@@ -94,7 +94,4 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self._active.discard(rid)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
-        admission = self.server.admission
-        return await self.server.loop.call(
-            lambda e: self.server.status(e, queue_depth=admission.num_waiting)
-        )
+        return await self.server.current_status()

@@ -35,6 +35,7 @@ from tandem.config import (
     save_yaml,
 )
 from tandem.errors import ConfigError, TandemError
+from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +156,7 @@ class LocalCluster:
         config_path = self.run_dir / f"{name}.yaml"
         save_yaml(config_path, config)
         log_path = self.run_dir / f"{name}.log"
-        env = dict(os.environ)
-        env.setdefault("UCX_TLS", "tcp,sm,self")
-        env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        env = ucx_env_defaults(dict(os.environ))
         threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
         env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
         popen = subprocess.Popen(

@@ -105,7 +105,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             self._active.discard(rid)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
-        return await self.server.loop.call(self.server.status)
+        return await self.server.current_status()
 
     # ---- engine thread --------------------------------------------------------------
 

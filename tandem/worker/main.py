@@ -18,12 +18,12 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import sys
 
 from tandem.config import DecodeConfig, EngineConfig, PrefillConfig, load_yaml, role_config
 from tandem.errors import TandemError
+from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
 EXIT_USAGE = 2
 ROLES = {"prefill": PrefillConfig, "decode": DecodeConfig}
@@ -110,9 +110,7 @@ def main(role: str, argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format=f"tandem {role} %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # UCX reads its environment once: loopback needs TCP (listeners) next to shared memory.
-    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    ucx_env_defaults()
     try:
         config = load_config(role, args)
         if config.engine.num_threads:  # before torch spins up its pools (the engine does too)

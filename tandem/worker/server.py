@@ -99,14 +99,18 @@ class WorkerServer(abc.ABC):
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    def status(self, engine: LLMEngine, queue_depth: int = 0) -> worker_pb2.WorkerStatus:
+    async def current_status(self) -> worker_pb2.WorkerStatus:
+        """What the Status RPC answers (and the Ray actor reports), from the engine thread."""
+        return await self.loop.call(self.status)
+
+    def status(self, engine: LLMEngine) -> worker_pb2.WorkerStatus:
         """Runs on the engine thread, so the numbers are one consistent snapshot."""
         pool = engine.kv.pool
         m = self.transfer_metrics
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id,
             role=self.role_proto,
-            queue_depth=len(engine.scheduler.waiting) + queue_depth,
+            queue_depth=len(engine.scheduler.waiting) + self._waiting_outside_engine(),
             running=len(engine.scheduler.running),
             kv_blocks_used=pool.num_used,
             kv_blocks_free=pool.num_free,
@@ -117,6 +121,10 @@ class WorkerServer(abc.ABC):
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,
         )
+
+    def _waiting_outside_engine(self) -> int:
+        """Requests accepted but not yet in the engine's queue (engine thread)."""
+        return 0
 
     @abc.abstractmethod
     def _add_servicer(self, server: grpc.aio.Server) -> None: ...

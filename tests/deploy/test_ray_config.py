@@ -207,3 +207,14 @@ def test_the_shipped_deploy_files_agree_with_each_other():
         assert res == {pool: 1}
         # The node type of that name offers the pool's resource, and no other type does.
         assert [name for name, t in types.items() if pool in t["resources"]] == [pool]
+
+
+def test_the_router_runs_on_the_head_unless_its_resources_say_otherwise():
+    head = {"node:__internal_head__": 0.001}
+    assert RayDeployConfig().router_actor.resources == head
+    cfg = deploy_config({"ray": {"router": {"num_cpus": 2}}})
+    assert cfg.router_actor.resources == head and cfg.router_actor.num_cpus == 2
+    anywhere = deploy_config({"ray": {"router": {"resources": {}, "strategy": "SPREAD"}}})
+    assert anywhere.router_actor.resources == {}
+    # Ray's per-node resource is not one a local head is started with.
+    assert "node:__internal_head__" not in _local_resources(cfg)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -10,12 +9,11 @@ import torch
 
 from tandem.engine.block_manager import BlockPool
 from tandem.kv_transfer.base import Fingerprint
+from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
-# Loopback on a CPU host: TCP carries the connection set-up (UCX needs it for
-# listener addresses), shared memory the bulk data. Set before ucxx is imported,
-# here and in every process the tests spawn (they inherit the environment).
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# Before ucxx is imported, here and in every process the tests spawn (they
+# inherit the environment).
+ucx_env_defaults()
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 16, 2, 8
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from tandem.config import RouterConfig
 from tandem.deploy.ray_cluster.config import RayDeployConfig
+from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,7 @@ def _setup_process() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
     )
-    # UCX reads its environment once: loopback needs TCP (listeners) next to shared memory.
-    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    ucx_env_defaults()
 
 
 class WorkerActor:
@@ -119,7 +118,7 @@ class WorkerActor:
 
     def stats(self) -> dict[str, Any]:
         """``info`` plus the worker's own Status numbers (one consistent engine snapshot)."""
-        status = self._loop.run(self.server.service.Status(None, None), timeout=10)
+        status = self._loop.run(self.server.current_status(), timeout=10)
         numbers = {
             name: getattr(status, name)
             for name in ("queue_depth", "running", "kv_blocks_used", "kv_blocks_free",

@@ -10,7 +10,7 @@ YAML (every section optional; role sections are the same as for ``tandem serve``
       namespace: tandem
       prefill: {replicas: 2, num_cpus: 8, num_gpus: 1, resources: {prefill: 1}}
       decode:  {replicas: 2, num_cpus: 8, num_gpus: 1, resources: {decode: 1}}
-      router:  {num_cpus: 1}
+      router:  {num_cpus: 1}                    # on the head node unless resources are given
       autoscale: {enabled: true, prefill: {max_replicas: 8, target: 2}, ...}
 
 Placement: each worker asks for ``num_cpus``, ``num_gpus`` and its pool's custom
@@ -19,6 +19,9 @@ the resource (``ray start --resources '{"prefill": 1}'``). A pool's workers are
 spread over the nodes that qualify (``strategy: SPREAD``). A worker that needs
 several GPUs gets a placement group of one STRICT_PACK bundle: its devices are
 reserved on one node together, and stay reserved for it across restarts.
+The router runs on the head node (Ray's ``node:__internal_head__`` resource), as
+the controller does, so its address is the head's; ``ray.router.resources``
+places it elsewhere (``{}``: any node).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from tandem.deploy.autoscale import AutoscaleConfig, PoolPolicy
 from tandem.errors import ConfigError
 
 STRATEGIES = ("SPREAD", "DEFAULT")
+# Ray gives every head node this resource (1 unit); a tiny share pins an actor there.
+HEAD_NODE = {"node:__internal_head__": 0.001}
 
 
 @dataclass(frozen=True)
@@ -100,9 +105,12 @@ class RayDeployConfig:
     decode_pool: ActorResources = field(
         default_factory=lambda: ActorResources(resources={"decode": 1})
     )
-    router_actor: ActorResources = field(default_factory=ActorResources)
+    router_actor: ActorResources = field(
+        default_factory=lambda: ActorResources(resources=HEAD_NODE, strategy="DEFAULT")
+    )
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     startup_timeout_s: float = 600.0  # a worker not serving by then is given up (nodes may boot)
+    router_timeout_s: float = 120.0  # `up` fails when the router is not serving by then
     monitor_interval_s: float = 1.0  # how often the controller checks its actors
     drain_timeout_s: float = 30.0  # a worker removed by scale-down finishes its requests in this
     request_nodes: bool = True  # tell Ray's autoscaler the pools' resource needs
@@ -110,7 +118,7 @@ class RayDeployConfig:
     def __post_init__(self) -> None:
         if not self.namespace:
             raise ConfigError("ray.namespace must not be empty")
-        for name in ("startup_timeout_s", "monitor_interval_s"):
+        for name in ("startup_timeout_s", "router_timeout_s", "monitor_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"ray.{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
@@ -167,7 +175,8 @@ def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
             section = {"resources": {key: 1}, **(ray.pop(key) or {})}
             ray[name] = from_dict(ActorResources, section, where=f"{where} ray.{key}")
     if "router" in ray:
-        ray["router_actor"] = from_dict(ActorResources, ray.pop("router") or {}, where=where)
+        section = {"resources": HEAD_NODE, "strategy": "DEFAULT", **(ray.pop("router") or {})}
+        ray["router_actor"] = from_dict(ActorResources, section, where=f"{where} ray.router")
     if "autoscale" in ray:
         scale = dict(ray.pop("autoscale") or {})
         defaults = AutoscaleConfig()

@@ -7,7 +7,10 @@ workers, and answers ``tandem ray status / scale / down``.
 A worker's life:
 
     starting   actor created (placement group first when it needs one); waits for
-               its server, up to ``startup_timeout_s`` (a node may be booting)
+               its server, up to ``startup_timeout_s`` (a node may be booting). A
+               worker that does not serve by then, or that the router does not
+               take, is killed, its resources freed, and ``start``/``scale`` raise
+               ``NotStarted`` saying why
     serving    added to the router, which places requests on it from then on
       crash    Ray restarts the actor (``max_restarts``): a new server on new ports
                announces itself (``worker_started``); the old address is removed
@@ -36,12 +39,17 @@ from typing import Any
 
 from tandem.deploy.autoscale import POOLS, Autoscaler
 from tandem.deploy.ray_cluster.config import RayDeployConfig
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, TandemError
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "controller"
 ROUTER_NAME = "router"
+CALL_TIMEOUT_S = 10.0  # an actor call that only reads or updates a little state
+
+
+class NotStarted(TandemError):
+    """The router or some workers did not start; the message says which and why."""
 
 
 @dataclass(eq=False)
@@ -55,6 +63,7 @@ class _Worker:
     stats: dict[str, Any] = field(default_factory=dict)  # last WorkerActor.stats()
     restarts: int = 0
     last_seen: float = 0.0  # monotonic time of the last answer
+    replaced_at: float = 0.0  # monotonic time ``info`` last changed to a new incarnation
 
     @property
     def address(self) -> str:
@@ -81,7 +90,10 @@ class Controller:
     # ---- calls from the CLI ------------------------------------------------------------
 
     async def start(self) -> str:
-        """Start the router, then the pools; returns the router's address."""
+        """Start the router, then the pools; returns the router's address.
+
+        Raises ``NotStarted`` naming each piece that did not start, and why.
+        """
         import ray
 
         from tandem.deploy.ray_cluster.actors import RouterActor
@@ -93,9 +105,20 @@ class Controller:
         self.router = router_cls.options(
             name=ROUTER_NAME, namespace=cfg.namespace, **actor_options(cfg.router_actor)
         ).remote(cfg.router_config())
-        self.router_info = await self.router.info.remote()
+        try:
+            self.router_info = await asyncio.wait_for(
+                self.router.info.remote(), cfg.router_timeout_s
+            )
+        except Exception as exc:
+            ray.kill(self.router, no_restart=True)
+            self.router = None
+            reason = _why(exc, cfg.router_timeout_s, "ray.router_timeout_s", cfg.router_actor)
+            self._event(f"router did not start: {reason}")
+            raise NotStarted(f"the router did not start: {reason}") from None
         self._event(f"router serving on {self.router_info['address']}")
-        await self._reconcile()
+        failed = await self._reconcile()
+        if failed:
+            raise NotStarted("; ".join(failed))
         self._tasks = [
             asyncio.create_task(self._monitor_forever()),
             asyncio.create_task(self._autoscale_forever()),
@@ -103,7 +126,11 @@ class Controller:
         return self.router_info["address"]
 
     async def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
-        """Set pool sizes (None: unchanged) and wait until the pools have them."""
+        """Set pool sizes (None: unchanged) and wait until the pools have them.
+
+        Raises ``NotStarted`` naming the workers that did not start (the targets stay
+        set: the next scale, autoscaling round or replacement tries again).
+        """
         wanted = {"prefill": prefill, "decode": decode}
         for pool, n in wanted.items():
             if n is None:
@@ -123,7 +150,9 @@ class Controller:
             if n is not None and n != self.targets[pool]:
                 self.targets[pool] = n
                 self.autoscaler.resized(pool, now)
-        await self._reconcile()
+        failed = await self._reconcile()
+        if failed:
+            raise NotStarted("; ".join(failed))
         return await self.status()
 
     async def status(self) -> dict[str, Any]:
@@ -162,13 +191,17 @@ class Controller:
         self._tasks = []
         if self.router is not None:
             try:
-                await self.router.stop.remote(grace)
+                await asyncio.wait_for(self.router.stop.remote(grace), grace + CALL_TIMEOUT_S)
             except Exception as exc:  # already gone: nothing to drain there
-                log.warning("router stop: %s", exc)
+                log.warning("router stop: %r", exc)
             ray.kill(self.router, no_restart=True)
             self.router = None
-        await asyncio.gather(
-            *(self._stop_worker(w, grace=1.0) for w in list(self.workers.values()))
+        _log_errors(
+            "shutdown",
+            await asyncio.gather(
+                *(self._stop_worker(w, grace=1.0) for w in list(self.workers.values())),
+                return_exceptions=True,
+            ),
         )
         if self.config.request_nodes:
             self._request_capacity(empty=True)
@@ -185,8 +218,12 @@ class Controller:
 
     # ---- pools -----------------------------------------------------------------------------
 
-    async def _reconcile(self) -> None:
-        """Start or drain workers until each pool's serving count equals its target."""
+    async def _reconcile(self) -> list[str]:
+        """Start or drain workers until each pool's serving count equals its target.
+
+        Returns what went wrong: each worker that did not start, and any other job's
+        error (empty: the pools are at their targets).
+        """
         async with self._lock:
             if self.config.request_nodes:
                 self._request_capacity()
@@ -198,7 +235,10 @@ class Controller:
                 for w in self._pick_for_removal(live, -missing):
                     w.state = "draining"
                     jobs.append(self._stop_worker(w, self.config.drain_timeout_s))
-            await asyncio.gather(*jobs)
+            # Every job runs to its end whatever another does; each failure is reported.
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, str)]
+        return failed + _log_errors("reconcile", results)
 
     @staticmethod
     def _pick_for_removal(live: list[_Worker], count: int) -> list[_Worker]:
@@ -212,64 +252,92 @@ class Controller:
 
         return sorted(live, key=busy)[:count]
 
-    async def _start_worker(self, pool: str) -> None:
-        import ray
-
+    async def _start_worker(self, pool: str) -> str | None:
+        """Start one worker and add it to the router. Returns None once it serves, or
+        why it did not start; it is then gone and its resources are free."""
         from tandem.deploy.ray_cluster.placement import reserve
 
         cfg = self.config
         name = f"{pool}-{next(self._ids)}"
         options, pg = reserve(cfg.pool(pool), name)
+        w = _Worker(name, pool, handle=None, placement_group=pg)
         try:
-            if pg is not None:
-                await asyncio.wait_for(pg.ready(), cfg.startup_timeout_s)
-            handle = (
-                self._worker_class()
-                .options(name=name, namespace=cfg.namespace, max_concurrency=4, **options)
-                .remote(pool, name, cfg, CONTROLLER_NAME)
-            )
-            w = _Worker(name, pool, handle, placement_group=pg)
-            self.workers[name] = w
-            w.info = await asyncio.wait_for(handle.info.remote(), cfg.startup_timeout_s)
+            await asyncio.wait_for(self._launch(w, options), cfg.startup_timeout_s)
+            await asyncio.wait_for(self.router.add_worker.remote(pool, w.address), CALL_TIMEOUT_S)
         except Exception as exc:
+            reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(pool))
             log.error("%s did not start: %r", name, exc)
-            self._event(f"{name} did not start: {type(exc).__name__}: {exc}")
-            w = self.workers.pop(name, None)
-            if w is not None:
-                ray.kill(w.handle, no_restart=True)
-            if pg is not None:
-                ray.util.remove_placement_group(pg)
-            return
-        await self.router.add_worker.remote(pool, w.address)
+            self._event(f"{name} did not start: {reason}")
+            self._free(w)
+            return f"{name} did not start: {reason}"
         w.state, w.last_seen = "serving", time.monotonic()
         self._event(f"{name} serving on {w.address} (node {w.info['node_ip']})")
+        return None
+
+    async def _launch(self, w: _Worker, options: dict[str, Any]) -> None:
+        """Placement group (if any), then the actor, then its first answer (server up)."""
+        if w.placement_group is not None:
+            await w.placement_group.ready()
+        w.handle = (
+            self._worker_class()
+            .options(name=w.name, namespace=self.config.namespace, max_concurrency=4, **options)
+            .remote(w.pool, w.name, self.config, CONTROLLER_NAME)
+        )
+        self.workers[w.name] = w
+        w.info = await w.handle.info.remote()
 
     async def _stop_worker(self, w: _Worker, grace: float) -> None:
-        """Out of the router, drain, kill."""
+        """Out of the router, drain, kill. The kill and the freeing happen whatever fails."""
+        w.state = "draining"
+        try:
+            if self.router is not None and w.address:
+                try:
+                    await asyncio.wait_for(
+                        self.router.remove_worker.remote(w.pool, w.address), CALL_TIMEOUT_S
+                    )
+                except Exception as exc:
+                    # A dead router places nothing; a restarted one gets only serving workers.
+                    self._event(f"{w.name} not removed from the router: {type(exc).__name__}")
+                else:
+                    # A request placed just before the removal reaches the worker before it stops.
+                    await asyncio.sleep(0.5)
+            try:
+                served = await asyncio.wait_for(w.handle.drain.remote(grace), grace + 30)
+                self._event(f"{w.name} drained ({served} requests served)")
+            except Exception as exc:
+                self._event(f"{w.name} did not drain: {type(exc).__name__}")
+        finally:
+            self._free(w)
+
+    def _free(self, w: _Worker) -> None:
+        """Kill the actor (a pending one is never placed) and release its placement group."""
         import ray
 
-        w.state = "draining"
-        if self.router is not None and w.address:
-            await self.router.remove_worker.remote(w.pool, w.address)
-            # A request placed just before the removal reaches the worker before it stops.
-            await asyncio.sleep(0.5)
-        try:
-            served = await asyncio.wait_for(w.handle.drain.remote(grace), grace + 30)
-            self._event(f"{w.name} drained ({served} requests served)")
-        except Exception as exc:
-            self._event(f"{w.name} did not drain: {type(exc).__name__}")
-        ray.kill(w.handle, no_restart=True)
-        if w.placement_group is not None:
-            ray.util.remove_placement_group(w.placement_group)
         self.workers.pop(w.name, None)
+        if w.handle is not None:
+            try:
+                ray.kill(w.handle, no_restart=True)
+            except Exception as exc:
+                log.warning("%s: kill: %r", w.name, exc)
+        if w.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(w.placement_group)
+            except Exception as exc:
+                log.warning("%s: placement group not removed: %r", w.name, exc)
 
     async def _replace(self, w: _Worker, info: dict[str, Any]) -> None:
         """The worker restarted: its old address leaves the router, the new one joins."""
         old = w.address
-        w.info, w.restarts, w.last_seen = info, w.restarts + 1, time.monotonic()
-        await self.router.remove_worker.remote(w.pool, old)
-        await self.router.add_worker.remote(w.pool, info["address"])
+        now = time.monotonic()
+        w.info, w.restarts, w.last_seen, w.replaced_at = info, w.restarts + 1, now, now
         self._event(f"{w.name} restarted: {old} -> {info['address']}")
+        try:
+            await asyncio.wait_for(self.router.remove_worker.remote(w.pool, old), CALL_TIMEOUT_S)
+            await asyncio.wait_for(
+                self.router.add_worker.remote(w.pool, info["address"]), CALL_TIMEOUT_S
+            )
+        except Exception as exc:  # a restarting router is given every serving worker again
+            self._event(f"{w.name}: router not updated: {type(exc).__name__}: {exc}")
 
     # ---- background loops --------------------------------------------------------------------
 
@@ -283,6 +351,7 @@ class Controller:
 
     async def _monitor_once(self) -> None:
         serving = [w for w in self.workers.values() if w.state == "serving"]
+        asked = time.monotonic()
         results = await asyncio.gather(
             *(asyncio.wait_for(w.handle.stats.remote(), 5.0) for w in serving),
             return_exceptions=True,
@@ -290,8 +359,8 @@ class Controller:
         now = time.monotonic()
         lost = []
         for w, stats in zip(serving, results, strict=True):
-            if w.state != "serving":
-                continue  # a drain began meanwhile
+            if w.state != "serving" or w.replaced_at > asked:
+                continue  # a drain began meanwhile, or news newer than these stats came
             if isinstance(stats, BaseException):
                 # Restarting (or gone): the router stops placing on it by itself.
                 if now - w.last_seen > self.config.startup_timeout_s:
@@ -374,3 +443,23 @@ class Controller:
     def _event(self, text: str) -> None:
         log.info("%s", text)
         self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+
+def _why(exc: BaseException, timeout_s: float, setting: str, res: Any) -> str:
+    """What an operator reads when an actor did not start (``res``: its ActorResources)."""
+    if isinstance(exc, TimeoutError):
+        return (
+            f"not serving within {timeout_s:g} s ({setting}): does the cluster have the "
+            f"resources {res.bundle()} free? (`ray status` lists them)"
+        )
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _log_errors(what: str, results: list[Any]) -> list[str]:
+    """Log the exceptions among ``gather(..., return_exceptions=True)`` results; returns them."""
+    errors = []
+    for r in results:
+        if isinstance(r, BaseException):
+            log.error("%s: %r", what, r, exc_info=r)
+            errors.append(f"{type(r).__name__}: {r}")
+    return errors

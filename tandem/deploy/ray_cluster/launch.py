@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tandem.deploy.ray_cluster.config import RayDeployConfig
+from tandem.deploy.ray_cluster.config import HEAD_NODE, RayDeployConfig
 from tandem.deploy.ray_cluster.controller import CONTROLLER_NAME, Controller
 from tandem.deploy.ray_cluster.head import (
     AUTH_MODE_ENV,
@@ -118,13 +118,19 @@ def up(
                     num_cpus=0,
                     max_concurrency=100,
                     # On the head: the controller lives as long as the cluster does.
-                    resources={"node:__internal_head__": 0.001},
+                    resources=HEAD_NODE,
                 )
                 .remote(config)
             )
-            state["router"] = ray.get(ctrl.start.remote())
+            # The controller bounds the router's start and each worker's (they start
+            # together); the margin covers its own start and the router calls.
+            timeout = config.router_timeout_s + config.startup_timeout_s + 60
+            state["router"] = _get(ray, ctrl.start.remote(), timeout, "`up`")
     except BaseException:
-        down(state_file)
+        try:
+            down(state_file)
+        except Exception as exc:  # the start's error is the one to report
+            log.warning("cleaning up after the failed start: %s", exc)
         raise
     write_state(state_file, state)
     return state
@@ -139,7 +145,8 @@ def _local_resources(config: RayDeployConfig) -> dict[str, float]:
         for name, amount in res.resources.items():
             out[name] = out.get(name, 0) + amount * most
     for name, amount in config.router_actor.resources.items():
-        out[name] = out.get(name, 0) + amount
+        if not name.startswith("node:"):  # Ray's own, per node (the router on the head)
+            out[name] = out.get(name, 0) + amount
     return out
 
 
@@ -154,13 +161,22 @@ def scale(
 ) -> dict[str, Any]:
     state = _state(state_file, address)
     with connected(state["address"], state["namespace"], state.get("auth_mode")) as ray:
-        try:
-            return ray.get(controller(ray, state["namespace"]).scale.remote(prefill, decode))
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, TandemError):  # a bad size: the message names the bound
-                raise RayDeployError(str(cause)) from None
-            raise
+        # No timeout here: the controller bounds each worker's start and drain.
+        return _get(ray, controller(ray, state["namespace"]).scale.remote(prefill, decode))
+
+
+def _get(ray, ref, timeout: float | None = None, what: str = "") -> Any:
+    """``ray.get``, with the controller's own errors (a bad size, workers that did not
+    start) raised as RayDeployError carrying its message."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RayDeployError(f"{what} did not finish within {timeout:g} s") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, TandemError):
+            raise RayDeployError(str(cause)) from None
+        raise
 
 
 def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> list[str]:
@@ -175,10 +191,11 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
             stopped += stop_deployment(
                 state["address"], state["namespace"], grace, state.get("auth_mode")
             )
-        except RayDeployError as exc:
+        except Exception as exc:
             if not state.get("head_pid"):
                 raise
-            log.warning("%s", exc)  # the head goes anyway, and its actors with it
+            # The head goes anyway, and every actor with it.
+            log.warning("stopping the deployment: %s: %s", type(exc).__name__, exc)
     if state.get("head_pid"):
         stop_head(state)
         stopped.append(f"local Ray head (pid {state['head_pid']})")
@@ -199,6 +216,8 @@ def stop_deployment(
             return []
         try:
             ray.get(ctrl.shutdown.remote(grace), timeout=grace + 120)
+        except Exception as exc:  # killing the controller ends its actors too; checked below
+            log.warning("the controller's shutdown: %s: %s", type(exc).__name__, exc)
         finally:
             ray.kill(ctrl, no_restart=True)
         deadline = time.monotonic() + 30

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, MutableMapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -28,6 +28,23 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _runtime: UcxRuntime | None = None
+
+
+def ucx_env_defaults(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """Set Tandem's UCX defaults in ``env`` (``os.environ`` when None) where unset; returns it.
+
+    UCX reads its environment once, at context creation, so a process calls this
+    before any UCX endpoint exists (or passes the mapping to a child process).
+    The defaults suit one host: shared memory between local peers, next to TCP,
+    which loopback needs for its listeners. Across hosts operators set UCX_TLS
+    themselves (to include ``rc``/``ud`` for RDMA, say), and what the environment
+    already holds wins.
+    """
+    env = os.environ if env is None else env
+    env.setdefault("UCX_TLS", "tcp,sm,self")
+    # Without this UCX warns about the UCX_* variables that ucxx itself sets.
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    return env
 
 
 def get_runtime() -> UcxRuntime:

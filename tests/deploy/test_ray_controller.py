@@ -1,0 +1,164 @@
+"""The controller's handling of failures, with fake actor handles (no Ray cluster):
+workers that do not start, a dead router, and a restart announced mid-monitor."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from tandem.deploy.ray_cluster.config import RayDeployConfig
+from tandem.deploy.ray_cluster.controller import Controller, NotStarted
+from tests.deploy.fake_actors import FakeRouter, FakeWorkerClass
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed"
+)
+
+
+@pytest.fixture
+def killed(monkeypatch) -> list:
+    """What the controller kills (actors) and frees (placement groups), in order."""
+    import ray
+
+    out: list = []
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: out.append(handle))
+    monkeypatch.setattr(ray.util, "remove_placement_group", lambda pg: out.append(pg))
+    return out
+
+
+def _controller(setup=lambda w: None, **settings) -> Controller:
+    ctrl = Controller(RayDeployConfig(request_nodes=False, **settings))
+    ctrl.router, ctrl.router_info = FakeRouter(), {"incarnation": "r1"}
+    ctrl._actor_classes["worker"] = FakeWorkerClass(setup)
+    return ctrl
+
+
+def _run(ctrl: Controller, coro_fn):
+    async def main():
+        ctrl._lock = asyncio.Lock()
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+def test_a_worker_the_router_does_not_take_is_killed_and_reported(killed):
+    ctrl = _controller()
+    ctrl.router.add_worker.fail = RuntimeError("router gone")
+    reason = _run(ctrl, lambda: ctrl._start_worker("decode"))
+    assert reason == "decode-0 did not start: RuntimeError: router gone"
+    assert ctrl.workers == {}
+    assert killed == [ctrl._actor_classes["worker"].made["decode-0"]]
+
+
+def test_a_worker_not_serving_in_time_is_killed_and_the_resources_are_named(killed):
+    ctrl = _controller(lambda w: setattr(w.info, "hang", True), startup_timeout_s=0.2)
+    reason = _run(ctrl, lambda: ctrl._start_worker("decode"))
+    assert reason == (
+        "decode-0 did not start: not serving within 0.2 s (ray.startup_timeout_s): does "
+        "the cluster have the resources {'CPU': 1.0, 'decode': 1} free? (`ray status` lists them)"
+    )
+    assert ctrl.workers == {} and len(killed) == 1
+
+
+def test_a_worker_is_killed_and_freed_even_when_the_router_is_dead(killed):
+    ctrl = _controller()
+
+    async def go():
+        assert await ctrl._start_worker("decode") is None
+        w = ctrl.workers["decode-0"]
+        w.placement_group = "pg-decode-0"
+        ctrl.router.remove_worker.fail = RuntimeError("router dead")
+        await ctrl._stop_worker(w, grace=0)
+        return w
+
+    w = _run(ctrl, go)
+    assert w.handle.drain.calls == [(0,)]
+    assert killed == [w.handle, "pg-decode-0"] and ctrl.workers == {}
+    assert any("decode-0 not removed from the router" in e for e in ctrl.events)
+
+
+def test_scale_names_the_workers_that_did_not_start_and_keeps_the_ones_that_did(killed):
+    def setup(w):
+        if w.name == "decode-3":
+            w.info.fail = RuntimeError("CUDA out of memory")
+
+    ctrl = _controller(setup)
+
+    async def go():
+        assert await ctrl._reconcile() == []  # prefill-0, decode-1
+        with pytest.raises(NotStarted) as err:
+            await ctrl.scale(decode=3)
+        return err.value
+
+    err = _run(ctrl, go)
+    assert str(err) == "decode-3 did not start: RuntimeError: CUDA out of memory"
+    serving = sorted(n for n, w in ctrl.workers.items() if w.state == "serving")
+    assert serving == ["decode-1", "decode-2", "prefill-0"]
+    assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
+
+
+def test_one_failing_job_does_not_hide_the_others_in_a_reconcile(killed):
+    ctrl = _controller()
+
+    async def go():
+        await ctrl._reconcile()
+        ctrl.targets = {"prefill": 2, "decode": 0}
+
+        async def broken_stop(w, grace):
+            raise ValueError(f"cannot stop {w.name}")
+
+        ctrl._stop_worker = broken_stop
+        return await ctrl._reconcile()
+
+    assert _run(ctrl, go) == ["ValueError: cannot stop decode-1"]
+    assert ctrl.workers["prefill-2"].state == "serving"  # the start ran to its end
+
+
+def test_stats_read_before_a_restart_announcement_do_not_undo_it(killed):
+    ctrl = _controller()
+
+    async def go():
+        assert await ctrl._start_worker("decode") is None
+        fake = ctrl._actor_classes["worker"].made["decode-0"]
+        stale = {**fake.current, "running": 0, "queue_depth": 0}
+
+        async def stats_across_a_restart():
+            # The worker answered, then crashed and restarted; its announcement
+            # arrives before the monitor reads the old answer.
+            await ctrl.worker_started(fake.restart("i2", 4999, started_at=2.0))
+            return stale
+
+        fake.stats.fn = stats_across_a_restart
+        await ctrl._monitor_once()
+        return ctrl.workers["decode-0"]
+
+    w = _run(ctrl, go)
+    assert (w.address, w.info["incarnation"], w.restarts) == ("10.0.0.1:4999", "i2", 1)
+    assert ctrl.router.members == {("decode", "10.0.0.1:4999")}
+
+
+def test_an_unplaceable_router_fails_start_with_its_resources_named(killed, monkeypatch):
+    import ray
+
+    router = FakeRouter()
+    router.info.hang = True
+
+    class RouterClass:
+        def options(self, **options):
+            return self
+
+        def remote(self, config):
+            return router
+
+    monkeypatch.setattr(ray, "remote", lambda cls: RouterClass())
+    ctrl = Controller(RayDeployConfig(request_nodes=False, router_timeout_s=0.2))
+    with pytest.raises(NotStarted) as err:
+        asyncio.run(ctrl.start())
+    assert str(err.value) == (
+        "the router did not start: not serving within 0.2 s (ray.router_timeout_s): does the "
+        "cluster have the resources {'CPU': 1.0, 'node:__internal_head__': 0.001} free? "
+        "(`ray status` lists them)"
+    )
+    assert killed == [router] and ctrl.router is None and ctrl.workers == {}

@@ -8,7 +8,8 @@ out instead of piling onto the worker that looked emptiest.
 
 - ``least-loaded``: decode: most free KV blocks, then the shortest queue;
   prefill: the shortest queue, then the fewest running. Remaining ties go to the
-  fewest requests in flight from this router, then to registration order.
+  fewest requests in flight from this router, then take turns: idle workers share
+  a trickle of requests instead of the first registered one taking them all.
 - ``round-robin``: each pool in turn, ignoring the numbers.
 """
 
@@ -47,10 +48,19 @@ class PlacementPolicy(abc.ABC):
 class LeastLoaded(PlacementPolicy):
     name = "least-loaded"
 
+    def __init__(self) -> None:
+        self._turn = {pool: 0 for pool in Pool}
+
     def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
         if pool is Pool.DECODE:
-            return min(candidates, key=lambda w: (-w.kv_blocks_free, w.queue_depth, w.inflight))
-        return min(candidates, key=lambda w: (w.queue_depth, w.running, w.inflight))
+            keys = [(-w.kv_blocks_free, w.queue_depth, w.inflight) for w in candidates]
+        else:
+            keys = [(w.queue_depth, w.running, w.inflight) for w in candidates]
+        best = min(keys)
+        tied = [w for w, k in zip(candidates, keys, strict=True) if k == best]
+        turn = self._turn[pool]
+        self._turn[pool] = turn + 1
+        return tied[turn % len(tied)]
 
 
 class RoundRobin(PlacementPolicy):

@@ -1,6 +1,8 @@
 """``tandem bench sweep``: one load per request rate (or concurrency), and the capacity.
 
-Every point runs the same dataset (same seed) with its own warm-up. The capacity
+Every point draws the same distributions with its own seed (``--seed`` + the
+point's index), so no point replays another's prompts into the server's prefix
+cache, and runs its own warm-up. The capacity
 is the highest point whose SLO attainment, and that of every lower point, is at
 least the target (default 90%): for a rate sweep, that point's offered rate; for
 a concurrency sweep, the request throughput it achieved. ``sweep.json`` records
@@ -57,12 +59,21 @@ class SweepConfig:
         return "request_rate" if self.rates else "concurrency"
 
     def points(self) -> list[tuple[float, LoadConfig]]:
-        """(x, the load config for it), in increasing x."""
+        """(x, the load config for it), in increasing x.
+
+        Each point draws its own prompts (seed + its index): with the same prompts, every
+        point after the first would hit the server's prefix cache and look faster.
+        """
         if self.rates:
-            return [(r, dataclasses.replace(self.base, request_rate=r))
-                    for r in sorted(set(self.rates))]  # fmt: skip
-        return [(c, dataclasses.replace(self.base, request_rate=math.inf, max_concurrency=c))
-                for c in sorted(set(self.concurrencies))]  # fmt: skip
+            changes = [{"request_rate": r} for r in sorted(set(self.rates))]
+        else:
+            changes = [{"request_rate": math.inf, "max_concurrency": c}
+                       for c in sorted(set(self.concurrencies))]  # fmt: skip
+        points = []
+        for i, change in enumerate(changes):
+            cfg = dataclasses.replace(self.base, seed=self.base.seed + i, **change)
+            points.append((change.get("max_concurrency", change["request_rate"]), cfg))
+        return points
 
 
 def run_sweep(

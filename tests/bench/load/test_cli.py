@@ -94,3 +94,5 @@ def test_a_duration_sweep_builds_every_point(points, expect):
     config = sweep_config(build_parser().parse_args(argv + points))
     assert getattr(config.base, expect[0]) == expect[1]
     assert [c.duration_s for _, c in config.points()] == [5, 5]
+    # Each point its own prompts: repeating them would hit the server's prefix cache.
+    assert [c.seed for _, c in config.points()] == [0, 1]

@@ -88,6 +88,7 @@ class InProcSender(SenderBase):
             return
         for msg in messages:
             status = core.deliver(msg.header, msg.payload, source=self)
+            self._sent(msg)  # delivered: scattered or dropped, no reference kept
             if status is not None:
                 self._finish(out, self._done_status(out, status))
 

@@ -20,6 +20,7 @@ import base64
 import binascii
 import json
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -187,19 +188,72 @@ def _index(block_ids: tuple[int, ...] | list[int], kv: torch.Tensor) -> torch.Te
 
 
 def gather(
-    kv: torch.Tensor, block_ids: tuple[int, ...] | list[int], layers: tuple[int, int]
+    kv: torch.Tensor,
+    block_ids: tuple[int, ...] | list[int],
+    layers: tuple[int, int],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Copy ``block_ids`` of layers [l0, l1) into one new contiguous tensor.
+    """Copy ``block_ids`` of layers [l0, l1) into one contiguous tensor (``out`` if given).
 
     kv: [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim] on any device.
     Returns [l1 - l0, 2, len(block_ids), block_size, kv_heads, head_dim] on kv's device.
     """
     l0, l1 = layers
-    out = kv[l0:l1].index_select(2, _index(block_ids, kv))
+    if out is None:
+        out = kv[l0:l1].index_select(2, _index(block_ids, kv))
+    else:
+        torch.index_select(kv[l0:l1], 2, _index(block_ids, kv), out=out)
     if out.is_cuda:
         # The transport reads the buffer outside torch's stream order: the copy must be done.
         torch.cuda.current_stream(out.device).synchronize()
     return out
+
+
+class PayloadBuffers:
+    """Host buffers that gathered payloads reuse once the transport is done with them.
+
+    A fresh 16 MiB host tensor costs its page faults on every gather (about 3.5 ms
+    of a 4.3 ms gather on this machine, against 0.7 ms into a reused buffer). CUDA
+    tensors come from torch's caching allocator, which already reuses memory, so
+    only host payloads are pooled. Idle buffers are kept up to ``max_idle_bytes``.
+    """
+
+    def __init__(self, max_idle_bytes: int = 256 << 20) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[torch.Tensor] = []  # flat uint8, smallest first
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        """An uninitialised contiguous tensor of ``shape``, in a reused buffer if one fits."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf = None
+        with self._lock:
+            # The smallest that fits, and not one so big that most of it would idle.
+            for i, b in enumerate(self._idle):
+                if nbytes <= b.numel() <= 2 * nbytes:
+                    buf = self._idle.pop(i)
+                    break
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def give(self, payload: torch.Tensor | None) -> None:
+        """Hand back a tensor from ``take``; the caller must not touch it afterwards."""
+        if payload is None or payload.device.type != "cpu":
+            return
+        buf = torch.empty(0, dtype=torch.uint8).set_(payload.untyped_storage())
+        with self._lock:
+            self._idle.append(buf)
+            self._idle.sort(key=torch.Tensor.numel)
+            while sum(b.numel() for b in self._idle) > self.max_idle_bytes:
+                self._idle.pop()  # the largest goes first
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._idle)
 
 
 def scatter(

@@ -13,7 +13,8 @@ A request's path on the prefill side:
 
 Gathering in the caller's thread snapshots the blocks at call time, so the caller
 can keep computing the next layers while earlier ones are on the wire. The
-gathered buffer is the only copy on this side; the transport sends from it.
+gathered buffer is the only copy on this side; the transport sends from it and
+then hands it back (``_sent``) for the next gather to reuse.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tandem.kv_transfer.base import (
     TransferState,
     TransferStatus,
 )
-from tandem.kv_transfer.payload import MessageHeader, gather, make_header
+from tandem.kv_transfer.payload import MessageHeader, PayloadBuffers, gather, make_header
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class SenderBase(KVSender):
         self.fingerprint = fingerprint
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.fault_hook = fault_hook
+        self.buffers = PayloadBuffers()
         self._lock = threading.Lock()  # guards _requests and metrics
         self._requests: dict[str, Outgoing] = {}
         # Recently aborted ids: a prefill thread still calling send_layers for one of
@@ -260,7 +262,11 @@ class SenderBase(KVSender):
         extra: bytes | None = None,
     ) -> Message:
         dst = out.destination.block_ids[: len(out.src_block_ids)]
-        payload = gather(self.kv, out.src_block_ids, layers) if layers[0] < layers[1] else None
+        payload = None
+        if layers[0] < layers[1]:
+            shape = (layers[1] - layers[0], 2, len(out.src_block_ids), *self.kv.shape[3:])
+            buffer = self.buffers.take(shape, self.kv.dtype, self.kv.device)
+            payload = gather(self.kv, out.src_block_ids, layers, out=buffer)
         header = make_header(
             out.request_id, layers, out.src_block_ids, dst, payload, first_token, final, extra
         )
@@ -268,6 +274,10 @@ class SenderBase(KVSender):
             self.fault_hook(header, payload)
         out.nbytes += header.nbytes
         return Message(header, payload)
+
+    def _sent(self, msg: Message) -> None:
+        """The transport is done with ``msg`` (sent, or never to be): reuse its buffer."""
+        self.buffers.give(msg.payload)
 
     def _requests_done_future(self, request_id: str) -> Future[TransferStatus]:
         fut: Future[TransferStatus] = Future()

@@ -7,6 +7,7 @@ import torch
 
 from tandem.kv_transfer.payload import (
     HeaderError,
+    PayloadBuffers,
     check_fits,
     checksum,
     decode_header,
@@ -115,3 +116,21 @@ def test_half_precision_payloads(dtype: torch.dtype) -> None:
     assert h.checksum == checksum(payload.clone())
     scatter(dst.kv, [0, 2], (0, 4), payload)
     assert torch.equal(dst.kv[:, :, [0, 2]], src.kv[:, :, [3, 1]])
+
+
+def test_payload_buffers_reuse_what_fits_and_bound_what_idles() -> None:
+    pool = PayloadBuffers(max_idle_bytes=10_000)
+    a = pool.take((10, 100), torch.float32, torch.device("cpu"))  # 4,000 B
+    ptr = a.data_ptr()
+    pool.give(a)
+    assert pool.idle_bytes == 4000
+    b = pool.take((5, 100), torch.bfloat16, torch.device("cpu"))  # 1,000 B: too small a fit
+    assert b.data_ptr() != ptr and pool.idle_bytes == 4000
+    c = pool.take((2, 3, 100), torch.float32, torch.device("cpu"))  # 2,400 B: reuses a
+    assert c.data_ptr() == ptr and c.shape == (2, 3, 100) and c.is_contiguous()
+    assert pool.idle_bytes == 0
+    pool.give(c)  # the whole 4,000 B buffer comes back, not the 2,400 B view
+    pool.give(pool.take((2000,), torch.float32, torch.device("cpu")))  # 8,000 B
+    assert pool.idle_bytes == 4000  # 12,000 B would exceed the bound: the largest goes
+    pool.give(None)  # an empty message has no payload
+    assert pool.idle_bytes == 4000

@@ -78,6 +78,25 @@ def test_blocks_arrive_bit_identical_at_other_ids(receiver, prefill) -> None:
     side.pool.free(list(range(7)) + src_ids)
 
 
+def test_reused_payload_buffers_still_deliver_exact_blocks(receiver, prefill) -> None:
+    # The second request gathers into the buffer the first one was sent from.
+    side, sender = prefill
+    for rid, src_ids in (("p1", side.pool.allocate(5)), ("p2", side.pool.allocate(5))):
+        dst_ids = receiver("allocate", 5)
+        dest = receiver("expect", rid, dst_ids, 30.0)
+        assert sender.send(dest, src_ids, first_token=1).result(timeout=20).state is (
+            TransferState.DONE
+        )
+        assert torch.equal(receiver("blocks", dst_ids), side.kv[:, :, src_ids])
+        deadline = time.monotonic() + 5
+        while sender.buffers.idle_bytes == 0:  # handed back once UCX is done with it
+            assert time.monotonic() < deadline, "the payload buffer never came back"
+            time.sleep(0.01)
+        receiver("release", rid)
+        receiver("free", dst_ids)
+        side.pool.free(src_ids)
+
+
 def test_handshake_mismatch_is_named_at_once(receiver) -> None:
     side = make_side(8, seed=SEED)
     sender = make_sender("ucx", side.kv, fingerprint(block_size=32, dtype="bfloat16"))

@@ -154,10 +154,12 @@ class UcxSender(SenderBase):
             out, messages = item
             for msg in messages:
                 if out.future.done():  # aborted or failed meanwhile: the rest is moot
-                    break
+                    self._sent(msg)
+                    continue
                 await ep.send_obj(wire.KV_FRAME + encode_header(msg.header))
                 if msg.payload is not None:
                     await ep.send(wire.wire_buffer(msg.payload))
+                self._sent(msg)  # the send completed: UCX no longer reads the buffer
 
     async def _read_acks(self, peer: _Peer) -> None:
         try:

@@ -29,7 +29,11 @@ reservation is live, and every path that fails a reservation waits for that
 lock before returning to the caller.
 
 Data for an unknown, released, aborted or expired request is drained by the
-transport (it must be read to keep the stream framed) and discarded here.
+transport (it must be read to keep the stream framed) and discarded here. The
+first sender to feed a reservation owns it: another sender's messages for it
+(a router that retried prefill on another worker) are discarded, and its final
+message is answered FAILED "another sender", never "done", so that two prefill
+workers can never both report the first token of one request.
 """
 
 from __future__ import annotations
@@ -207,7 +211,8 @@ class ReceiverCore:
         """
         with self._lock:
             res = self._table.get(header.request_id)
-            if res is not None:
+            foreign = res is not None and res.source not in (None, source)
+            if res is not None and not foreign:
                 if self._expire_locked(res):
                     # Lease ran out while nobody polled: drain below, then discard.
                     pass
@@ -220,7 +225,11 @@ class ReceiverCore:
                         if res.state is TransferState.WAITING:
                             res.state = TransferState.TRANSFERRING
                             res.started = self.clock()
-            live = res is not None and res.state is TransferState.TRANSFERRING
+            live = not foreign and res is not None and res.state is TransferState.TRANSFERRING
+        if foreign:
+            # The first sender owns the reservation until it ends: a second one (a router
+            # retrying prefill elsewhere) must neither disturb it nor be told "done".
+            return self._discard(header, None, "another sender", "fed by another sender")
         if not live:
             return self._discard(header, res)
 
@@ -331,13 +340,19 @@ class ReceiverCore:
         with res.write_lock:
             pass
 
-    def _discard(self, header: MessageHeader, res: _Reservation | None) -> TransferStatus | None:
+    def _discard(
+        self,
+        header: MessageHeader,
+        res: _Reservation | None,
+        reason: str = "unknown request",
+        detail: str = "",
+    ) -> TransferStatus | None:
         with self._lock:
             self.metrics.messages_discarded += 1
         if not header.final:
             return None
         if res is None:
-            return TransferStatus(TransferState.FAILED, reason="unknown request")
+            return TransferStatus(TransferState.FAILED, reason=reason, detail=detail)
         return res.status()
 
 

@@ -90,8 +90,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                     f"{self.server.config.kv_ack_timeout_s:g} s",
                 )
             except TransferError as exc:
+                # "closed": this worker's own sender shut down (it is stopping).
+                gone = exc.reason == "closed"
                 await context.abort(
-                    grpc.StatusCode.ABORTED,
+                    grpc.StatusCode.UNAVAILABLE if gone else grpc.StatusCode.ABORTED,
                     f"KV transfer of {rid} to {dest.address} failed: {exc.reason} ({exc})",
                 )
             self.server.served += 1

@@ -8,9 +8,12 @@
    the first token, which goes to the client at once (time to first token). If
    that token ends the request, the response carries finish_reason and usage and
    the decode stream is cancelled. A prefill worker that is gone or busy
-   (UNAVAILABLE, RESOURCE_EXHAUSTED) is replaced by one other: the reservation
-   still waits for its KV. ABORTED means the KV transfer to the decode worker
-   failed: the request fails as UNAVAILABLE and the prefill worker is not blamed.
+   (UNAVAILABLE, RESOURCE_EXHAUSTED) is replaced by one other. That is safe even
+   if the first one got some KV out before it failed: a decode worker takes a
+   reservation's KV from one sender only and answers any other "another
+   sender", so the retry then fails (ABORTED) instead of delivering twice.
+   ABORTED means the KV transfer to the decode worker failed: the request fails
+   as UNAVAILABLE and the prefill worker is not blamed.
 3. Relay the decode stream's chunks in order. The decode worker never resends
    the first token, so nothing is duplicated; its last chunk has finish_reason.
 
@@ -154,7 +157,7 @@ class Relay:
                         f"{request.destination.address} failed: {exc.details()}"
                     ) from None
                 error = self._failed(worker, exc)
-                # Gone or busy before sending anything: the reservation still waits.
+                # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
                     log.info("request %s: %s", request.request.request_id, error.message)
                     continue

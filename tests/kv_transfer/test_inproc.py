@@ -338,3 +338,38 @@ def test_many_threads_share_one_receiver(link) -> None:
         receiver.release(rid)
         src.pool.free(src_ids)
         dst.pool.free(dst_ids)
+
+
+@pytest.mark.parametrize("first_done", [True, False], ids=["after-done", "mid-transfer"])
+def test_a_second_sender_is_refused_and_leaves_the_first_ones_request_alone(
+    link, fp, first_done: bool
+) -> None:
+    # A router that retried prefill elsewhere: the worker it gave up on may already
+    # have delivered (or be delivering) this request's KV.
+    src, dst, first, receiver = link
+    other_side = make_side(32, seed=12)
+    second = make_sender("inproc", other_side.kv, fp)
+    try:
+        src_ids, other_ids = src.pool.allocate(3), other_side.pool.allocate(3)
+        dst_ids = dst.pool.allocate(3)
+        dest = receiver.expect("r", dst_ids, lease_s=30)
+        if first_done:
+            assert first.send(dest, src_ids, first_token=7).result(5).state is TransferState.DONE
+        else:
+            first.send_layers(dest, src_ids, (0, 2))
+        with pytest.raises(TransferError) as err:
+            second.send(dest, other_ids, first_token=8).result(5)
+        assert err.value.reason == "another sender"
+        if not first_done:
+            assert receiver.poll("r").state is TransferState.TRANSFERRING
+            assert first.send(dest, src_ids, first_token=7).result(5).state is TransferState.DONE
+        got = receiver.poll("r")
+        assert (got.state, got.first_token) == (TransferState.DONE, 7)
+        assert _blocks_equal(src, src_ids, dst, dst_ids)
+        receiver.release("r")
+        src.pool.free(src_ids)
+        dst.pool.free(dst_ids)
+        other_side.pool.free(other_ids)
+        other_side.check_clean()
+    finally:
+        second.close()

@@ -81,6 +81,8 @@ def test_blocks_arrive_bit_identical_at_other_ids(receiver, prefill) -> None:
 def test_reused_payload_buffers_still_deliver_exact_blocks(receiver, prefill) -> None:
     # The second request gathers into the buffer the first one was sent from.
     side, sender = prefill
+    buffers: list[int] = []
+    sender.fault_hook = lambda header, payload: buffers.append(payload.data_ptr())
     for rid, src_ids in (("p1", side.pool.allocate(5)), ("p2", side.pool.allocate(5))):
         dst_ids = receiver("allocate", 5)
         dest = receiver("expect", rid, dst_ids, 30.0)
@@ -95,6 +97,7 @@ def test_reused_payload_buffers_still_deliver_exact_blocks(receiver, prefill) ->
         receiver("release", rid)
         receiver("free", dst_ids)
         side.pool.free(src_ids)
+    assert len(buffers) == 2 and buffers[0] == buffers[1]
 
 
 def test_handshake_mismatch_is_named_at_once(receiver) -> None:

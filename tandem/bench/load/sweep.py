@@ -1,8 +1,10 @@
 """``tandem bench sweep``: one load per request rate (or concurrency), and the capacity.
 
 Every point draws the same distributions with its own seed (``--seed`` + the
-point's index), so no point replays another's prompts into the server's prefix
-cache, and runs its own warm-up. The capacity
+point's index), so no synthetic point replays another's prompts into the
+server's prefix cache; a JSONL or ShareGPT file is one pool of prompts that
+every point samples from (a file smaller than the points together repeats
+prompts, as it does in vLLM's benchmark). Each point runs its own warm-up. The capacity
 is the highest point whose SLO attainment, and that of every lower point, is at
 least the target (default 90%): for a rate sweep, that point's offered rate; for
 a concurrency sweep, the request throughput it achieved. ``sweep.json`` records
@@ -61,7 +63,7 @@ class SweepConfig:
     def points(self) -> list[tuple[float, LoadConfig]]:
         """(x, the load config for it), in increasing x.
 
-        Each point draws its own prompts (seed + its index): with the same prompts, every
+        Each point draws its own sample (seed + its index): with the same prompts, every
         point after the first would hit the server's prefix cache and look faster.
         """
         if self.rates:

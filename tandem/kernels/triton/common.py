@@ -18,8 +18,8 @@ try:  # newer Triton parses its environment in one place
     from triton import knobs
 
     _interpret = bool(knobs.runtime.interpret)
-except ImportError:  # older Triton reads the variable itself, with the same spellings
-    _interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+except ImportError:  # older Triton's jit compares the variable with "1"
+    _interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Fixed at import, like the @triton.jit decorators of the kernel modules that import this.
 INTERPRET: bool = _interpret

@@ -162,3 +162,15 @@ def test_an_unplaceable_router_fails_start_with_its_resources_named(killed, monk
         "(`ray status` lists them)"
     )
     assert killed == [router] and ctrl.router is None and ctrl.workers == {}
+
+
+def test_an_asyncio_timeout_is_reported_as_one_on_python_3_10(monkeypatch):
+    from tandem.deploy.ray_cluster.config import ActorResources
+    from tandem.deploy.ray_cluster.controller import _why
+
+    class Py310Timeout(Exception):  # 3.10's asyncio.TimeoutError: not the builtin one
+        pass
+
+    monkeypatch.setattr(asyncio, "TimeoutError", Py310Timeout)
+    reason = _why(Py310Timeout(), 5, "ray.startup_timeout_s", ActorResources(num_cpus=2))
+    assert reason.startswith("not serving within 5 s (ray.startup_timeout_s)")

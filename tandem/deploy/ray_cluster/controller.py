@@ -447,7 +447,8 @@ class Controller:
 
 def _why(exc: BaseException, timeout_s: float, setting: str, res: Any) -> str:
     """What an operator reads when an actor did not start (``res``: its ActorResources)."""
-    if isinstance(exc, TimeoutError):
+    # Python 3.10's asyncio.wait_for raises asyncio.TimeoutError, not yet the builtin.
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return (
             f"not serving within {timeout_s:g} s ({setting}): does the cluster have the "
             f"resources {res.bundle()} free? (`ray status` lists them)"

@@ -178,6 +178,7 @@ def test_an_asyncio_timeout_is_reported_as_one_on_python_3_10(monkeypatch):
 
 def test_a_restart_the_live_router_did_not_take_is_retried_by_the_monitor(killed):
     ctrl = _controller()
+    ctrl.targets = {"prefill": 0, "decode": 1}  # only the one worker below
 
     async def go():
         assert await ctrl._start_worker("decode") is None
@@ -222,3 +223,40 @@ def test_a_restarted_router_gets_every_worker_even_when_one_add_hangs(killed, mo
     assert hung == ["10.0.0.1:4001"]
     assert ctrl.router.members == {("prefill", "10.0.0.1:4000"), ("decode", "10.0.0.1:4001")}
     assert ctrl.router_info["incarnation"] == "r2"
+
+
+def test_the_monitor_tops_up_a_short_pool_one_attempt_at_a_time(killed):
+    gate = asyncio.Event()
+
+    def setup(w):
+        if w.name == "decode-1":
+            w.info.fail = RuntimeError("CUDA out of memory")
+        if w.name == "decode-2":
+            answer = w.info.fn
+
+            async def info_when_let_through():
+                await gate.wait()
+                return answer()
+
+            w.info.fn = info_when_let_through
+
+    ctrl = _controller(setup)
+    made = ctrl._actor_classes["worker"].made
+
+    async def go():
+        assert await ctrl._reconcile() == [
+            "decode-1 did not start: RuntimeError: CUDA out of memory"
+        ]
+        await ctrl._monitor_once()  # starts decode-2, which waits at the gate
+        first = ctrl._top_up
+        await ctrl._monitor_once()  # decode-2 is still starting: nothing more is started
+        assert ctrl._top_up is first and sorted(made) == ["decode-1", "decode-2", "prefill-0"]
+        gate.set()
+        assert await first == []
+        await ctrl._monitor_once()  # at the target: nothing to do
+        assert ctrl._top_up is first
+
+    _run(ctrl, go)
+    assert sorted(made) == ["decode-1", "decode-2", "prefill-0"]
+    assert ctrl.workers["decode-2"].state == "serving"
+    assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}

@@ -25,7 +25,9 @@ A worker's life:
 
 Pool sizes change by ``scale`` (by hand) or by the autoscaling policy
 (``tandem/deploy/autoscale.py``), which reads the same stats every
-``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time.
+``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time. A
+pool left short of its target (a worker that did not start, or was lost) is topped up
+by the monitor: one attempt at a time, checked each ``monitor_interval_s``.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Controller:
         self._ids = itertools.count()
         self._lock: asyncio.Lock | None = None  # made on the actor's event loop
         self._tasks: list[asyncio.Task] = []
+        self._top_up: asyncio.Task | None = None  # the monitor's ``_reconcile`` in progress
         self._actor_classes: dict[str, Any] = {}
 
     # ---- calls from the CLI ------------------------------------------------------------
@@ -134,7 +137,7 @@ class Controller:
         """Set pool sizes (None: unchanged) and wait until the pools have them.
 
         Raises ``NotStarted`` naming the workers that did not start (the targets stay
-        set: the next scale, autoscaling round or replacement tries again).
+        set: the monitor tries again while a pool is short of its target).
         """
         wanted = {"prefill": prefill, "decode": decode}
         for pool, n in wanted.items():
@@ -190,10 +193,11 @@ class Controller:
         """Drain the router's in-flight streams, then stop every actor this controller made."""
         import ray
 
-        for task in self._tasks:
+        tasks = self._tasks + ([self._top_up] if self._top_up is not None else [])
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._top_up = [], None
         if self.router is not None:
             try:
                 await asyncio.wait_for(self.router.stop.remote(grace), grace + CALL_TIMEOUT_S)
@@ -406,8 +410,16 @@ class Controller:
         await self._check_router()
         owed = [w for w in self.workers.values() if w.state == "serving" and w.routed != w.address]
         await asyncio.gather(*(self._sync_router(w) for w in owed))
-        if lost:
-            await self._reconcile()  # replacements
+        if self._short() and (self._top_up is None or self._top_up.done()):
+            # Replacements, or a start that failed before. In the background: a start may
+            # take ``startup_timeout_s``, and the stats and the router need watching
+            # meanwhile. One at a time, so an unplaceable worker is not retried in a loop.
+            self._top_up = asyncio.create_task(self._reconcile())
+
+    def _short(self) -> bool:
+        """Whether a pool has fewer live (starting or serving) workers than its target."""
+        live = [w.pool for w in self.workers.values() if w.state != "draining"]
+        return any(live.count(pool) < self.targets[pool] for pool in POOLS)
 
     async def _check_router(self) -> None:
         """A restarted router knows no workers: each one is owed an add again (the monitor's

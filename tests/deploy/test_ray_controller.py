@@ -162,3 +162,101 @@ def test_an_unplaceable_router_fails_start_with_its_resources_named(killed, monk
         "(`ray status` lists them)"
     )
     assert killed == [router] and ctrl.router is None and ctrl.workers == {}
+
+
+def test_an_asyncio_timeout_is_reported_as_one_on_python_3_10(monkeypatch):
+    from tandem.deploy.ray_cluster.config import ActorResources
+    from tandem.deploy.ray_cluster.controller import _why
+
+    class Py310Timeout(Exception):  # 3.10's asyncio.TimeoutError: not the builtin one
+        pass
+
+    monkeypatch.setattr(asyncio, "TimeoutError", Py310Timeout)
+    reason = _why(Py310Timeout(), 5, "ray.startup_timeout_s", ActorResources(num_cpus=2))
+    assert reason.startswith("not serving within 5 s (ray.startup_timeout_s)")
+
+
+def test_a_restart_the_live_router_did_not_take_is_retried_by_the_monitor(killed):
+    ctrl = _controller()
+    ctrl.targets = {"prefill": 0, "decode": 1}  # only the one worker below
+
+    async def go():
+        assert await ctrl._start_worker("decode") is None
+        fake = ctrl._actor_classes["worker"].made["decode-0"]
+        ctrl.router.remove_worker.fail = RuntimeError("router busy")
+        fake.restart("i2", 4999, started_at=2.0)
+        await ctrl._monitor_once()  # sees the restart; the router takes neither call
+        assert ctrl.router.members == {("decode", "10.0.0.1:4000")}
+        await ctrl._monitor_once()  # still failing: tried again, nothing lost
+        assert len(ctrl.router.remove_worker.calls) == 2
+        ctrl.router.remove_worker.fail = None
+        await ctrl._monitor_once()
+
+    _run(ctrl, go)
+    assert ctrl.router.members == {("decode", "10.0.0.1:4999")}
+    assert ctrl.router_info == {"incarnation": "r1"}  # the router itself never restarted
+
+
+def test_a_restarted_router_gets_every_worker_even_when_one_add_hangs(killed, monkeypatch):
+    from tandem.deploy.ray_cluster import controller
+
+    monkeypatch.setattr(controller, "CALL_TIMEOUT_S", 0.2)
+    ctrl = _controller()
+    hung: list[str] = []
+
+    async def add(pool, addr):
+        if addr.endswith(":4001") and not hung:  # decode-1's first add never answers
+            hung.append(addr)
+            await asyncio.Event().wait()
+        ctrl.router.members.add((pool, addr))
+
+    async def go():
+        assert await ctrl._reconcile() == []  # prefill-0 on :4000, decode-1 on :4001
+        ctrl.router.members.clear()  # the router restarted
+        ctrl.router.info.fn = lambda: {"address": "head:50051", "incarnation": "r2"}
+        ctrl.router.add_worker.fn = add
+        await ctrl._monitor_once()
+        assert ctrl.router.members == {("prefill", "10.0.0.1:4000")}
+        await ctrl._monitor_once()  # the same incarnation now, but decode-1 is still owed
+
+    _run(ctrl, go)
+    assert hung == ["10.0.0.1:4001"]
+    assert ctrl.router.members == {("prefill", "10.0.0.1:4000"), ("decode", "10.0.0.1:4001")}
+    assert ctrl.router_info["incarnation"] == "r2"
+
+
+def test_the_monitor_tops_up_a_short_pool_one_attempt_at_a_time(killed):
+    gate = asyncio.Event()
+
+    def setup(w):
+        if w.name == "decode-1":
+            w.info.fail = RuntimeError("CUDA out of memory")
+        if w.name == "decode-2":
+            answer = w.info.fn
+
+            async def info_when_let_through():
+                await gate.wait()
+                return answer()
+
+            w.info.fn = info_when_let_through
+
+    ctrl = _controller(setup)
+    made = ctrl._actor_classes["worker"].made
+
+    async def go():
+        assert await ctrl._reconcile() == [
+            "decode-1 did not start: RuntimeError: CUDA out of memory"
+        ]
+        await ctrl._monitor_once()  # starts decode-2, which waits at the gate
+        first = ctrl._top_up
+        await ctrl._monitor_once()  # decode-2 is still starting: nothing more is started
+        assert ctrl._top_up is first and sorted(made) == ["decode-1", "decode-2", "prefill-0"]
+        gate.set()
+        assert await first == []
+        await ctrl._monitor_once()  # at the target: nothing to do
+        assert ctrl._top_up is first
+
+    _run(ctrl, go)
+    assert sorted(made) == ["decode-1", "decode-2", "prefill-0"]
+    assert ctrl.workers["decode-2"].state == "serving"
+    assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}

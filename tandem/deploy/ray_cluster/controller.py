@@ -14,8 +14,9 @@ A worker's life:
     serving    added to the router, which places requests on it from then on
       crash    Ray restarts the actor (``max_restarts``): a new server on new ports
                announces itself (``worker_started``); the old address is removed
-               from the router and the new one added. The monitor, which reads
-               every worker's stats each ``monitor_interval_s``, catches the same
+               from the router and the new one added (retried each monitor round
+               until the router takes them). The monitor, which reads every
+               worker's stats each ``monitor_interval_s``, catches the same
                change if the announcement is lost, and gives up on a worker that
                has not answered for ``startup_timeout_s`` (a replacement starts)
     draining   scale-down: removed from the router first (no new requests), then
@@ -24,7 +25,9 @@ A worker's life:
 
 Pool sizes change by ``scale`` (by hand) or by the autoscaling policy
 (``tandem/deploy/autoscale.py``), which reads the same stats every
-``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time.
+``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time. A
+pool left short of its target (a worker that did not start, or was lost) is topped up
+by the monitor: one attempt at a time, checked each ``monitor_interval_s``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class _Worker:
     restarts: int = 0
     last_seen: float = 0.0  # monotonic time of the last answer
     replaced_at: float = 0.0  # monotonic time ``info`` last changed to a new incarnation
+    # The address the router last confirmed for this worker ("": none). While it differs
+    # from ``address``, the router owes an update, and the monitor retries it.
+    routed: str = ""
+    router_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one at a time
 
     @property
     def address(self) -> str:
@@ -85,6 +92,7 @@ class Controller:
         self._ids = itertools.count()
         self._lock: asyncio.Lock | None = None  # made on the actor's event loop
         self._tasks: list[asyncio.Task] = []
+        self._top_up: asyncio.Task | None = None  # the monitor's ``_reconcile`` in progress
         self._actor_classes: dict[str, Any] = {}
 
     # ---- calls from the CLI ------------------------------------------------------------
@@ -129,7 +137,7 @@ class Controller:
         """Set pool sizes (None: unchanged) and wait until the pools have them.
 
         Raises ``NotStarted`` naming the workers that did not start (the targets stay
-        set: the next scale, autoscaling round or replacement tries again).
+        set: the monitor tries again while a pool is short of its target).
         """
         wanted = {"prefill": prefill, "decode": decode}
         for pool, n in wanted.items():
@@ -185,10 +193,11 @@ class Controller:
         """Drain the router's in-flight streams, then stop every actor this controller made."""
         import ray
 
-        for task in self._tasks:
+        tasks = self._tasks + ([self._top_up] if self._top_up is not None else [])
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._top_up = [], None
         if self.router is not None:
             try:
                 await asyncio.wait_for(self.router.stop.remote(grace), grace + CALL_TIMEOUT_S)
@@ -214,7 +223,8 @@ class Controller:
         w = self.workers.get(info["name"])
         if w is None or w.state != "serving" or info["incarnation"] == w.info.get("incarnation"):
             return  # a first start (``_start_worker`` registers it) or news already known
-        await self._replace(w, info)
+        self._replace(w, info)
+        await self._sync_router(w)
 
     # ---- pools -----------------------------------------------------------------------------
 
@@ -263,7 +273,7 @@ class Controller:
         w = _Worker(name, pool, handle=None, placement_group=pg)
         try:
             await asyncio.wait_for(self._launch(w, options), cfg.startup_timeout_s)
-            await asyncio.wait_for(self.router.add_worker.remote(pool, w.address), CALL_TIMEOUT_S)
+            await self._route(w)
         except Exception as exc:
             reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(pool))
             log.error("%s did not start: %r", name, exc)
@@ -292,9 +302,14 @@ class Controller:
         try:
             if self.router is not None and w.address:
                 try:
-                    await asyncio.wait_for(
-                        self.router.remove_worker.remote(w.pool, w.address), CALL_TIMEOUT_S
-                    )
+                    # An update in flight ends first; none starts after (the state is draining).
+                    async with w.router_lock:
+                        # ``address`` too: an add that timed out may have arrived all the same.
+                        for address in dict.fromkeys(a for a in (w.routed, w.address) if a):
+                            await asyncio.wait_for(
+                                self.router.remove_worker.remote(w.pool, address), CALL_TIMEOUT_S
+                            )
+                        w.routed = ""
                 except Exception as exc:
                     # A dead router places nothing; a restarted one gets only serving workers.
                     self._event(f"{w.name} not removed from the router: {type(exc).__name__}")
@@ -325,19 +340,39 @@ class Controller:
             except Exception as exc:
                 log.warning("%s: placement group not removed: %r", w.name, exc)
 
-    async def _replace(self, w: _Worker, info: dict[str, Any]) -> None:
-        """The worker restarted: its old address leaves the router, the new one joins."""
+    def _replace(self, w: _Worker, info: dict[str, Any]) -> None:
+        """The worker restarted: its old address is to leave the router, the new one to join
+        (the caller sends the update: ``_sync_router``)."""
         old = w.address
         now = time.monotonic()
         w.info, w.restarts, w.last_seen, w.replaced_at = info, w.restarts + 1, now, now
         self._event(f"{w.name} restarted: {old} -> {info['address']}")
+
+    async def _route(self, w: _Worker) -> None:
+        """Make the router hold ``w.address`` in place of the address it held for ``w``.
+
+        Raises when the router does not take it; ``w.routed`` then still differs from
+        ``w.address``, so the update is owed. Both router calls are idempotent, so a retry
+        after a call that timed out but arrived does no harm.
+        """
+        async with w.router_lock:
+            if w.state == "draining" or w.routed == w.address:
+                return  # ``_stop_worker`` removes it, or nothing is owed
+            address = w.address
+            if w.routed:
+                await asyncio.wait_for(
+                    self.router.remove_worker.remote(w.pool, w.routed), CALL_TIMEOUT_S
+                )
+                w.routed = ""
+            await asyncio.wait_for(self.router.add_worker.remote(w.pool, address), CALL_TIMEOUT_S)
+            w.routed = address
+
+    async def _sync_router(self, w: _Worker) -> None:
+        """``_route`` for a serving worker: on failure the monitor tries again next round."""
         try:
-            await asyncio.wait_for(self.router.remove_worker.remote(w.pool, old), CALL_TIMEOUT_S)
-            await asyncio.wait_for(
-                self.router.add_worker.remote(w.pool, info["address"]), CALL_TIMEOUT_S
-            )
-        except Exception as exc:  # a restarting router is given every serving worker again
-            self._event(f"{w.name}: router not updated: {type(exc).__name__}: {exc}")
+            await self._route(w)
+        except Exception as exc:
+            self._event(f"{w.name}: router not updated, retrying: {type(exc).__name__}: {exc}")
 
     # ---- background loops --------------------------------------------------------------------
 
@@ -367,28 +402,39 @@ class Controller:
                     lost.append(w)
                 continue
             if stats["incarnation"] != w.info.get("incarnation"):
-                await self._replace(w, {k: stats[k] for k in w.info})
+                self._replace(w, {k: stats[k] for k in w.info})  # the router: below
             w.stats, w.last_seen = stats, now
         for w in lost:
             self._event(f"{w.name} lost: no answer for {self.config.startup_timeout_s:g} s")
             await self._stop_worker(w, grace=0)
         await self._check_router()
-        if lost:
-            await self._reconcile()  # replacements
+        owed = [w for w in self.workers.values() if w.state == "serving" and w.routed != w.address]
+        await asyncio.gather(*(self._sync_router(w) for w in owed))
+        if self._short() and (self._top_up is None or self._top_up.done()):
+            # Replacements, or a start that failed before. In the background: a start may
+            # take ``startup_timeout_s``, and the stats and the router need watching
+            # meanwhile. One at a time, so an unplaceable worker is not retried in a loop.
+            self._top_up = asyncio.create_task(self._reconcile())
+
+    def _short(self) -> bool:
+        """Whether a pool has fewer live (starting or serving) workers than its target."""
+        live = [w.pool for w in self.workers.values() if w.state != "draining"]
+        return any(live.count(pool) < self.targets[pool] for pool in POOLS)
 
     async def _check_router(self) -> None:
-        """A restarted router knows no workers: give it the serving ones again."""
+        """A restarted router knows no workers: each one is owed an add again (the monitor's
+        next step sends them)."""
         try:
             info = await asyncio.wait_for(self.router.info.remote(), 5.0)
         except Exception:
             return
         if info["incarnation"] == self.router_info.get("incarnation"):
             return
+        for w in list(self.workers.values()):
+            async with w.router_lock:  # an add in flight may have reached the old router
+                w.routed = ""
         self.router_info = info
-        for w in self.workers.values():
-            if w.state == "serving":
-                await self.router.add_worker.remote(w.pool, w.address)
-        self._event(f"router restarted on {info['address']}; workers registered again")
+        self._event(f"router restarted on {info['address']}; registering the workers again")
 
     async def _autoscale_forever(self) -> None:
         cfg = self.config.autoscale
@@ -447,7 +493,8 @@ class Controller:
 
 def _why(exc: BaseException, timeout_s: float, setting: str, res: Any) -> str:
     """What an operator reads when an actor did not start (``res``: its ActorResources)."""
-    if isinstance(exc, TimeoutError):
+    # Python 3.10's asyncio.wait_for raises asyncio.TimeoutError, not yet the builtin.
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return (
             f"not serving within {timeout_s:g} s ({setting}): does the cluster have the "
             f"resources {res.bundle()} free? (`ray status` lists them)"

@@ -415,6 +415,7 @@ class Controller:
             # take ``startup_timeout_s``, and the stats and the router need watching
             # meanwhile. One at a time, so an unplaceable worker is not retried in a loop.
             self._top_up = asyncio.create_task(self._reconcile())
+            self._top_up.add_done_callback(_log_crash)
 
     def _short(self) -> bool:
         """Whether a pool has fewer live (starting or serving) workers than its target."""
@@ -500,6 +501,12 @@ def _why(exc: BaseException, timeout_s: float, setting: str, res: Any) -> str:
             f"resources {res.bundle()} free? (`ray status` lists them)"
         )
     return f"{type(exc).__name__}: {exc}"
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    """A background reconcile that raised (failed starts are events, not exceptions)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("reconciling the pools failed", exc_info=task.exception())
 
 
 def _log_errors(what: str, results: list[Any]) -> list[str]:

@@ -6,10 +6,13 @@ corrected by what the router itself has sent since that poll (see
 ``registry.Worker.load``), so that a burst of requests between two polls spreads
 out instead of piling onto the worker that looked emptiest.
 
-- ``least-loaded``: decode: most free KV blocks, then the shortest queue;
-  prefill: the shortest queue, then the fewest running. Remaining ties go to the
-  fewest requests in flight from this router, then take turns: idle workers share
-  a trickle of requests instead of the first registered one taking them all.
+- ``least-loaded``: decode: the workers whose free KV blocks are within a tenth
+  of the most any has, then the shortest queue, then the fewest running (a
+  difference of a few blocks, such as a prefix cache holds, must not send every
+  request to one worker); prefill: the shortest queue, then the fewest running.
+  Remaining ties go to the fewest requests in flight from this router, then take
+  turns: idle workers share a trickle of requests instead of the first registered
+  one taking them all.
 - ``round-robin``: each pool in turn, ignoring the numbers.
 """
 
@@ -37,6 +40,10 @@ class WorkerLoad:
     inflight: int = 0  # this router's requests on the worker now
 
 
+# Decode workers with at least this fraction of the most free KV blocks count as equal.
+KV_BAND = 0.9
+
+
 class PlacementPolicy(abc.ABC):
     name: str
 
@@ -53,7 +60,11 @@ class LeastLoaded(PlacementPolicy):
 
     def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
         if pool is Pool.DECODE:
-            keys = [(-w.kv_blocks_free, w.queue_depth, w.inflight) for w in candidates]
+            most = max(w.kv_blocks_free for w in candidates)
+            keys = [
+                (w.kv_blocks_free < KV_BAND * most, w.queue_depth, w.running, w.inflight)
+                for w in candidates
+            ]
         else:
             keys = [(w.queue_depth, w.running, w.inflight) for w in candidates]
         best = min(keys)

@@ -36,9 +36,13 @@ def test_least_loaded_decode_ties_by_queue_then_inflight_then_turns():
     assert picks == {"a", "b"}  # equals take turns; c, with no free blocks, never
 
 
-def test_least_loaded_decode_ignores_running_when_blocks_differ():
-    ws = [load("a", kv_blocks_free=90, running=0), load("b", kv_blocks_free=91, running=9)]
+def test_least_loaded_decode_weighs_running_only_among_similar_free_blocks():
+    # 89 is not within a tenth of 100: free KV decides, however busy b is.
+    ws = [load("a", kv_blocks_free=89, running=0), load("b", kv_blocks_free=100, running=9)]
     assert LeastLoaded().pick(Pool.DECODE, ws).address == "b"
+    # 95 is: a few blocks (a prefix cache's) must not pull every request to b.
+    ws = [load("a", kv_blocks_free=95, running=0), load("b", kv_blocks_free=100, running=9)]
+    assert LeastLoaded().pick(Pool.DECODE, ws).address == "a"
 
 
 def test_least_loaded_prefill_takes_shortest_queue_ties_by_running():

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from tandem.bench.kv_pair import round_trips
 from tandem.bench.ucx_pair import PROGRESS_MODES, Sender, crc32
 from tandem.errors import TandemError
+from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
 UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -139,10 +140,8 @@ def _set_ucx_env(args: argparse.Namespace) -> None:
         os.environ["UCX_RNDV_THRESH"] = args.rndv_thresh
     # UCX logs to stdout unless told otherwise; stdout is for the table or the JSON.
     os.environ.setdefault("UCX_LOG_FILE", "stderr")
-    # ucxx sets UCX_MEMTYPE_CACHE itself; without this UCX warns that it is unused.
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    # As the backend's runtime does: shared memory stays eligible with error handling.
-    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+    # The backend's defaults, but UCX's own transport choice unless --tls says otherwise.
+    ucx_env_defaults(tls=None)
 
 
 def _memcpy_seconds(nbytes: int, iterations: int) -> float:

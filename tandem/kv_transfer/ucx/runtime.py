@@ -30,20 +30,29 @@ _lock = threading.Lock()
 _runtime: UcxRuntime | None = None
 
 
-def ucx_env_defaults(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+def ucx_env_defaults(
+    env: MutableMapping[str, str] | None = None, tls: str | None = "tcp,sm,self"
+) -> MutableMapping[str, str]:
     """Set Tandem's UCX defaults in ``env`` (``os.environ`` when None) where unset; returns it.
 
     UCX reads its environment once, at context creation, so a process calls this
     before any UCX endpoint exists (or passes the mapping to a child process).
-    The defaults suit one host: shared memory between local peers, next to TCP,
-    which loopback needs for its listeners. Across hosts operators set UCX_TLS
-    themselves (to include ``rc``/``ud`` for RDMA, say), and what the environment
-    already holds wins.
+    ``tls`` (None: leave UCX_TLS to UCX) suits one host: shared memory between local
+    peers, next to TCP, which loopback needs for its listeners. Across hosts
+    operators set UCX_TLS themselves (to include ``rc``/``ud`` for RDMA, say), and
+    what the environment already holds wins.
     """
     env = os.environ if env is None else env
-    env.setdefault("UCX_TLS", "tcp,sm,self")
+    if tls is not None:
+        env.setdefault("UCX_TLS", tls)
     # Without this UCX warns about the UCX_* variables that ucxx itself sets.
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # Endpoints here use peer-failure error handling (a killed peer fails its
+    # transfers at once). UCX only picks transports that advertise peer failure,
+    # which by default leaves shared memory out and moves every byte over TCP
+    # loopback on one host (10x slower); this turns on keepalive-based failure
+    # detection for the shared-memory transports so they qualify.
+    env.setdefault("UCX_MM_ERROR_HANDLING", "y")
     return env
 
 
@@ -58,14 +67,7 @@ def get_runtime() -> UcxRuntime:
 class UcxRuntime:
     def __init__(self) -> None:
         # UCX reads its environment once, at context creation: set defaults before that.
-        # Without this UCX warns about the UCX_* variables that ucxx itself sets.
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        # Endpoints here use peer-failure error handling (a killed peer fails its
-        # transfers at once). UCX only picks transports that advertise peer failure,
-        # which by default leaves shared memory out and moves every byte over TCP
-        # loopback on one host (10x slower); this turns on keepalive-based failure
-        # detection for the shared-memory transports so they qualify.
-        os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+        ucx_env_defaults(tls=None)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="tandem-ucx", daemon=True)
         self._thread.start()

@@ -41,18 +41,23 @@ ray:
 """
 
 
-def _tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _tandem(*args: str, home: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The CLI as an operator on a fresh machine runs it: an empty home directory (no
+    Ray token, no caches) and no Ray authentication variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     return subprocess.run(
         [sys.executable, "-m", "tandem.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ),
+        env={**env, "HOME": str(home)},
     )
 
 
 class Deployment:
     def __init__(self, tmp: Path) -> None:
+        self.home = tmp / "home"
+        self.home.mkdir()
         self.state_file = tmp / "ray-state.json"
         self.config_file = tmp / "ray.yaml"
         self.config_file.write_text(CONFIG)
@@ -85,19 +90,21 @@ def dep(tmp_path_factory):
 
     d = Deployment(tmp_path_factory.mktemp("ray"))
     started = time.monotonic()
-    up = _tandem("ray", "up", "--config", str(d.config_file), "--state-file", str(d.state_file))
+    up = _tandem(
+        "ray", "up", "--config", str(d.config_file), "--state-file", str(d.state_file), home=d.home
+    )
     assert up.returncode == 0, up.stderr[-3000:]
     d.router = re.search(r"serving tiny-random on (\S+)", up.stdout).group(1)
     state = read_state(d.state_file)
     d.head_procs = head_processes(state)
     print(f"ray up took {time.monotonic() - started:.1f} s")
     # One driver connection for the module: status and scale reuse it (fast polling).
-    with connected(state["address"], state["namespace"], state["auth_mode"]):
+    with connected(state):
         yield d
     # Whatever the tests did, nothing may survive `down`: not the head's daemons,
     # nor any actor process started since `up` (all are the head's descendants).
     procs = d.head_procs + head_processes(read_state(d.state_file))
-    down = _tandem("ray", "down", "--state-file", str(d.state_file))
+    down = _tandem("ray", "down", "--state-file", str(d.state_file), home=d.home)
     assert down.returncode == 0, down.stderr[-3000:]
     _assert_gone(procs)
 
@@ -234,7 +241,7 @@ def test_status_cli_then_down_leaves_no_tandem_actors_and_no_processes(dep):
     from tandem.deploy.ray_cluster.head import head_processes, read_state
     from tandem.deploy.ray_cluster.launch import connected, stop_deployment, tandem_actors
 
-    out = _tandem("ray", "status", "--state-file", str(dep.state_file))
+    out = _tandem("ray", "status", "--state-file", str(dep.state_file), home=dep.home)
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"decode\s+decode-\d+\s+serving", out.stdout)
     assert re.search(r"prefill\s+prefill-0\s+serving", out.stdout)
@@ -242,12 +249,12 @@ def test_status_cli_then_down_leaves_no_tandem_actors_and_no_processes(dep):
     state = read_state(dep.state_file)
     procs = head_processes(state)  # the actors started since `up` included
     assert sum("WorkerActor" in p.name() or "WorkerActor" in " ".join(p.cmdline()) for p in procs)
-    stopped = stop_deployment(state["address"], state["namespace"], 5, state["auth_mode"])
+    stopped = stop_deployment(state, 5)
     assert stopped
-    with connected(state["address"], state["namespace"], state["auth_mode"]) as ray:
+    with connected(state) as ray:
         assert tandem_actors(ray, state["namespace"]) == []
     ray.shutdown()  # this driver's connection goes before the head does
-    down = _tandem("ray", "down", "--state-file", str(dep.state_file))
+    down = _tandem("ray", "down", "--state-file", str(dep.state_file), home=dep.home)
     assert down.returncode == 0 and "local Ray head" in down.stderr
     assert not dep.state_file.exists()
     _assert_gone(procs + dep.head_procs)

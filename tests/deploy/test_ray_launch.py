@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -35,3 +36,28 @@ def test_down_without_a_local_head_reports_the_error(tmp_path, monkeypatch):
     with pytest.raises(TimeoutError):
         launch.down(state_file)
     assert state_file.exists()  # still recorded: `down` can be run again
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_a_head_that_fails_to_start_reports_rays_own_words(tmp_path, monkeypatch):
+    from tandem.deploy.ray_cluster.head import RayDeployError, start_head
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # a machine that never ran Ray
+    token = tmp_path / "ray-state.token"
+    with pytest.raises(RayDeployError, match="cannot be a custom resource") as info:
+        start_head(1, {"CPU": 1.0}, token)  # Ray refuses CPU as a custom resource
+    assert "exited" in str(info.value)
+    assert not token.exists()  # nothing of the failed head is left
+
+
+def test_a_local_head_keeps_its_token_beside_the_state_file(tmp_path):
+    from tandem.deploy.ray_cluster.head import auth_env, token_path, write_token
+
+    path = token_path(tmp_path / "ray-state.json")
+    write_token(path)
+    assert path.name == "ray-state.token" and path.stat().st_mode & 0o777 == 0o600
+    assert len(path.read_text()) == 64
+    state = {"auth_mode": "token", "auth_token_file": str(path)}
+    env = auth_env(state, {"RAY_AUTH_TOKEN": "another cluster's", "PATH": "/bin"})
+    assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path), "PATH": "/bin"}
+    assert auth_env({"address": "10.0.0.1:6379"}, {"PATH": "/bin"}) == {"PATH": "/bin"}

@@ -10,12 +10,22 @@ this head started, never every Ray process on the machine as ``ray stop`` does.
 The state file (``~/.cache/tandem/ray-state.json`` by default) records the Ray
 address, the namespace and, for a local head, its process id, temp dir and
 authentication mode.
+
+Authentication: a local head uses Ray's token authentication (Ray's default for
+new clusters) with a token of its own, made at start and kept beside the state
+file (``ray-state.token``, mode 0600). Ray is pointed at it with its documented
+``RAY_AUTH_TOKEN_PATH``, in the head's environment and in every driver that
+connects through the state; ``~/.ray/auth_token``, which another cluster may own,
+is neither read nor written. ``RAY_AUTH_MODE=disabled`` in the environment turns
+authentication off for the head. A remote cluster (``--address``) is reached as
+any Ray driver reaches it: ``RAY_AUTH_MODE`` and Ray's token variables decide.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -29,6 +39,8 @@ from tandem.errors import TandemError
 
 DEFAULT_STATE = Path("~/.cache/tandem/ray-state.json")
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+TOKEN_ENV = "RAY_AUTH_TOKEN"  # Ray reads it before the path: never passed to our head
 # Tandem moves KV over UCX, not through Ray's object store: a small one will do
 # (Ray's default takes 30% of the machine's memory).
 OBJECT_STORE_BYTES = 256 * 2**20
@@ -56,6 +68,30 @@ def write_state(path: Path, state: dict[str, Any]) -> None:
     path.write_text(json.dumps(state, indent=2) + "\n")
 
 
+def token_path(state_file: Path) -> Path:
+    """Where a local head's token lives: beside its state file."""
+    return state_file.with_suffix(".token")
+
+
+def write_token(path: Path) -> None:
+    """A fresh random token, readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def auth_env(state: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the authentication a deployment's state records (a local head's)."""
+    env = dict(env)
+    if state.get("auth_mode"):
+        env[AUTH_MODE_ENV] = state["auth_mode"]
+    if state.get("auth_token_file"):
+        env[TOKEN_PATH_ENV] = state["auth_token_file"]
+        env.pop(TOKEN_ENV, None)
+    return env
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,9 +99,10 @@ def _free_port() -> int:
 
 
 def start_head(
-    num_cpus: int, resources: dict[str, float], timeout_s: float = 60.0
+    num_cpus: int, resources: dict[str, float], token_file: Path, timeout_s: float = 60.0
 ) -> dict[str, Any]:
-    """Start a local head; returns the state to record (address, pid, temp_dir, log)."""
+    """Start a local head; returns the state to record (address, pid, temp_dir, log,
+    authentication). With token authentication a new token is written to ``token_file``."""
     ray_bin = Path(sys.executable).with_name("ray")
     if not ray_bin.exists():
         ray_bin = shutil.which("ray")
@@ -92,8 +129,12 @@ def start_head(
     ]  # fmt: skip
     log_path = Path(temp_dir) / "ray-start.log"
     # Token authentication (Ray's default for new clusters), said out loud: a driver
-    # connecting later only sends the token (~/.ray/auth_token) when told the mode.
-    env = {**os.environ, AUTH_MODE_ENV: os.environ.get(AUTH_MODE_ENV, "token")}
+    # connecting later only sends the token when told the mode.
+    auth: dict[str, Any] = {"auth_mode": os.environ.get(AUTH_MODE_ENV, "token")}
+    if auth["auth_mode"] == "token":
+        write_token(token_file)
+        auth["auth_token_file"] = str(token_file)
+    env = auth_env(auth, dict(os.environ))
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -102,7 +143,7 @@ def start_head(
     address = f"127.0.0.1:{port}"
     state = {
         "address": address,
-        "auth_mode": env[AUTH_MODE_ENV],
+        **auth,
         "head_pid": popen.pid,
         "head_started": time.time(),
         "temp_dir": temp_dir,
@@ -112,9 +153,11 @@ def start_head(
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if popen.poll() is not None or time.monotonic() > deadline:
-            stop_head(state)
+            why = "exited" if popen.poll() is not None else f"was not up after {timeout_s:g} s"
+            # Read before stop_head, which removes the temp dir and the log with it.
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise RayDeployError(f"the local Ray head did not start; {log_path}:\n{tail}")
+            stop_head(state)
+            raise RayDeployError(f"the local Ray head {why}; the end of its log:\n{tail}")
         time.sleep(0.2)
     return state
 
@@ -141,6 +184,8 @@ def stop_head(state: dict[str, Any], timeout_s: float = 30.0) -> None:
     temp_dir = state.get("temp_dir")
     if temp_dir and Path(temp_dir).name.startswith("tandem-ray-"):
         shutil.rmtree(temp_dir, ignore_errors=True)
+    if state.get("auth_token_file"):
+        Path(state["auth_token_file"]).unlink(missing_ok=True)
 
 
 def head_processes(state: dict[str, Any]) -> list:

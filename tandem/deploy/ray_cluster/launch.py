@@ -19,11 +19,12 @@ from typing import Any
 from tandem.deploy.ray_cluster.config import HEAD_NODE, RayDeployConfig
 from tandem.deploy.ray_cluster.controller import CONTROLLER_NAME, Controller
 from tandem.deploy.ray_cluster.head import (
-    AUTH_MODE_ENV,
     RayDeployError,
+    auth_env,
     read_state,
     start_head,
     stop_head,
+    token_path,
     write_state,
 )
 from tandem.errors import TandemError
@@ -40,22 +41,23 @@ def require_ray() -> None:
 
 
 @contextlib.contextmanager
-def connected(address: str, namespace: str, auth_mode: str | None = None) -> Iterator[Any]:
-    """A driver connection for the block's length (reused if this process has one).
+def connected(state: dict[str, Any]) -> Iterator[Any]:
+    """A driver connection to ``state["address"]`` for the block's length (reused if
+    this process has one).
 
-    ``auth_mode``: what a local head recorded; otherwise $RAY_AUTH_MODE decides, as
-    for any Ray driver.
+    Authentication: what a local head recorded in ``state`` (its mode and token
+    file); otherwise the environment decides, as for any Ray driver.
     """
     require_ray()
-    if auth_mode:  # before Ray is imported: it reads the mode once
-        os.environ.setdefault(AUTH_MODE_ENV, auth_mode)
+    address = state["address"]
+    _use_auth(state)
     import ray
 
     if ray.is_initialized():
         yield ray
         return
     try:
-        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING,
+        ray.init(address=address, namespace=state["namespace"], logging_level=logging.WARNING,
                  log_to_driver=False)  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise RayDeployError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
@@ -63,6 +65,22 @@ def connected(address: str, namespace: str, auth_mode: str | None = None) -> Ite
         yield ray
     finally:
         ray.shutdown()
+
+
+def _use_auth(state: dict[str, Any]) -> None:
+    """Put the state's authentication into this process's environment, where Ray reads it."""
+    env = auth_env(state, dict(os.environ))
+    if env == dict(os.environ):
+        return
+    os.environ.clear()
+    os.environ.update(env)
+    import sys
+
+    if "ray" in sys.modules:  # Ray caches the mode and the token once read
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def controller(ray, namespace: str):
@@ -94,12 +112,12 @@ def up(
     require_ray()
     state: dict[str, Any] = {"namespace": config.namespace}
     if address is None:
-        state.update(start_head(local_cpus, _local_resources(config)))
+        state.update(start_head(local_cpus, _local_resources(config), token_path(state_file)))
         address = state["address"]
     state["address"] = address
     write_state(state_file, state)  # now, so that `down` can clean up a failed start
     try:
-        with connected(address, config.namespace, state.get("auth_mode")) as ray:
+        with connected(state) as ray:
             try:
                 ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
             except ValueError:
@@ -152,7 +170,7 @@ def _local_resources(config: RayDeployConfig) -> dict[str, float]:
 
 def status(state_file: Path, address: str | None = None) -> dict[str, Any]:
     state = _state(state_file, address)
-    with connected(state["address"], state["namespace"], state.get("auth_mode")) as ray:
+    with connected(state) as ray:
         return ray.get(controller(ray, state["namespace"]).status.remote())
 
 
@@ -160,7 +178,7 @@ def scale(
     state_file: Path, prefill: int | None, decode: int | None, address: str | None = None
 ) -> dict[str, Any]:
     state = _state(state_file, address)
-    with connected(state["address"], state["namespace"], state.get("auth_mode")) as ray:
+    with connected(state) as ray:
         # No timeout here: the controller bounds each worker's start and drain.
         return _get(ray, controller(ray, state["namespace"]).scale.remote(prefill, decode))
 
@@ -188,9 +206,7 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
     stopped: list[str] = []
     if state.get("address"):
         try:
-            stopped += stop_deployment(
-                state["address"], state["namespace"], grace, state.get("auth_mode")
-            )
+            stopped += stop_deployment(state, grace)
         except Exception as exc:
             if not state.get("head_pid"):
                 raise
@@ -204,12 +220,11 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
     return stopped
 
 
-def stop_deployment(
-    address: str, namespace: str, grace: float = 30.0, auth_mode: str | None = None
-) -> list[str]:
+def stop_deployment(state: dict[str, Any], grace: float = 30.0) -> list[str]:
     """Shut the controller's actors down, kill the controller, wait until no actor
     of the namespace is left."""
-    with connected(address, namespace, auth_mode) as ray:
+    namespace = state["namespace"]
+    with connected(state) as ray:
         try:
             ctrl = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
         except ValueError:
@@ -225,7 +240,7 @@ def stop_deployment(
             if time.monotonic() > deadline:
                 raise RayDeployError(f"actors still alive after `down`: {', '.join(left)}")
             time.sleep(0.2)
-        return [f"deployment in namespace {namespace!r} on {address}"]
+        return [f"deployment in namespace {namespace!r} on {state['address']}"]
 
 
 def tandem_actors(ray, namespace: str) -> list[str]:

@@ -149,8 +149,18 @@ class RouterConfig:
     decode_workers: tuple[str, ...] = ()
     placement: str = "least-loaded"
     max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
+    # An admitted request that finds every decode worker full waits this long for room
+    # (or until its deadline), then gets RESOURCE_EXHAUSTED.
+    queue_timeout_s: float = 120.0
+    # A request whose decode or prefill worker dies mid-stream continues on another
+    # worker (prompt + tokens already streamed re-prefilled) at most this many times.
+    max_migrations: int = 2
     status_interval_s: float = 0.5  # how often workers' Status is polled
-    worker_timeout_s: float = 2.0  # a worker whose Status fails this long is dropped
+    # A worker is taken out of placement at once when its connection fails (refused,
+    # reset, keepalive); a worker whose connection is up but whose Status has gone
+    # unanswered this long is taken for hung. Status never waits for the engine, so
+    # this only has to outlast a stalled process, not a long engine step.
+    worker_timeout_s: float = 30.0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     # A worker that leaves a ping unanswered this long (pinged every worker_keepalive_s
@@ -171,6 +181,10 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.status_interval_s <= 0 or self.worker_timeout_s <= 0:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
+        if self.queue_timeout_s < 0:
+            raise ConfigError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.drain_timeout_s < 0:

@@ -76,8 +76,14 @@ def finish_from_proto(value: int) -> FinishReason | None:
 
 
 def worker_request(
-    request_id: str, prompt_ids: list[int], params: SamplingParams
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    output_ids: list[int] | tuple[int, ...] = (),
 ) -> worker_pb2.WorkerRequest:
     return worker_pb2.WorkerRequest(
-        request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(params)
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling_to_proto(params),
+        output_token_ids=output_ids,
     )

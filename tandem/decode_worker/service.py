@@ -78,8 +78,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             try:
                 out = await admitted
             except TransferError as exc:
+                # ABORTED, not UNAVAILABLE: this worker is fine, the KV did not come.
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, f"KV of request {rid} did not arrive: {exc}"
+                    grpc.StatusCode.ABORTED, f"KV of request {rid} did not arrive: {exc}"
                 )
             if out.finished:  # the first token ended it (the prefill side normally says so)
                 yield _chunk(out, first_token_sent=True)
@@ -94,4 +95,4 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self._active.discard(rid)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
-        return await self.server.current_status()
+        return self.server.status()

@@ -107,7 +107,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             self._active.discard(rid)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
-        return await self.server.current_status()
+        return self.server.status()
 
     # ---- engine thread --------------------------------------------------------------
 

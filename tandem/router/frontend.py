@@ -23,6 +23,9 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import ConfigError, InvalidRequestError
 
+# Workers take ids of up to 256 characters; a migrated attempt appends "/<n>".
+MAX_REQUEST_ID_CHARS = 200
+
 
 @dataclass(frozen=True)
 class PreparedRequest:
@@ -51,6 +54,12 @@ class Frontend:
         return cls(config.model, Tokenizer.from_pretrained(model_dir), context, model.vocab_size)
 
     def prepare(self, request: tandem_pb2.GenerateRequest) -> PreparedRequest:
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id",
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                f"got {len(request.request_id)}",
+            )
         params = wire.sampling_from_proto(request.sampling)
         prompt_ids = self.encode(request)
         check_request(prompt_ids, params, self.context_length, self.vocab_size)

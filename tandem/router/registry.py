@@ -4,11 +4,17 @@ Workers are given at start (``RouterConfig.prefill_workers`` / ``decode_workers`
 and can be added and removed while the router runs (``add_worker`` /
 ``remove_worker``). Each has one gRPC channel, reused by every request.
 
-A worker is *placeable* while it is healthy. It stops being healthy when
-- its ``Status`` has failed for ``worker_timeout_s`` (polled every
-  ``status_interval_s``), or
+A worker is *placeable* while it is healthy. A busy worker is not a dead one:
+it stops being healthy only on evidence of death,
+- its ``Status`` (polled every ``status_interval_s``) fails with UNAVAILABLE: the
+  connection was refused or reset, or keepalive found it silent; a draining
+  worker refuses new calls this way too, so it leaves placement at once;
+- its ``Status`` has gone unanswered (DEADLINE_EXCEEDED and the like, the
+  connection up) for ``worker_timeout_s``: a hung process. Workers answer Status
+  from a snapshot, never behind the engine, so a slow answer is not this;
 - a request's call to it failed as a dead worker does (``mark_down``);
-and it becomes healthy again at its next successful ``Status``.
+and it becomes healthy again at its next successful ``Status``. Load is what
+placement weighs: a slow worker has a longer queue and gets less.
 
 Load: each poll stores the worker's numbers; between polls the registry counts
 what this router sent (requests placed, KV blocks reserved) so that placement
@@ -162,12 +168,15 @@ class WorkerRegistry:
             await asyncio.sleep(self.status_interval_s)
 
     async def _poll(self, worker: Worker) -> None:
-        timeout = min(self.status_interval_s, self.worker_timeout_s) + 0.5
+        # Generous: one poll is outstanding per worker, and only the window below counts.
+        timeout = min(max(2.0, self.status_interval_s), self.worker_timeout_s)
         try:
             status = await worker.stub.Status(worker_pb2.StatusRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:  # another kind of server there
                 self.mark_down(worker, f"it does not serve a {worker.pool.value} worker's Status")
+            elif exc.code() is grpc.StatusCode.UNAVAILABLE:  # refused, reset, keepalive, GOAWAY
+                self.mark_down(worker, f"Status: UNAVAILABLE: {exc.details()}")
             elif worker.healthy and self._clock() - worker.last_ok > self.worker_timeout_s:
                 self.mark_down(
                     worker,

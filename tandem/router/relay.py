@@ -1,31 +1,49 @@
 """One request's trip through the pools, relayed to the client as one stream.
 
+An *attempt* is one decode reservation plus one prefill:
 1. Pick a decode worker and open ``Decode``; its first message is the
-   ``KvDestination`` (blocks reserved for prompt + max_tokens). If the worker
-   has no room (RESOURCE_EXHAUSTED) or is gone (UNAVAILABLE), one other decode
-   worker is tried; nothing was computed yet, so the retry is safe.
+   ``KvDestination`` (blocks reserved for prompt + max_tokens). A worker that has
+   no room (RESOURCE_EXHAUSTED) or is gone (UNAVAILABLE) is replaced by one
+   other; nothing was computed yet, so that is safe. When no decode worker has
+   room, the request waits for one (``DecodeCapacity``), up to its deadline or
+   ``queue_timeout_s``: overload is RESOURCE_EXHAUSTED, never UNAVAILABLE.
 2. Pick a prefill worker and call ``Prefill(request, destination)``. It returns
-   the first token, which goes to the client at once (time to first token). If
+   the next token, which goes to the client at once (time to first token). If
    that token ends the request, the response carries finish_reason and usage and
    the decode stream is cancelled. A prefill worker that is gone or busy
    (UNAVAILABLE, RESOURCE_EXHAUSTED) is replaced by one other. That is safe even
    if the first one got some KV out before it failed: a decode worker takes a
    reservation's KV from one sender only and answers any other "another
    sender", so the retry then fails (ABORTED) instead of delivering twice.
-   ABORTED means the KV transfer to the decode worker failed: the request fails
-   as UNAVAILABLE and the prefill worker is not blamed.
 3. Relay the decode stream's chunks in order. The decode worker never resends
-   the first token, so nothing is duplicated; its last chunk has finish_reason.
+   the token that prefill returned, so nothing is duplicated; its last chunk has
+   finish_reason.
+
+**Migration.** The router owns the request until its last token. When an
+attempt is lost after its reservation was made (the decode worker dies or its
+link breaks mid-stream, the prefill worker dies, or the KV transfer between them
+fails), a new attempt starts on another decode worker with the original prompt
+plus every token already streamed (``output_token_ids``): the prefill recomputes
+their KV and samples the next token, and the stream goes on with no token
+duplicated or missing. Workers replay those tokens through their detokenizer and
+stop-string matcher, and seeded sampling draws from (seed, position), so the text
+is exactly that of an undisturbed run. At most ``max_migrations`` new attempts;
+then the client gets the last attempt's error (UNAVAILABLE). Each attempt has its
+own worker-side request id (``<id>/<attempt>``): a worker still cleaning up the
+lost attempt never sees the next one as a duplicate.
 
 Every worker call carries the client's remaining deadline. However the stream
-ends (finished, failed, client cancel or deadline), both worker calls are
+ends (finished, failed, client cancel or deadline), the worker calls are
 cancelled in ``finally``, so the workers free their blocks. A call that fails as
-a dead worker does marks that worker down at once: no new request goes to it
-until it answers ``Status`` again.
+a dead worker does (UNAVAILABLE, or CANCELLED by the server) marks that worker
+down at once: no new request goes to it until it answers ``Status`` again. A
+worker that is slow or reports a failure of its own is never marked down.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -49,12 +67,76 @@ _RETRY_OPEN = (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE)
 # Codes that mean the worker process (or our link to it) is gone. CANCELLED here
 # was not our doing (ours arrives as asyncio.CancelledError): the server went away.
 _DEAD = (Code.UNAVAILABLE, Code.CANCELLED)
+# An attempt that ends with one of these after its reservation can be migrated:
+# a worker is gone, or the KV transfer between the two failed (ABORTED).
+_LOST = (*_DEAD, Code.ABORTED)
+
+
+class AttemptLost(Exception):
+    """An attempt failed in a way another attempt may recover from."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class DecodeCapacity:
+    """Requests waiting for a decode worker with room, woken one at a time in order.
+
+    ``notify`` is called when room may have appeared (a request released its decode
+    worker, a Status poll came back); it wakes the longest waiter, which tries again
+    and, if it got a reservation, passes the wake-up on. So a freed slot costs one
+    Decode call, not one per waiting request.
+    """
+
+    def __init__(self) -> None:
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def notify(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def wait(self, timeout: float, first: bool = False) -> bool:
+        """Wait for a ``notify`` (False after ``timeout`` seconds); ``first``: ahead of
+        the others (a request that was woken and still found no room keeps its turn)."""
+        fut = asyncio.get_running_loop().create_future()
+        if first:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if not fut.done():
+                fut.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
 
 
 class Relay:
-    def __init__(self, registry: WorkerRegistry, policy: PlacementPolicy) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: PlacementPolicy,
+        max_migrations: int = 2,
+        queue_timeout_s: float = 120.0,
+    ) -> None:
         self.registry = registry
         self.policy = policy
+        self.max_migrations = max_migrations
+        self.queue_timeout_s = queue_timeout_s
+        self.capacity = DecodeCapacity()
+        self.migrations = 0  # attempts started after a lost one, since start
         self._active: set[str] = set()  # request ids in flight
 
     async def generate(
@@ -69,36 +151,107 @@ class Relay:
             )
         if not self.registry.placeable(Pool.PREFILL):
             raise self._none_available(Pool.PREFILL)
-        worker_req = wire.worker_request(req.request_id, req.prompt_ids, req.params)
         self._active.add(req.request_id)
         try:
             # aclosing: a stream closed early must run the inner finally (cancel, release) now.
-            async with aclosing(self._run(req, worker_req, deadline)) as responses:
+            async with aclosing(self._run(req, deadline)) as responses:
                 async for response in responses:
                     yield response
         finally:
             self._active.discard(req.request_id)
 
     async def _run(
-        self, req: PreparedRequest, worker_req: worker_pb2.WorkerRequest, deadline: float | None
+        self, req: PreparedRequest, deadline: float | None
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        streamed: list[int] = []  # output tokens the client has, across attempts
+        for attempt in range(self.max_migrations + 1):
+            worker_id = req.request_id if attempt == 0 else f"{req.request_id}/{attempt}"
+            worker_req = wire.worker_request(
+                worker_id, req.prompt_ids, req.params, output_ids=streamed
+            )
+            try:
+                async with aclosing(self._attempt(req, worker_req, streamed, deadline)) as out:
+                    async for response in out:
+                        yield response
+                return
+            except AttemptLost as lost:
+                if attempt == self.max_migrations:
+                    raise lost.error from None
+                self.migrations += 1
+                log.warning(
+                    "request %s: %s; migrating after %d tokens (attempt %d of %d)",
+                    req.request_id, lost.error.message, len(streamed), attempt + 2,
+                    self.max_migrations + 1,
+                )  # fmt: skip
+
+    async def _attempt(
+        self,
+        req: PreparedRequest,
+        worker_req: worker_pb2.WorkerRequest,
+        streamed: list[int],
+        deadline: float | None,
+    ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        """One decode reservation and one prefill; appends each relayed token to
+        ``streamed``. Raises AttemptLost once the reservation exists."""
         decode, stream, destination = await self._open_decode(worker_req, deadline)
         try:
             prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
-            first = _first_response(prefill, await self._prefill(prefill, deadline))
+            try:
+                result = await self._prefill(prefill, deadline)
+            except RouterError as exc:
+                # Not when no prefill worker is left: another attempt would fail the same.
+                if exc.code in _LOST and self.registry.placeable(Pool.PREFILL):
+                    raise AttemptLost(exc) from None
+                raise
+            streamed.append(result.first_token_id)
+            first = _response(req, [result.first_token_id], result.text, result.finish_reason)
+            if result.finish_reason:
+                _set_usage(first, req, len(streamed), len(streamed))
             yield first
-            if first.finish_reason:
+            if result.finish_reason:
                 return
-            async with aclosing(self._relay_decode(req, decode, stream)) as responses:
+            async with aclosing(self._relay_decode(req, decode, stream, streamed)) as responses:
                 async for response in responses:
                     yield response
         finally:
             stream.cancel()  # no-op once finished; otherwise the worker frees its blocks
             self.registry.release(decode)
+            self.capacity.notify()
 
     async def _open_decode(
         self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination]:
+        queued_at: float | None = None
+        while True:
+            opened, error = await self._try_decode(worker_req, deadline)
+            if opened is not None:
+                if queued_at is not None:
+                    self.capacity.notify()  # room for us: maybe for the next one too
+                return opened
+            if error is None or error.code is not Code.RESOURCE_EXHAUSTED:
+                raise error or self._none_available(Pool.DECODE)
+            # Every decode worker tried is full: wait for room, in order.
+            now = time.monotonic()
+            queued_at = now if queued_at is None else queued_at
+            left = self.queue_timeout_s - (now - queued_at)
+            if deadline is not None:
+                left = min(left, deadline - now)
+            if left <= 0 or not await self.capacity.wait(left, first=queued_at != now):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RouterError(
+                        Code.DEADLINE_EXCEEDED,
+                        "the deadline passed while waiting for a decode worker with room",
+                    )
+                raise RouterError.overloaded(
+                    f"no decode worker had room within queue_timeout_s="
+                    f"{self.queue_timeout_s:g} s ({error.message}); retry later"
+                )
+
+    async def _try_decode(
+        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
+    ) -> tuple[tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination] | None,
+               RouterError | None]:  # fmt: skip
+        """Up to two decode workers; (opened, None) or (None, the last error)."""
         tried: list[Worker] = []
         error: RouterError | None = None
         for _ in range(2):
@@ -132,8 +285,8 @@ class Relay:
                     f"decode worker {worker.address} did not open its stream with a KvDestination",
                 )
             self.registry.reserved(worker, len(first.destination.block_ids))
-            return worker, stream, first.destination
-        raise error or self._none_available(Pool.DECODE)
+            return (worker, stream, first.destination), None
+        return None, error
 
     async def _prefill(
         self, request: worker_pb2.PrefillRequest, deadline: float | None
@@ -168,32 +321,37 @@ class Relay:
                 self.registry.release(worker)
 
     async def _relay_decode(
-        self, req: PreparedRequest, worker: Worker, stream: grpc.aio.UnaryStreamCall
+        self,
+        req: PreparedRequest,
+        worker: Worker,
+        stream: grpc.aio.UnaryStreamCall,
+        streamed: list[int],
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        relayed = 1  # the first token, from prefill
         while True:
             try:
                 message = await stream.read()
             except grpc.aio.AioRpcError as exc:
-                raise self._failed(worker, exc) from None
+                error = self._failed(worker, exc)
+                if exc.code() in _LOST:
+                    raise AttemptLost(error) from None
+                raise error from None
             if message is grpc.aio.EOF:
-                raise RouterError.unavailable(
-                    f"decode worker {worker.address} ended the stream before the request finished"
+                raise AttemptLost(
+                    RouterError.unavailable(
+                        f"decode worker {worker.address} ended the stream before the request "
+                        "finished"
+                    )
                 )
             if not message.HasField("chunk"):
                 raise RouterError(
                     Code.INTERNAL, f"decode worker {worker.address} sent a second KvDestination"
                 )
             chunk = message.chunk
-            relayed += len(chunk.token_ids)
-            response = tandem_pb2.GenerateResponse(
-                request_id=req.request_id, text=chunk.text, token_ids=chunk.token_ids
-            )
+            streamed.extend(chunk.token_ids)
+            response = _response(req, chunk.token_ids, chunk.text, chunk.finish_reason)
             if chunk.finish_reason:
-                response.finish_reason = chunk.finish_reason
-                response.usage.prompt_tokens = len(req.prompt_ids)
                 # The worker's count includes tokens it held back (a stop string).
-                response.usage.completion_tokens = chunk.completion_tokens or relayed
+                _set_usage(response, req, chunk.completion_tokens, len(streamed))
                 yield response
                 return
             yield response
@@ -209,6 +367,8 @@ class Relay:
         if code in _DEAD:
             self.registry.mark_down(worker, f"{code.name}: {details}")
             return RouterError.unavailable(f"{where} is unavailable: {details}")
+        if code is Code.ABORTED:  # the worker is fine; the KV transfer failed
+            return RouterError.unavailable(f"{where}: {details}")
         if code is Code.DEADLINE_EXCEEDED:
             return RouterError(code, f"the deadline passed while waiting for {where}")
         return RouterError(code, f"{where}: {details}")
@@ -219,20 +379,25 @@ class Relay:
         return RouterError.unavailable(f"no {pool.value} worker is available ({why})")
 
 
-def _first_response(
-    request: worker_pb2.PrefillRequest, result: worker_pb2.PrefillResponse
+def _response(
+    req: PreparedRequest, token_ids, text: str, finish_reason: int
 ) -> tandem_pb2.GenerateResponse:
-    """The client's first response: the prefill's token, and usage if it ended the request."""
     response = tandem_pb2.GenerateResponse(
-        request_id=request.request.request_id,
-        text=result.text,
-        token_ids=[result.first_token_id],
+        request_id=req.request_id, text=text, token_ids=token_ids
     )
-    if result.finish_reason:
-        response.finish_reason = result.finish_reason
-        response.usage.prompt_tokens = len(request.request.prompt_token_ids)
-        response.usage.completion_tokens = 1
+    if finish_reason:
+        response.finish_reason = finish_reason
     return response
+
+
+def _set_usage(
+    response: tandem_pb2.GenerateResponse, req: PreparedRequest, reported: int, streamed: int
+) -> None:
+    """Usage on the last response: the client's prompt (not a migration's longer one) and
+    every output token, by the worker's count when it gives one (it counts tokens it
+    held back, a stop string), else by what was streamed."""
+    response.usage.prompt_tokens = len(req.prompt_ids)
+    response.usage.completion_tokens = reported or streamed
 
 
 def _remaining(deadline: float | None) -> float | None:

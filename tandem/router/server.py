@@ -45,7 +45,12 @@ class Router:
             ),
         )
         self.admission = Admission(config.max_queue)
-        self.relay = Relay(self.registry, make_policy(config.placement))
+        self.relay = Relay(
+            self.registry,
+            make_policy(config.placement),
+            max_migrations=config.max_migrations,
+            queue_timeout_s=config.queue_timeout_s,
+        )
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -90,8 +95,12 @@ class Router:
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._update_health()
-        self.registry.start(after_poll=self._update_health)
+        self.registry.start(after_poll=self._after_poll)
         log.info("router serving on %s", self.address)
+
+    async def _after_poll(self) -> None:
+        await self._update_health()
+        self.relay.capacity.notify()  # a worker may have room now (freed by another router)
 
     async def _update_health(self) -> None:
         """The process is SERVING while it runs; the Tandem service only while both

@@ -7,6 +7,12 @@
               ones get ``grace`` seconds and are then cancelled; whatever is left
               in the engine is aborted (blocks freed) before its thread stops
 
+Liveness and load are separate signals: ``Status`` and health never wait for the
+engine. The engine thread publishes its numbers (queues, batch, KV blocks) into a
+snapshot before every step; ``Status`` answers from it on the event loop, so a
+worker whose engine is busy with a long step still answers in milliseconds, with
+numbers at most one step old.
+
 Subclasses add their servicer and their KV transfer endpoint.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +38,16 @@ from tandem.kv_transfer.base import TransferMetrics
 log = logging.getLogger(__name__)
 
 
+class EngineLoad(NamedTuple):
+    """The engine's numbers as of its last step (published by the engine thread)."""
+
+    queue_depth: int = 0
+    running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+
+
 class WorkerServer(abc.ABC):
     role: str  # "prefill" or "decode"
     service_name: str  # the full gRPC service name, for health checks
@@ -45,6 +62,8 @@ class WorkerServer(abc.ABC):
         self._health = health_aio.HealthServicer()
         self.served = 0  # requests completed successfully (event loop thread writes)
         self.transfer_metrics = TransferMetrics()  # filled by the KV sender or receiver
+        # Replaced whole by the engine thread (one reference assignment: atomic).
+        self.engine_load = EngineLoad()
 
     @property
     def address(self) -> str:
@@ -65,6 +84,8 @@ class WorkerServer(abc.ABC):
             self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.loop = EngineLoop(self.engine)
         await asyncio.to_thread(self._open_transfer)
+        self.loop.add_hook(self._publish_load)
+        self._publish_load(self.engine)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         self._add_servicer(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -99,27 +120,30 @@ class WorkerServer(abc.ABC):
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    async def current_status(self) -> worker_pb2.WorkerStatus:
-        """What the Status RPC answers (and the Ray actor reports), from the engine thread."""
-        return await self.loop.call(self.status)
-
-    def status(self, engine: LLMEngine) -> worker_pb2.WorkerStatus:
-        """Runs on the engine thread, so the numbers are one consistent snapshot."""
-        pool = engine.kv.pool
+    def status(self) -> worker_pb2.WorkerStatus:
+        """What the Status RPC answers (and the Ray actor reports). Never waits for the
+        engine: its numbers are the snapshot published before the current step."""
         m = self.transfer_metrics
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id,
             role=self.role_proto,
-            queue_depth=len(engine.scheduler.waiting) + self._waiting_outside_engine(),
-            running=len(engine.scheduler.running),
-            kv_blocks_used=pool.num_used,
-            kv_blocks_free=pool.num_free,
-            kv_blocks_total=pool.num_blocks,
+            **self.engine_load._asdict(),
             kv_address=self.kv_address,
             served=self.served,
             kv_transfers_total=m.transfers_done,
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,
+        )
+
+    def _publish_load(self, engine: LLMEngine) -> None:
+        """Engine thread, before every step: one consistent snapshot of its numbers."""
+        pool = engine.kv.pool
+        self.engine_load = EngineLoad(
+            queue_depth=len(engine.scheduler.waiting) + self._waiting_outside_engine(),
+            running=len(engine.scheduler.running),
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_total=pool.num_blocks,
         )
 
     def _waiting_outside_engine(self) -> int:

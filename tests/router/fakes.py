@@ -108,9 +108,15 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
             )
             if self.gate is not None:
                 await self.gate.wait()
+            # A migrated request continues the script: skip what the client has and
+            # the token its prefill returned.
+            skip = len(request.request.output_token_ids) + 1
             done = 1  # the first token came from prefill
-            for ids, finish in self.chunks:
-                done += len(ids)
+            for script_ids, finish in self.chunks:
+                ids = script_ids[max(0, skip - done) :]
+                done += len(script_ids)
+                if not ids and not finish:
+                    continue
                 yield worker_pb2.DecodeResponse(
                     chunk=worker_pb2.TokenChunk(
                         token_ids=ids,
@@ -140,9 +146,12 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(self.error, "scripted prefill failure")
             if self.hang:
                 await asyncio.Event().wait()
+            # The script is first_token, first_token + 1, ...: a migrated request
+            # (output_token_ids) gets the next one.
+            token = self.first_token + len(request.request.output_token_ids)
             return worker_pb2.PrefillResponse(
-                first_token_id=self.first_token,
-                text=f"<{self.first_token}>",
+                first_token_id=token,
+                text=f"<{token}>",
                 finish_reason=self.finish_reason,
             )
 

@@ -129,33 +129,122 @@ def test_decode_without_room_is_retried_once_on_another_worker(frontend):
     run(scenario())
 
 
-def test_no_decode_room_anywhere_is_resource_exhausted(frontend):
+def test_no_decode_room_within_the_queue_timeout_is_resource_exhausted(frontend):
     async def scenario():
         ws = [FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED) for _ in range(3)]
-        async with cluster(frontend, decode=ws) as c:
-            with pytest.raises(Overloaded, match="scripted open failure"):
+        async with cluster(frontend, decode=ws, queue_timeout_s=0.3) as c:
+            with pytest.raises(Overloaded, match=r"queue_timeout_s=0.3 s .*scripted open"):
                 await c.client.complete("hello")
-            assert sorted(len(w.calls) for w in ws) == [0, 1, 1]  # tried twice, then gave up
+            assert sum(len(w.calls) for w in ws) >= 2  # tried, waited, tried again
             assert c.prefill[0].calls == []
+            assert all(w.healthy for w in c.router.registry.workers())  # full, not down
 
     run(scenario())
 
 
-def test_decode_dying_mid_stream_is_unavailable_and_the_next_request_avoids_it(frontend):
+def test_a_request_waits_for_decode_room_then_runs(frontend):
+    async def scenario():
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        async with cluster(frontend, decode=[full]) as c:
+            task = asyncio.ensure_future(c.client.complete("hello"))
+            await wait_until(lambda: len(full.calls) >= 3, what="retries while queued")
+            assert not task.done() and c.router.relay.capacity.waiting == 1
+            full.open_error = None  # a slot frees up
+            done = await asyncio.wait_for(task, 10)
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert c.router.relay.capacity.waiting == 0
+
+    run(scenario())
+
+
+def test_the_deadline_bounds_the_wait_for_decode_room(frontend):
+    async def scenario():
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        async with cluster(frontend, decode=[full]) as c:
+            with pytest.raises(DeadlineExceeded):
+                await c.client.complete("hello", timeout=0.5)
+            await wait_until(lambda: c.router.relay.capacity.waiting == 0, what="queue empty")
+
+    run(scenario())
+
+
+def test_waiting_requests_get_room_in_arrival_order(frontend):
+    async def scenario():
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        async with cluster(frontend, decode=[full], status_interval_s=60) as c:
+            order: list[str] = []
+
+            async def one(name: str) -> None:
+                await c.client.complete("hello", request_id=name)
+                order.append(name)
+
+            tasks = []
+            for i in range(3):
+                tasks.append(asyncio.ensure_future(one(f"r{i}")))
+                await wait_until(
+                    lambda n=i: c.router.relay.capacity.waiting == n + 1, what="queued"
+                )
+            full.open_error = None
+            c.router.relay.capacity.notify()  # as a finished request or a poll does
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            assert order == ["r0", "r1", "r2"]
+
+    run(scenario())
+
+
+def test_a_decode_worker_dying_mid_stream_is_migrated_without_a_gap(frontend):
     async def scenario():
         dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)
         async with cluster(frontend, decode=[dying, FakeDecode()]) as c:
-            stream = c.client.generate("hello")
+            stream = c.client.generate("hello", request_id="req-1")
             assert (await anext(stream)).token_ids == (10,)
             assert (await anext(stream)).token_ids == (11,)
             await dying.stop()  # the process is gone
-            start = time.monotonic()
+            rest = [chunk async for chunk in stream]
+            assert [t for chunk in rest for t in chunk.token_ids] == [12, 13, 14]
+            assert rest[-1].usage.prompt_tokens == len(c.router.frontend.tokenizer.encode("hello"))
+            assert rest[-1].usage.completion_tokens == 5
+            # The new attempt carried the tokens the client had, under its own worker id.
+            moved = c.decode[1].calls[0].request.request
+            assert list(moved.output_token_ids) == [10, 11] and moved.request_id == "req-1/1"
+            assert list(c.prefill[0].calls[1].request.request.output_token_ids) == [10, 11]
+            assert dying not in c.router.registry.placeable(Pool.DECODE)
+            assert c.router.relay.migrations == 1
+            done = await c.client.complete("hello")  # the next request avoids the dead one
+            assert done.token_ids == (10, 11, 12, 13, 14) and len(dying.calls) == 1
+
+    run(scenario())
+
+
+def test_without_migrations_a_dying_decode_worker_is_unavailable(frontend):
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)
+        async with cluster(frontend, decode=[dying, FakeDecode()], max_migrations=0) as c:
+            stream = c.client.generate("hello")
+            assert (await anext(stream)).token_ids == (10,)
+            assert (await anext(stream)).token_ids == (11,)
+            await dying.stop()
             with pytest.raises(Unavailable, match="decode worker 127.0.0.1:"):
                 await anext(stream)
-            assert time.monotonic() - start < 1.0
-            done = await c.client.complete("hello")
-            assert done.token_ids == (10, 11, 12, 13, 14)
-            assert len(dying.calls) == 1 and len(c.decode[1].calls) == 1
+            assert c.decode[1].calls == []
+
+    run(scenario())
+
+
+def test_migrations_are_bounded_then_unavailable(frontend):
+    async def scenario():
+        dying = [
+            FakeDecode(fail_with=grpc.StatusCode.CANCELLED, chunks=[([11], 0)]) for _ in range(4)
+        ]
+        async with cluster(frontend, decode=dying, max_migrations=2) as c:
+            with pytest.raises(Unavailable, match="decode worker"):
+                await c.client.complete("hello")
+            # One attempt and two migrations; each new attempt continues the last.
+            assert sorted(len(w.calls) for w in dying) == [0, 1, 1, 1]
+            carried = sorted(
+                len(w.calls[0].request.request.output_token_ids) for w in dying if w.calls
+            )
+            assert carried == [0, 2, 3]  # +2 (prefill, decode chunk), then +1 (prefill)
 
     run(scenario())
 
@@ -179,23 +268,28 @@ def test_no_prefill_worker_left_is_unavailable_and_cancels_decode(frontend):
         bad = [FakePrefill(error=grpc.StatusCode.UNAVAILABLE) for _ in range(3)]
         decode = FakeDecode(gate=asyncio.Event())
         async with cluster(frontend, bad, [decode]) as c:
-            with pytest.raises(Unavailable, match="prefill worker .* is unavailable"):
+            with pytest.raises(Unavailable, match="no prefill worker is available"):
                 await c.client.complete("hello")
-            assert sorted(len(w.calls) for w in bad) == [0, 1, 1]  # one retry, not more
-            await wait_until(lambda: decode.calls[0].cancelled_at is not None, what="cancel")
+            # One retry on the reservation, then a new attempt on the last one; no more.
+            assert sorted(len(w.calls) for w in bad) == [1, 1, 1]
+            await wait_until(
+                lambda: all(call.cancelled_at is not None for call in decode.calls), what="cancel"
+            )
+            assert len(decode.calls) == 2
             decode.gate.set()
 
     run(scenario())
 
 
-def test_a_failed_kv_transfer_is_unavailable_and_does_not_blame_the_prefill_worker(frontend):
+def test_a_failed_kv_transfer_is_retried_then_unavailable_and_blames_no_one(frontend):
     async def scenario():
         prefill = FakePrefill(error=grpc.StatusCode.ABORTED)
-        async with cluster(frontend, [prefill]) as c:
+        async with cluster(frontend, [prefill], max_migrations=1) as c:
             with pytest.raises(Unavailable, match="KV transfer from prefill worker .* failed"):
                 await c.client.complete("hello")
-            assert len(prefill.calls) == 1  # not retried: the decode side failed
-            assert c.router.registry.placeable(Pool.PREFILL)  # and still trusted
+            assert len(prefill.calls) == 2  # one new attempt, on a new reservation
+            assert len(c.decode[0].calls) == 2
+            assert all(w.healthy for w in c.router.registry.workers())  # still trusted
 
     run(scenario())
 

@@ -118,7 +118,7 @@ class WorkerActor:
 
     def stats(self) -> dict[str, Any]:
         """``info`` plus the worker's own Status numbers (one consistent engine snapshot)."""
-        status = self._loop.run(self.server.current_status(), timeout=10)
+        status = self.server.status()
         numbers = {
             name: getattr(status, name)
             for name in ("queue_depth", "running", "kv_blocks_used", "kv_blocks_free",

@@ -1,0 +1,215 @@
+"""Workers that die, freeze, drain or saturate under a real cluster (processes on loopback).
+
+What a client must see: a stream that goes on exactly as an undisturbed run would
+(request migration), RESOURCE_EXHAUSTED for overload and never UNAVAILABLE while a
+worker of each pool is alive, and no KV block left used afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tandem.client import TandemClient
+from tandem.client.errors import Overloaded, TandemClientError
+from tandem.engine.sampling_params import SamplingParams
+from tests.e2e.test_cluster import _assert_no_blocks_used, _cluster, _colocated, _status, _workers
+
+STREAMS = 12
+MAX_TOKENS = 200
+
+
+def _prompt(i: int) -> str:
+    return f"Request {i}: tell me a long story about the number {i * 7}."
+
+
+def _expected(tiny_engine, n: int, max_tokens: int = MAX_TOKENS) -> list[tuple[list[int], str]]:
+    """What undisturbed greedy runs give, colocated (the cluster equals it: test_cluster)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [_colocated(tiny_engine, _prompt(i), params) for i in range(n)]
+
+
+class Streams:
+    """``n`` greedy streams on threads; each records its tokens, text and error."""
+
+    def __init__(self, address: str, n: int, max_tokens: int = MAX_TOKENS, **sampling) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.text = [""] * n
+        self.errors: list[BaseException | None] = [None] * n
+        self.usage: list = [None] * n
+        kw = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True, **sampling)
+        self.threads = [
+            threading.Thread(target=self._run, args=(address, i, kw), daemon=True) for i in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, address: str, i: int, kw: dict) -> None:
+        try:
+            with TandemClient(address, timeout=120) as client:
+                messages = [{"role": "user", "content": _prompt(i)}]
+                for chunk in client.generate(messages=messages, **kw):
+                    self.tokens[i].extend(chunk.token_ids)
+                    self.text[i] += chunk.text
+                    if chunk.finish_reason:
+                        self.usage[i] = chunk.usage
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            self.errors[i] = exc
+
+    def wait_until_all_stream(self, at_least: int = 8, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(len(t) >= at_least for t in self.tokens):
+            assert time.monotonic() < deadline, f"streams did not start: {self.progress()}"
+            assert not any(self.errors), self.errors
+            time.sleep(0.02)
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "a stream hung"
+
+    def progress(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
+def _serving(c, name: str) -> int:
+    return _status(next(w for w in _workers(c) if w.name == name)).running
+
+
+def _router_log(c) -> str:
+    return next(p for p in c.processes if p.name == "router").log_path.read_text()
+
+
+def _assert_exact(streams: Streams, expected) -> None:
+    assert streams.errors == [None] * len(expected), streams.errors
+    for i, (tokens, text) in enumerate(expected):
+        assert streams.tokens[i] == tokens, f"stream {i}: {streams.progress()}"
+        assert streams.text[i] == text, f"stream {i}"
+
+
+def test_a_killed_decode_worker_costs_its_streams_nothing(tmp_path_factory, tiny_engine):
+    expected = _expected(tiny_engine, STREAMS)
+    with _cluster(tmp_path_factory, "kill-decode", prefill=2, decode=2) as c:
+        streams = Streams(c.address, STREAMS)
+        streams.wait_until_all_stream()
+        assert _serving(c, "decode-0") > 0  # streams are on the victim
+        victim = next(w for w in _workers(c) if w.name == "decode-0")
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        streams.join()
+        _assert_exact(streams, expected)
+        prompt = tiny_engine.tokenizer.encode_chat([{"role": "user", "content": _prompt(0)}])
+        assert streams.usage[0].prompt_tokens == len(prompt)  # the client's, not re-prefilled
+        assert streams.usage[0].completion_tokens == MAX_TOKENS
+        migrated = len(re.findall(r"migrating after \d+ tokens", _router_log(c)))
+        assert migrated >= 1, "no stream was on the killed worker"
+        c.processes.remove(victim)
+        _assert_no_blocks_used(c, within_s=30)
+
+
+def test_a_prefill_worker_killed_during_prefill_costs_its_requests_nothing(
+    tmp_path_factory, tiny_engine
+):
+    expected = _expected(tiny_engine, STREAMS, max_tokens=64)
+    with _cluster(tmp_path_factory, "kill-prefill", prefill=2, decode=2) as c:
+        victim = next(w for w in _workers(c) if w.name == "prefill-0")
+        # Frozen first, so requests are placed on it and wait inside Prefill; then killed.
+        os.kill(victim.popen.pid, signal.SIGSTOP)
+        try:
+            streams = Streams(c.address, STREAMS, max_tokens=64)
+            time.sleep(1.0)
+            assert sum(len(t) == 0 for t in streams.tokens) > 0  # some wait on the victim
+        finally:
+            os.kill(victim.popen.pid, signal.SIGKILL)
+        streams.join()
+        _assert_exact(streams, expected)
+        c.processes.remove(victim)
+        _assert_no_blocks_used(c, within_s=30)
+
+
+def test_a_frozen_decode_worker_is_left_by_keepalive_and_its_streams_migrate(
+    tmp_path_factory, tiny_engine
+):
+    # SIGSTOP: the process holds its sockets open and answers nothing, as a host that
+    # lost power or network would look to the router (no TCP reset).
+    keepalive = {"worker_keepalive_s": 0.5, "worker_keepalive_timeout_s": 0.5}
+    n = 4
+    expected = _expected(tiny_engine, n, max_tokens=1000)
+    with _cluster(tmp_path_factory, "freeze", prefill=1, decode=2, router=keepalive) as c:
+        victim = next(w for w in _workers(c) if w.name == "decode-0")
+        streams = Streams(c.address, n, max_tokens=1000)
+        streams.wait_until_all_stream()
+        os.kill(victim.popen.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            streams.join()
+            took = time.monotonic() - started
+        finally:
+            os.kill(victim.popen.pid, signal.SIGCONT)
+        _assert_exact(streams, expected)
+        assert "keepalive" in _router_log(c).lower() or "migrating" in _router_log(c)
+        # Found by keepalive, not by the 120 s client deadline.
+        assert took < 60, took
+
+
+def test_sigterm_drains_a_decode_worker_its_streams_finish_and_it_leaves(
+    tmp_path_factory, tiny_engine
+):
+    n = 8
+    expected = _expected(tiny_engine, n)
+    with _cluster(tmp_path_factory, "drain", prefill=1, decode=2) as c:
+        victim = next(w for w in _workers(c) if w.name == "decode-0")
+        streams = Streams(c.address, n)
+        streams.wait_until_all_stream()
+        assert _serving(c, "decode-0") > 0
+        os.kill(victim.popen.pid, signal.SIGTERM)
+        streams.join()
+        _assert_exact(streams, expected)
+        assert "migrating" not in _router_log(c)  # drained, not lost: nothing moved
+        assert victim.popen.wait(timeout=60) == 0
+        assert re.search(rf"decode worker {victim.ready['grpc']} is down", _router_log(c))
+        # New requests all go to the worker that is left.
+        other = next(w for w in _workers(c) if w.name == "decode-1")
+        before = _status(other).served
+        after = Streams(c.address, 4, max_tokens=16)
+        after.join()
+        assert after.errors == [None] * 4
+        assert _status(other).served == before + 4
+        c.processes.remove(victim)
+        _assert_no_blocks_used(c, within_s=30)
+
+
+def test_a_saturated_cluster_queues_and_refuses_but_never_reports_a_worker_down(
+    tmp_path_factory,
+):
+    # Decode takes 4 sequences at a time; the router admits 12; 24 clients ask at once,
+    # for longer than the old 2 s down-marking window.
+    router = {"max_queue": 12, "status_interval_s": 0.2}
+    with _cluster(tmp_path_factory, "saturate", router=router, max_num_seqs=4) as c:
+        outcomes: list[str] = []
+
+        def one(i: int) -> None:
+            try:
+                with TandemClient(c.address, timeout=120) as client:
+                    client.complete(
+                        messages=[{"role": "user", "content": _prompt(i)}],
+                        max_tokens=96, ignore_eos=True,
+                    )  # fmt: skip
+                outcomes.append("done")
+            except Overloaded:
+                outcomes.append("overloaded")
+            except TandemClientError as exc:
+                outcomes.append(exc.code.name)
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(24) as pool:
+            list(pool.map(one, range(24)))
+        took = time.monotonic() - started
+        assert set(outcomes) <= {"done", "overloaded"}, outcomes
+        assert outcomes.count("done") >= 12 and outcomes.count("overloaded") >= 1, outcomes
+        assert took > 2.0, "not saturated for longer than the old down-marking window"
+        assert " is down" not in _router_log(c)
+        _assert_no_blocks_used(c, within_s=30)

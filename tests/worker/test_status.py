@@ -1,0 +1,51 @@
+"""Status is a liveness and load signal that never waits for the engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tandem.config import DecodeConfig, PrefillConfig
+from tandem.engine.sampling_params import SamplingParams
+from tests.workers import BackgroundLoop, engine_config, start_worker, stop_worker, wait_until
+
+STEP_S = 2.0  # far longer than a Status call may take
+
+
+@pytest.mark.parametrize("config_cls", [PrefillConfig, DecodeConfig])
+def test_status_answers_from_a_snapshot_while_a_long_step_runs(config_cls):
+    bg = BackgroundLoop()
+    worker = start_worker(bg, config_cls(engine=engine_config(), kv_backend="inproc"))
+    engine = worker.server.engine
+    real_step, in_step = engine.step, threading.Event()
+
+    def slow_step():  # an engine busy with one long step (the GIL released, as torch does)
+        in_step.set()
+        time.sleep(STEP_S)
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        ids = engine.tokenizer.encode("a request that keeps the engine busy")
+        params = SamplingParams(max_tokens=2, temperature=0)
+        worker.server.loop.submit(lambda e: e.add_request(ids, params, "busy"))
+        assert in_step.wait(30)
+        took = []
+        for _ in range(5):
+            start = time.monotonic()
+            status = worker.status()
+            took.append(time.monotonic() - start)
+            # The snapshot from before the step: the request is queued for it.
+            assert status.running + status.queue_depth == 1
+        # Behind the engine, each call would have waited for the rest of the step.
+        assert sum(took) < STEP_S, took
+        wait_until(lambda: not engine.has_unfinished(), timeout=30, what="request done")
+        wait_until(lambda: worker.status().kv_blocks_used == 0, timeout=30, what="snapshot")
+        status = worker.status()
+        assert (status.running, status.queue_depth) == (0, 0)
+    finally:
+        engine.step = real_step
+        stop_worker(bg, worker)
+        bg.close()

@@ -16,6 +16,11 @@ requests' output (prompt + output) tokens, as the server reports them in ``usage
 is not defined for one-token outputs and then counts as met); goodput is good
 requests / duration, and SLO attainment is good requests / all measured requests
 (failed ones count as misses).
+
+Failure bursts: a run whose failures of one status cluster in time (every request
+failing from some point on, say, as when a server wrongly takes its only worker
+for dead) measures a failure storm, not capacity: its throughput is that of fast
+failures. ``failure_bursts`` finds them, for the summary to say so.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None  # gRPC status name when the call failed
+    end_time: float | None = None  # s after send when the call ended (failed ones too)
 
     @property
     def ok(self) -> bool:
@@ -129,6 +135,55 @@ class Summary:
     good_requests: int
     goodput: float  # good requests / s
     slo_attainment: float  # good / all measured requests
+    bursts: list[Burst] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Burst:
+    """``failed`` of ``ended`` requests that ended between ``start_s`` and ``end_s`` (s
+    after the run started) failed with ``status``: most of that status's failures."""
+
+    status: str
+    start_s: float
+    end_s: float
+    failed: int
+    ended: int
+
+    def describe(self) -> str:
+        return (f"{self.failed} {self.status} of {self.ended} requests ending "
+                f"{self.start_s:.1f}-{self.end_s:.1f} s: a failure burst, not capacity")  # fmt: skip
+
+
+# A burst: at least this many failures of one status, at least this share of that
+# status's failures, in a stretch where at least this share of the requests failed so.
+BURST_MIN_FAILURES = 5
+BURST_SHARE_OF_STATUS = 0.5
+BURST_MIN_FAILED_SHARE = 0.8
+
+
+def failure_bursts(records: list[RequestRecord]) -> list[Burst]:
+    """For each failure status, the stretch of the run (in order of when requests ended)
+    where its failures most outnumber everything else (a maximum-sum run of +1 for
+    such a failure, -1 for any other outcome); reported when it is a burst (above)."""
+    ended = sorted((r for r in records if r.end_time is not None),
+                   key=lambda r: r.send_time + r.end_time)  # fmt: skip
+    bursts = []
+    for status, total in sorted(Counter(r.error for r in ended if r.error).items()):
+        best, best_span, run, run_start = 0, (0, -1), 0, 0
+        for i, r in enumerate(ended):
+            if run <= 0:
+                run, run_start = 0, i
+            run += 1 if r.error == status else -1
+            if run > best:
+                best, best_span = run, (run_start, i)
+        span = ended[best_span[0] : best_span[1] + 1]
+        failed = sum(r.error == status for r in span)
+        if (failed >= BURST_MIN_FAILURES and failed >= BURST_SHARE_OF_STATUS * total
+                and failed >= BURST_MIN_FAILED_SHARE * len(span)):  # fmt: skip
+            first, last = span[0], span[-1]
+            bursts.append(Burst(status, first.send_time + first.end_time,
+                                last.send_time + last.end_time, failed, len(span)))  # fmt: skip
+    return bursts
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summary:
@@ -161,6 +216,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summ
         good_requests=good,
         goodput=rate(good),
         slo_attainment=good / len(records) if records else math.nan,
+        bursts=failure_bursts(records),
     )
 
 

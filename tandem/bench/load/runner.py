@@ -262,6 +262,7 @@ async def _send(
     except Exception as exc:  # noqa: BLE001 - a load test counts failures, it does not stop
         rec.error = type(exc).__name__
     finally:
+        rec.end_time = time.perf_counter() - t0
         if slots is not None:
             slots.release()
         if bar is not None:

@@ -84,3 +84,28 @@ def test_empty_measurements_are_nan_not_errors():
     s = summarize([rec(0, 0.0, [], error="UNAVAILABLE")], 1.0, SLO(ttft_ms=10))
     assert math.isnan(s.ttft_ms.median) and math.isnan(s.tpot_ms.p99)
     assert s.slo_attainment == 0.0
+
+
+def _ended(index, send, end, error=None):
+    r = rec(index, send, times=[] if error else [end], error=error)
+    r.end_time = end
+    return r
+
+
+def test_a_failure_storm_is_reported_as_a_burst_with_its_span():
+    # 20 requests complete, then from t=10 s every request fails fast with UNAVAILABLE.
+    records = [_ended(i, i * 0.5, 1.0) for i in range(20)]
+    records += [_ended(20 + i, 10 + i * 0.1, 0.01, "UNAVAILABLE") for i in range(30)]
+    records.append(_ended(50, 12.0, 0.02, "DEADLINE_EXCEEDED"))  # one of another kind
+    (burst,) = summarize(records, 13.0, SLO()).bursts
+    # Inside the span: the 30 failures, one late completion and the other failure.
+    assert (burst.status, burst.failed, burst.ended) == ("UNAVAILABLE", 30, 32)
+    assert burst.start_s == pytest.approx(10.01) and burst.end_s == pytest.approx(12.91)
+    assert "failure burst, not capacity" in burst.describe()
+
+
+def test_failures_spread_over_a_healthy_run_are_no_burst():
+    records = []
+    for i in range(60):  # every sixth request fails, evenly
+        records.append(_ended(i, i * 0.2, 0.5, "RESOURCE_EXHAUSTED" if i % 6 == 0 else None))
+    assert summarize(records, 13.0, SLO()).bursts == []

@@ -150,8 +150,10 @@ class Burst:
     ended: int
 
     def describe(self) -> str:
-        return (f"{self.failed} {self.status} of {self.ended} requests ending "
-                f"{self.start_s:.1f}-{self.end_s:.1f} s: a failure burst, not capacity")  # fmt: skip
+        return (
+            f"{self.failed} {self.status} of {self.ended} requests ending "
+            f"{self.start_s:.1f}-{self.end_s:.1f} s: a failure burst, not capacity"
+        )
 
 
 # A burst: at least this many failures of one status, at least this share of that

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -70,6 +72,35 @@ def test_sigkill_of_serve_ends_every_child_with_streams_in_flight_and_frees_the_
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+# `tandem serve` with the launcher tests' stand-in processes (no model loaded).
+_SERVE_WITH_FAKES = """
+import sys
+import tandem.deploy.local
+from tandem.cli import main
+from tests.deploy.test_local import FakeCluster
+tandem.deploy.local.LocalCluster.modules = FakeCluster.modules
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
+    env = {**os.environ, "FAKE_MODE_ROUTER": "silent"}  # start-up never ends by itself
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(children := psutil.Process(proc.pid).children()) < 3:  # the router started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130, proc.stderr.read()
+        assert not survivors(children, within_s=10.0), "a process outlived tandem serve"
+    finally:
+        _kill(proc)
 
 
 def _config(tmp_path, port: int, num_blocks: int = 64):

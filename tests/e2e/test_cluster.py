@@ -60,7 +60,8 @@ def _workers(c: LocalCluster) -> list:
     return [p for p in c.processes if p.name != "router"]
 
 
-def _assert_no_blocks_used(c: LocalCluster, within_s: float = 1.0) -> None:
+def _assert_no_blocks_used(c: LocalCluster, within_s: float = 30.0) -> None:
+    """Every worker's blocks are back within ``within_s`` (a ceiling against a hang; 0: now)."""
     deadline = time.monotonic() + within_s
     while True:
         used = {w.name: _status(w).kv_blocks_used for w in _workers(c)}
@@ -150,10 +151,10 @@ def test_cancel_and_deadline_free_every_block(cluster):
         next(stream)
         next(stream)
         stream.close()  # the client goes away mid-stream
-    _assert_no_blocks_used(cluster, within_s=1.0)
+    _assert_no_blocks_used(cluster)
     with TandemClient(cluster.address) as client, pytest.raises(DeadlineExceeded):
         list(client.generate(prompt="slow " * 50, max_tokens=3000, ignore_eos=True, timeout=1.0))
-    _assert_no_blocks_used(cluster, within_s=1.0)
+    _assert_no_blocks_used(cluster)
 
 
 def test_every_process_reports_serving_to_the_standard_health_client(cluster):
@@ -179,7 +180,10 @@ def test_a_killed_decode_worker_gives_unavailable_then_the_next_request_succeeds
 
         t = threading.Thread(target=stream_until_killed)
         t.start()
-        time.sleep(2.0)  # streams are running on both decode workers by now
+        deadline = time.monotonic() + 120
+        while not _status(victim).kv_blocks_used:  # a stream is on the victim
+            assert time.monotonic() < deadline, "no stream reached decode-0"
+            time.sleep(0.05)
         os.kill(victim.popen.pid, signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "a request hung after its decode worker died"
@@ -206,15 +210,20 @@ def test_a_frozen_decode_worker_fails_its_streams_by_keepalive_not_deadline(tmp_
 
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(stream, i) for i in range(4)]  # spread over both workers
-            time.sleep(1.5)
+            decoders = [w for w in _workers(c) if w.name.startswith("decode")]
+            deadline = time.monotonic() + 60
+            while not all(_status(w).kv_blocks_used for w in decoders):  # streams in flight
+                assert time.monotonic() < deadline, "streams never reached both decode workers"
+                time.sleep(0.05)
             os.kill(victim.popen.pid, signal.SIGSTOP)
             try:
-                results = [f.result(timeout=45) for f in futures]
+                results = [f.result(timeout=120) for f in futures]  # past the 60 s deadline
             finally:
                 os.kill(victim.popen.pid, signal.SIGCONT)
         outcomes = sorted(o for o, _ in results)
         assert "unavailable" in outcomes and "done" in outcomes, results
-        assert max(s for o, s in results if o == "unavailable") < 15, results
+        # Keepalive notices in about a second; half the deadline still tells the two apart.
+        assert max(s for o, s in results if o == "unavailable") < 30, results
         tokens, _, last = _remote(c.address, "after the freeze", max_tokens=8, ignore_eos=True)
         assert len(tokens) == 8 and last.finish_reason == "length"
 

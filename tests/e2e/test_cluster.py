@@ -210,10 +210,17 @@ def test_a_frozen_decode_worker_fails_its_streams_by_keepalive_not_deadline(tmp_
 
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(stream, i) for i in range(4)]  # spread over both workers
+            # Freeze once all four are decoding (their KV arrived) on both workers: a freeze
+            # during a KV transfer would test the transfer, not the router's keepalive.
             decoders = [w for w in _workers(c) if w.name.startswith("decode")]
             deadline = time.monotonic() + 60
-            while not all(_status(w).kv_blocks_used for w in decoders):  # streams in flight
-                assert time.monotonic() < deadline, "streams never reached both decode workers"
+            while True:
+                status = [_status(w) for w in decoders]
+                if sum(s.kv_transfers_total for s in status) >= 4 and all(
+                    s.kv_blocks_used for s in status
+                ):
+                    break
+                assert time.monotonic() < deadline, f"streams not decoding on both: {status}"
                 time.sleep(0.05)
             os.kill(victim.popen.pid, signal.SIGSTOP)
             try:

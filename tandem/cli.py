@@ -233,6 +233,7 @@ class _Stream:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start a local cluster, stream an answer through it, stop it."""
     import dataclasses
+    import signal
 
     from tandem.deploy.local import LocalCluster
 
@@ -244,6 +245,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "the model, ~20 s)", config.engine.model, config.num_prefill, config.num_decode,
     )  # fmt: skip
     params = sampling_params(args)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop in order, as on Ctrl-C
     with LocalCluster(config) as cluster:
         log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
         _generate_remote(cluster.address, args.prompt, False, params, timeout=300)
@@ -284,10 +286,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.deploy.local import LocalCluster
 
     config = serve_config(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     cluster = LocalCluster(config)
+    stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        # During start-up, or on a second signal, stop now: start() (or the interrupted
+        # stop()) ends; what it started stops in order or, failing that, on its lifeline.
+        if stop.is_set() or cluster.address is None:
+            raise KeyboardInterrupt
+        stop.set()  # the first one once serving: stop in order, draining
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     log = logging.getLogger("tandem")
     log.info(
         "starting %d prefill + %d decode workers (%d torch threads each), logs in %s",

@@ -9,6 +9,10 @@ fails the start with the tail of its log, and everything already started is
 stopped. Shutdown: SIGTERM to the router first (it drains in-flight requests),
 then to the workers, then SIGKILL for anything still alive after the drain
 timeout. Each process logs to ``<run dir>/<name>.log``.
+
+Every process is started through tandem/deploy/lifeline.py, which stops it
+within seconds if the launcher dies without stopping it (SIGKILL included), so
+no orphan keeps a port or memory.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +37,7 @@ from tandem.config import (
     role_config,
     save_yaml,
 )
+from tandem.deploy.lifeline import Lifeline
 from tandem.errors import ConfigError, TandemError
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
@@ -100,7 +104,7 @@ class _Process:
 class LocalCluster:
     """Start with ``start()`` (returns the router address), stop with ``stop()``."""
 
-    # The process entry points (``python -m MODULE --config FILE``).
+    # The process entry points (``python -m MODULE --config FILE``, run through the lifeline).
     modules = {
         "prefill": "tandem.prefill_worker",
         "decode": "tandem.decode_worker",
@@ -113,6 +117,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[_Process] = []
         self.address: str | None = None
+        self._lifeline: Lifeline | None = None  # open from start() to the end of stop()
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -124,6 +129,7 @@ class LocalCluster:
     def start(self) -> str:
         cfg = self.config
         engine = dataclasses.replace(cfg.engine, num_threads=cfg.worker_threads())
+        self._lifeline = self._lifeline or Lifeline()
         try:
             prefill = [
                 self._spawn(f"prefill-{i}", self.modules["prefill"],
@@ -160,11 +166,12 @@ class LocalCluster:
         threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
         env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
         popen = subprocess.Popen(
-            [sys.executable, "-m", module, "--config", str(config_path)],
+            self._lifeline.command(module, ["--config", str(config_path)]),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log_path.open("wb"),
-            env=env,
+            env=self._lifeline.env(env),
+            pass_fds=self._lifeline.pass_fds,
             start_new_session=True,  # a Ctrl-C reaches the launcher, which stops us in order
         )
         proc = _Process(name, popen, log_path)
@@ -212,6 +219,9 @@ class LocalCluster:
                     p.popen.kill()
                     p.popen.wait()
         self.processes.clear()
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
 
 
 def _read_lines(stream, sink: list[str]) -> None:

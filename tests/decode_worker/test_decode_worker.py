@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -33,14 +32,14 @@ def test_destination_names_the_reserved_blocks_and_status_counts_them(pair):
     assert status.role == worker_pb2.ROLE_DECODE and status.kv_address == dest.address
     assert status.worker_id == f"decode-{decode.server.address}"
     stream.cancel()
-    wait_until(lambda: decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+    wait_until(lambda: decode.used_blocks() == 0, what="blocks freed after cancel")
 
 
 def test_cancelled_stream_frees_its_blocks_within_a_second(pair):
     stream, _ = _open(pair.decode, request([5] * 30, PARAMS))
     assert pair.decode.used_blocks() == 5
     stream.cancel()
-    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 
 
 def test_cancel_while_decoding_frees_blocks(pair):
@@ -53,7 +52,7 @@ def test_cancel_while_decoding_frees_blocks(pair):
     chunk = next(stream).chunk
     assert chunk.token_ids and not chunk.finish_reason
     stream.cancel()
-    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 
 
 def test_deadline_while_waiting_for_kv_frees_blocks(pair):
@@ -61,7 +60,7 @@ def test_deadline_while_waiting_for_kv_frees_blocks(pair):
     with pytest.raises(grpc.RpcError) as err:
         next(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after the deadline")
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after the deadline")
 
 
 @pytest.mark.parametrize(
@@ -116,7 +115,7 @@ def test_reservation_that_does_not_fit_now_is_resource_exhausted(pair):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "needs 44 KV blocks, 20 free" in err.value.details()
     held.cancel()
-    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "blocks freed after cancel")
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 
 
 def test_duplicate_request_id_is_refused(pair):
@@ -138,12 +137,10 @@ def test_health_reports_serving(pair):
 def test_lease_expiry_without_prefill_is_unavailable_and_frees_blocks(bg):
     worker = start_worker(bg, DecodeConfig(engine=engine_config(num_blocks=16), kv_lease_s=0.3))
     try:
-        start = time.monotonic()
         stream, dest = _open(worker, request([5] * 30, PARAMS))
         assert dest.lease_seconds == pytest.approx(0.3)
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(grpc.RpcError) as err:  # the lease, not the call's deadline, ends it
             next(stream)
-        assert time.monotonic() - start < 2
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "lease expired" in err.value.details()
         worker.check_clean()
@@ -164,7 +161,7 @@ def test_stop_drains_then_cancels_and_frees_everything(bg):
     health = health_pb2_grpc.HealthStub(worker.channel)
     stream, _ = _open(worker, request([5] * 30, PARAMS))  # waits for KV that never comes
     stopping = asyncio.run_coroutine_threadsafe(worker.server.stop(grace=0.5), bg.loop)
-    wait_until(lambda: not _serving(health), 2.0, "NOT_SERVING (or refusing calls) once stopping")
+    wait_until(lambda: not _serving(health), what="NOT_SERVING (or refusing calls) once stopping")
     stopping.result(TIMEOUT)
     with pytest.raises(grpc.RpcError) as err:
         next(stream)

@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import psutil
 import pytest
 import yaml
 
 from tandem.config import EngineConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster, StartError
+from tests.processes import alive, survivors
 
 FAKE = "tests.deploy.fake_process"
 
 
 class FakeCluster(LocalCluster):
+    """Records every process it starts, so a test can check each one by pid after stop()
+    (which clears ``processes``)."""
+
     modules = {"prefill": FAKE, "decode": FAKE, "router": FAKE}
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.started: list[psutil.Process] = []
+
+    def _spawn(self, name, module, config):
+        proc = super()._spawn(name, module, config)
+        self.started.append(psutil.Process(proc.popen.pid))
+        return proc
 
 
 def _config(**kw) -> ClusterConfig:
@@ -29,8 +49,10 @@ def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tm
     assert router_cfg["prefill_workers"] == [workers["prefill-0"], workers["prefill-1"]]
     assert router_cfg["decode_workers"] == [workers["decode-0"]]
     assert yaml.safe_load((tmp_path / "decode-0.yaml").read_text())["engine"]["num_threads"] == 1
+    assert all(alive(p) for p in cluster.started)
     cluster.stop()
     assert all(p.popen.poll() is not None for p in procs)
+    assert not [p for p in cluster.started if alive(p)]
 
 
 def test_a_process_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeypatch):
@@ -39,7 +61,9 @@ def test_a_process_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeyp
     with pytest.raises(StartError, match="decode-0 exited with code 3") as err:
         cluster.start()
     assert "boom: cannot load the model" in str(err.value)
-    assert cluster.processes == []  # the prefill worker that did start was stopped
+    assert len(cluster.started) == 2  # prefill-0 started and was stopped; decode-0 crashed
+    assert not [p for p in cluster.started if alive(p)]
+    assert cluster.processes == []
 
 
 def test_a_silent_process_times_out_and_a_stubborn_one_is_killed(tmp_path, monkeypatch):
@@ -48,6 +72,8 @@ def test_a_silent_process_times_out_and_a_stubborn_one_is_killed(tmp_path, monke
     cluster = FakeCluster(_config(startup_timeout_s=1.0, drain_timeout_s=0.5), tmp_path)
     with pytest.raises(StartError, match="router was not ready after 1 s"):
         cluster.start()
+    assert len(cluster.started) == 3  # the stubborn prefill worker had to be killed
+    assert not [p for p in cluster.started if alive(p)]
     assert cluster.processes == []
 
 
@@ -55,3 +81,63 @@ def test_threads_default_to_a_share_of_the_cores(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert _config(num_prefill=1, num_decode=3).worker_threads() == 2
     assert _config(num_prefill=4, num_decode=5).worker_threads() == 1
+
+
+# A launcher that starts a fake cluster, prints the children's pids and waits to be killed.
+_LAUNCHER = """
+import sys, threading
+from tandem.config import EngineConfig
+from tandem.deploy.local import ClusterConfig
+from tests.deploy.test_local import FakeCluster
+config = ClusterConfig(engine=EngineConfig(model="tiny-random"), num_prefill=2,
+                       threads_per_worker=1, drain_timeout_s=60)
+cluster = FakeCluster(config, sys.argv[1])
+cluster.start()
+print(*(p.pid for p in cluster.started), flush=True)
+threading.Event().wait()
+"""
+
+
+def test_children_are_gone_within_seconds_after_the_launcher_is_sigkilled(tmp_path):
+    # prefill-1 ignores SIGTERM: the lifeline's hard exit must end it too.
+    env = {**os.environ, "FAKE_MODE_PREFILL": "stubborn"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        line = launcher.stdout.readline()
+        children = [psutil.Process(int(pid)) for pid in line.split()]
+        assert len(children) == 4, line
+        assert all(alive(p) for p in children)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(60)
+        left = survivors(children, within_s=5.0)
+        assert not left, f"outlived their launcher: {[p.cmdline() for p in left]}"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for p in children:
+            if alive(p):
+                p.kill()
+
+
+def test_a_cluster_started_from_a_thread_outlives_the_thread(tmp_path):
+    # PR_SET_PDEATHSIG would kill the children when the thread that forked them exits.
+    cluster = FakeCluster(_config(threads_per_worker=1), tmp_path)
+    starter = threading.Thread(target=cluster.start)
+    starter.start()
+    starter.join()
+    try:
+        assert len(cluster.started) == 3 and cluster.address
+        assert not [p for p in cluster.started if not _alive_for(p, seconds=1.0)]
+    finally:
+        cluster.stop()
+    assert not [p for p in cluster.started if alive(p)]
+
+
+def _alive_for(proc: psutil.Process, seconds: float) -> bool:
+    try:
+        proc.wait(seconds)
+    except psutil.TimeoutExpired:
+        return True
+    return False

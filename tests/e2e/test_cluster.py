@@ -57,7 +57,8 @@ def _workers(c: LocalCluster) -> list:
     return [p for p in c.processes if p.name != "router"]
 
 
-def _assert_no_blocks_used(c: LocalCluster, within_s: float = 1.0) -> None:
+def _assert_no_blocks_used(c: LocalCluster, within_s: float = 30.0) -> None:
+    """Every worker's blocks are back within ``within_s`` (a ceiling against a hang; 0: now)."""
     deadline = time.monotonic() + within_s
     while True:
         used = {w.name: _status(w).kv_blocks_used for w in _workers(c)}
@@ -147,10 +148,10 @@ def test_cancel_and_deadline_free_every_block(cluster):
         next(stream)
         next(stream)
         stream.close()  # the client goes away mid-stream
-    _assert_no_blocks_used(cluster, within_s=1.0)
+    _assert_no_blocks_used(cluster)
     with TandemClient(cluster.address) as client, pytest.raises(DeadlineExceeded):
         list(client.generate(prompt="slow " * 50, max_tokens=3000, ignore_eos=True, timeout=1.0))
-    _assert_no_blocks_used(cluster, within_s=1.0)
+    _assert_no_blocks_used(cluster)
 
 
 def test_every_process_reports_serving_to_the_standard_health_client(cluster):

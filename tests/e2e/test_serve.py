@@ -1,64 +1,141 @@
-"""`tandem serve` as ops run it: a real command, stopped with Ctrl-C."""
+"""`tandem serve` as ops run it: a real command, stopped with Ctrl-C, or killed."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import psutil
+import pytest
 import yaml
 
 from tandem.client import TandemClient
+from tandem.client.errors import TandemClientError
+from tests.processes import survivors
 
 
 def test_serve_prints_the_address_serves_and_stops_every_process_on_sigint(tmp_path):
-    config = tmp_path / "cluster.yaml"
-    config.write_text(yaml.safe_dump({
-        "num_prefill": 1, "num_decode": 1, "threads_per_worker": 1,
-        "engine": {"model": "tiny-random", "num_blocks": 64},
-        "router": {"port": 0, "max_queue": 8},
-        "decode": {"kv_lease_s": 10.0},
-    }))  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _serve(_config(tmp_path, port=0))
     try:
-        line = proc.stdout.readline()  # blocks until the cluster is ready
-        match = re.fullmatch(r"tandem: serving tiny-random on (127\.0\.0\.1:\d+)\n", line)
-        assert match, line + proc.stderr.read() if proc.poll() is not None else line
-        with TandemClient(match.group(1), timeout=30) as client:
+        address = _serving_address(proc)
+        with TandemClient(address, timeout=30) as client:
             done = client.complete(prompt="hello", max_tokens=5, ignore_eos=True)
         assert done.usage.completion_tokens == 5 and done.finish_reason == "length"
-        children = _children(proc.pid)
+        children = psutil.Process(proc.pid).children()
         assert len(children) == 3, children  # router, prefill, decode
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if _alive(pid)], "a worker outlived tandem serve"
+        assert not survivors(children, within_s=10.0), "a worker outlived tandem serve"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill(proc)
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
+def test_sigkill_of_serve_ends_every_child_with_streams_in_flight_and_frees_the_port(tmp_path):
+    port = _free_port()
+    config = _config(tmp_path, port=port, num_blocks=1024)  # room for two whole contexts
+    proc = _serve(config)
+    children: list[psutil.Process] = []
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purpose (its parent reaped or will reap it).
+        address = _serving_address(proc)
+        assert address == f"127.0.0.1:{port}"
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 3, children  # router, prefill, decode
+        with TandemClient(address, timeout=120) as client:
+            room = client.model_info().context_length - len(client.tokenize("hello"))
+            streams = [client.generate("hello", max_tokens=room, ignore_eos=True) for _ in range(2)]
+            for stream in streams:
+                next(stream)  # a first token: the request is in flight on the workers
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(60)
+            left = survivors(children, within_s=5.0)
+            assert not left, f"outlived tandem serve: {[p.cmdline() for p in left]}"
+            for stream in streams:  # ended with an error, not left hanging
+                with pytest.raises(TandemClientError):
+                    for _ in stream:
+                        pass
+        again = _serve(config)  # the router's port is free again
+        try:
+            assert _serving_address(again) == address
+            again.send_signal(signal.SIGTERM)
+            assert again.wait(60) == 0
+        finally:
+            _kill(again)
+    finally:
+        _kill(proc)
+        for p in children:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+# `tandem serve` with the launcher tests' stand-in processes (no model loaded).
+_SERVE_WITH_FAKES = """
+import sys
+import tandem.deploy.local
+from tandem.cli import main
+from tests.deploy.test_local import FakeCluster
+tandem.deploy.local.LocalCluster.modules = FakeCluster.modules
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
+    env = {**os.environ, "FAKE_MODE_ROUTER": "silent"}  # start-up never ends by itself
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+        deadline = time.monotonic() + 60
+        while len(children := psutil.Process(proc.pid).children()) < 3:  # the router started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130, proc.stderr.read()
+        assert not survivors(children, within_s=10.0), "a process outlived tandem serve"
+    finally:
+        _kill(proc)
+
+
+def _config(tmp_path, port: int, num_blocks: int = 64):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({
+        "num_prefill": 1, "num_decode": 1, "threads_per_worker": 1,
+        "engine": {"model": "tiny-random", "num_blocks": num_blocks},
+        "router": {"port": port, "max_queue": 8},
+        "decode": {"kv_lease_s": 10.0},
+        "startup_timeout_s": 300,
+    }))  # fmt: skip
+    return config
+
+
+def _serve(config) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _serving_address(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()  # blocks until the cluster is ready (or serve exits)
+    match = re.fullmatch(r"tandem: serving tiny-random on (127\.0\.0\.1:\d+)\n", line)
+    assert match, line + proc.stderr.read() if proc.poll() is not None else line
+    return match.group(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()

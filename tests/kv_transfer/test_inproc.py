@@ -58,7 +58,7 @@ def test_whole_request_arrives_bit_identical_at_other_unordered_ids(link) -> Non
     assert dest == Destination(receiver.address, "r1", tuple(dst_ids))
     assert receiver.poll("r1").state is TransferState.WAITING
 
-    status = sender.send(dest, src_ids, first_token=42).result(timeout=5)
+    status = sender.send(dest, src_ids, first_token=42).result(timeout=30)
 
     assert status.state is TransferState.DONE and status.bytes == 4 * 4 * 2 * 16 * 2 * 8 * 4
     got = receiver.poll("r1")
@@ -81,7 +81,7 @@ def test_layer_by_layer_in_any_order(link) -> None:
     assert _blocks_equal(src, src_ids, dst, dst_ids, slice(2, 4))
     sender.send_layers(dest, src_ids, (0, 1))
     fut = sender.send(dest, src_ids, first_token=7)  # sends the one layer left, 1
-    assert fut.result(timeout=5).state is TransferState.DONE
+    assert fut.result(timeout=30).state is TransferState.DONE
     assert receiver.poll("r").first_token == 7
     assert _blocks_equal(src, src_ids, dst, dst_ids)
     receiver.release("r")
@@ -94,7 +94,7 @@ def test_final_message_may_carry_no_kv(link) -> None:
     src_ids, dst_ids = src.pool.allocate(2), dst.pool.allocate(2)
     dest = receiver.expect("r", dst_ids, lease_s=30)
     sender.send_layers(dest, src_ids, (0, 4))
-    assert sender.send(dest, src_ids, first_token=3).result(timeout=5).state is TransferState.DONE
+    assert sender.send(dest, src_ids, first_token=3).result(timeout=30).state is TransferState.DONE
     assert _blocks_equal(src, src_ids, dst, dst_ids)
     receiver.release("r")
     src.pool.free(src_ids)
@@ -117,7 +117,7 @@ def test_corrupted_payload_fails_and_is_never_written(fp) -> None:
     fut = sender.send(dest, src_ids, first_token=1)
 
     with pytest.raises(TransferError) as err:
-        fut.result(timeout=5)
+        fut.result(timeout=30)
     assert err.value.reason == "checksum"
     status = receiver.poll("r")
     assert (status.state, status.reason, status.first_token) == (
@@ -151,7 +151,7 @@ def test_lease_expiry_fails_and_late_data_is_discarded(link) -> None:
     dst.pool.free(dst_ids)  # the decode worker takes its blocks back at once
 
     with pytest.raises(TransferError, match="lease expired"):
-        sender.send(dest, src_ids, first_token=1).result(timeout=5)
+        sender.send(dest, src_ids, first_token=1).result(timeout=30)
     assert not dst.kv.any(), "data for an expired lease was written"
     assert receiver.metrics.messages_discarded == 1
     assert receiver.metrics.failures == {"lease expired": 1}
@@ -179,7 +179,7 @@ def test_abort_mid_transfer_keeps_later_layers_out(link) -> None:
     assert receiver.poll("r").reason == "aborted"
     dst.pool.free(dst_ids)
     with pytest.raises(TransferError, match="aborted"):
-        sender.send(dest, src_ids, first_token=1).result(timeout=5)
+        sender.send(dest, src_ids, first_token=1).result(timeout=30)
     assert not dst.kv[2:].any()
     receiver.release("r")
     src.pool.free(src_ids)
@@ -196,7 +196,7 @@ def test_failing_waits_for_a_scatter_in_flight(link, monkeypatch, how: str) -> N
 
     def slow_scatter(*args) -> None:
         entered.set()
-        proceed.wait(5)
+        proceed.wait(30)
         real_scatter(*args)
         writes_done.append(True)
 
@@ -206,7 +206,7 @@ def test_failing_waits_for_a_scatter_in_flight(link, monkeypatch, how: str) -> N
     fut_holder = []
     t = threading.Thread(target=lambda: fut_holder.append(sender.send(dest, src_ids, 1)))
     t.start()
-    assert entered.wait(5)
+    assert entered.wait(30)
     reported = threading.Event()
 
     def fail() -> None:
@@ -221,11 +221,11 @@ def test_failing_waits_for_a_scatter_in_flight(link, monkeypatch, how: str) -> N
     a.start()
     assert not reported.wait(0.2), "failure reported while a write into the blocks was running"
     proceed.set()
-    assert reported.wait(5) and writes_done == [True]
+    assert reported.wait(30) and writes_done == [True]
     t.join(5)
     a.join(5)
     with pytest.raises(TransferError, match="aborted" if how == "abort" else "lease expired"):
-        fut_holder[0].result(timeout=5)
+        fut_holder[0].result(timeout=30)
     assert receiver.poll("r").state is TransferState.FAILED
     receiver.release("r")
     src.pool.free(src_ids)
@@ -238,7 +238,7 @@ def test_data_for_an_unknown_request_is_discarded(link) -> None:
     receiver.expect("live", dst_ids, lease_s=30)
     stray = Destination(receiver.address, "gone", tuple(dst_ids))  # someone else's blocks
     with pytest.raises(TransferError, match="unknown request"):
-        sender.send(stray, src_ids, first_token=1).result(timeout=5)
+        sender.send(stray, src_ids, first_token=1).result(timeout=30)
     assert not dst.kv.any()
     assert receiver.poll("live").state is TransferState.WAITING
     receiver.release("live")
@@ -255,7 +255,7 @@ def test_sender_abort_fails_the_reservation(link) -> None:
     assert receiver.poll("r").reason == "aborted by sender"
     sender.send_layers(dest, src_ids, (1, 2))  # a prefill loop that has not noticed yet
     with pytest.raises(TransferError, match="aborted"):
-        sender.send(dest, src_ids, first_token=1).result(timeout=5)
+        sender.send(dest, src_ids, first_token=1).result(timeout=30)
     assert not dst.kv[1:].any()
     receiver.release("r")
     src.pool.free(src_ids)
@@ -268,7 +268,7 @@ def test_handshake_mismatch_names_both_values() -> None:
     receiver = make_receiver("inproc", dst.kv, fingerprint())
     dest = receiver.expect("r", [0], lease_s=30)
     with pytest.raises(HandshakeError, match="block_size: prefill 32, decode 16"):
-        sender.send(dest, [0], first_token=1).result(timeout=5)
+        sender.send(dest, [0], first_token=1).result(timeout=30)
     assert receiver.poll("r").state is TransferState.WAITING
     sender.close()
     receiver.close()

@@ -65,7 +65,7 @@ def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
     stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
     dest = next(stream).destination
     stream.cancel()  # the router gave up: the decode side forgets the request
-    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "decode blocks freed")
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="decode blocks freed")
     with pytest.raises(grpc.RpcError) as err:
         _prefill(pair.prefill, req, dest)
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
@@ -110,6 +110,6 @@ def test_prefill_deadline_frees_blocks_on_both_sides(pair):
     with pytest.raises(grpc.RpcError) as err:
         _prefill(pair.prefill, req, dest, timeout=0.005)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: pair.prefill.used_blocks() == 0, 1.0, "prefill blocks freed")
+    wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
     stream.cancel()
-    wait_until(lambda: pair.decode.used_blocks() == 0, 1.0, "decode blocks freed")
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="decode blocks freed")

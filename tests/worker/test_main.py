@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 
@@ -61,8 +60,9 @@ def _ready(proc: subprocess.Popen, timeout: float = 60) -> dict[str, str]:
 
 def test_processes_serve_a_request_and_exit_0_on_sigterm(tmp_path, tiny_engine):
     engine = engine_config(num_threads=1)
-    save_yaml(tmp_path / "p.yaml", PrefillConfig(engine=engine))
-    save_yaml(tmp_path / "d.yaml", DecodeConfig(engine=engine))
+    # A drain far longer than the wait below: exiting in time proves nothing was waited out.
+    save_yaml(tmp_path / "p.yaml", PrefillConfig(engine=engine, drain_timeout_s=600))
+    save_yaml(tmp_path / "d.yaml", DecodeConfig(engine=engine, drain_timeout_s=600))
     procs = [_spawn("prefill", tmp_path / "p.yaml"), _spawn("decode", tmp_path / "d.yaml")]
     try:
         pre, dec = (_ready(p) for p in procs)
@@ -81,14 +81,10 @@ def test_processes_serve_a_request_and_exit_0_on_sigterm(tmp_path, tiny_engine):
         assert pair.prefill.used_blocks() == 0 and pair.decode.used_blocks() == 0
         for ch in channels:
             ch.close()
-        start = time.monotonic()
         for p in procs:
             p.send_signal(signal.SIGTERM)
-        codes = [p.wait(30) for p in procs]
+        codes = [p.wait(120) for p in procs]
         assert codes == [0, 0], [p.stderr.read()[-2000:] for p in procs]
-        took = time.monotonic() - start
-        print(f"exit took {took:.2f} s")
-        assert took < 15
     finally:
         for p in procs:
             if p.poll() is None:

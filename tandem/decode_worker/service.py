@@ -94,5 +94,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             loop.submit(lambda e: admission.end(e, rid))
             self._active.discard(rid)
 
+    async def RenewLease(self, request, context) -> worker_pb2.RenewLeaseResponse:
+        server = self.server
+        renewed = server.receiver.renew(request.request_id, server.admission.lease_s)
+        return worker_pb2.RenewLeaseResponse(renewed=renewed)
+
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
         return self.server.status()

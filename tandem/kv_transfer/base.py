@@ -185,6 +185,11 @@ class KVReceiver(abc.ABC):
     def poll(self, request_id: str) -> TransferStatus: ...
 
     @abc.abstractmethod
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        """Push an unfinished request's lease to ``lease_s`` from now (its owner is still
+        waiting for the KV); False when it is not live (unknown, done or failed)."""
+
+    @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """Fail a live request; on return nothing more is written into its blocks."""
 

@@ -13,6 +13,7 @@ A request's path on the decode side:
                                                scatter into the blocks, only if still live
                                              state TRANSFERRING; on the final message
                                              (every layer verified) DONE, else FAILED
+    renew(rid, lease_s)                      the owner still waits: the lease runs on
     poll(rid) -> TransferStatus              (a lease past its deadline: FAILED "lease expired")
     release(rid)                             the caller then frees or keeps the blocks
 
@@ -154,6 +155,14 @@ class ReceiverCore:
             # finishes before the caller learns, so it may free the blocks at once.
             self._drain(res)
         return res.status()
+
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        with self._lock:
+            res = self._table.get(request_id)
+            if res is None or self._expire_locked(res) or res.state in TERMINAL:
+                return False
+            res.deadline = max(res.deadline, self.clock() + lease_s)
+            return True
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Fail a live reservation; on return no more data is written into its blocks."""
@@ -377,6 +386,9 @@ class CoreReceiver(KVReceiver):
 
     def poll(self, request_id: str) -> TransferStatus:
         return self.core.poll(request_id)
+
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        return self.core.renew(request_id, lease_s)
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)

@@ -7,7 +7,10 @@ An *attempt* is one decode reservation plus one prefill:
    other; nothing was computed yet, so that is safe. When no decode worker has
    room, the request waits for one (``DecodeCapacity``), up to its deadline or
    ``queue_timeout_s``: overload is RESOURCE_EXHAUSTED, never UNAVAILABLE.
-2. Pick a prefill worker and call ``Prefill(request, destination)``. It returns
+2. Pick a prefill worker and call ``Prefill(request, destination)``; while it
+   runs (or waits in the worker's queue), the router renews the reservation's
+   lease on the decode worker (``RenewLease``), so a busy prefill pool never lets
+   a lease run out under a request that is still wanted. Prefill returns
    the next token, which goes to the client at once (time to first token). If
    that token ends the request, the response carries finish_reason and usage and
    the decode stream is cancelled. A prefill worker that is gone or busy
@@ -196,6 +199,7 @@ class Relay:
         decode, stream, destination = await self._open_decode(worker_req, deadline)
         try:
             prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
+            renewing = asyncio.ensure_future(self._renew_lease(decode, destination))
             try:
                 result = await self._prefill(prefill, deadline)
             except RouterError as exc:
@@ -203,6 +207,8 @@ class Relay:
                 if exc.code in _LOST and self.registry.placeable(Pool.PREFILL):
                     raise AttemptLost(exc) from None
                 raise
+            finally:
+                renewing.cancel()
             streamed.append(result.first_token_id)
             first = _response(req, [result.first_token_id], result.text, result.finish_reason)
             if result.finish_reason:
@@ -287,6 +293,21 @@ class Relay:
             self.registry.reserved(worker, len(first.destination.block_ids))
             return (worker, stream, first.destination), None
         return None, error
+
+    async def _renew_lease(self, decode: Worker, destination: worker_pb2.KvDestination) -> None:
+        """While the prefill runs (or waits in a busy prefill worker's queue), keep the
+        reservation's lease from running out: this router still wants the KV."""
+        every = max(0.05, destination.lease_seconds / 3)
+        request = worker_pb2.RenewLeaseRequest(request_id=destination.request_id)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                reply = await decode.stub.RenewLease(request, timeout=every)
+            except grpc.aio.AioRpcError as exc:  # the decode stream reports a dead worker
+                log.debug("renewing %s on %s: %s", request.request_id, decode.address, exc)
+                continue
+            if not reply.renewed:  # arrived or failed: nothing left to keep alive
+                return
 
     async def _prefill(
         self, request: worker_pb2.PrefillRequest, deadline: float | None

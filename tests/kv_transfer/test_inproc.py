@@ -159,6 +159,30 @@ def test_lease_expiry_fails_and_late_data_is_discarded(link) -> None:
     src.pool.free(src_ids)
 
 
+def test_renewing_a_lease_keeps_a_waiting_request_and_nothing_else(link) -> None:
+    src, dst, sender, receiver = link
+    clock = FakeClock()
+    receiver.core.clock = clock
+    src_ids, dst_ids = src.pool.allocate(2), dst.pool.allocate(2)
+    dest = receiver.expect("r", dst_ids, lease_s=5)
+    for _ in range(4):  # 16 s in all, renewed every 4 s
+        clock.now += 4
+        assert receiver.renew("r", 5)
+    assert receiver.poll("r").state is TransferState.WAITING
+    sender.send(dest, src_ids, first_token=1).result(timeout=30)
+    assert receiver.poll("r").state is TransferState.DONE
+    assert not receiver.renew("r", 5)  # arrived: nothing to renew
+    assert not receiver.renew("unknown", 5)
+    receiver.expect("late", [dst_ids[0] + 10], lease_s=1)
+    clock.now += 2
+    assert not receiver.renew("late", 5)  # already past its lease: renewal is too late
+    assert receiver.poll("late").reason == "lease expired"
+    for rid in ("r", "late"):
+        receiver.release(rid)
+    src.pool.free(src_ids)
+    dst.pool.free(dst_ids)
+
+
 def test_sweep_expires_leases_nobody_polls(link) -> None:
     _, _, _, receiver = link
     clock = FakeClock()

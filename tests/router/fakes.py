@@ -95,6 +95,13 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
     gate: asyncio.Event | None = None  # chunks wait for it when set
     report_completion_tokens: bool = True
 
+    lease_seconds: float = 30
+    renewals: list[str] = field(default_factory=list)
+
+    async def RenewLease(self, request, context):
+        self.renewals.append(request.request_id)
+        return worker_pb2.RenewLeaseResponse(renewed=True)
+
     async def Decode(self, request, context):
         call = self._record(request, context)
         with self._watch(call):
@@ -103,7 +110,10 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
             rid = request.request.request_id
             yield worker_pb2.DecodeResponse(
                 destination=worker_pb2.KvDestination(
-                    address="127.0.0.1:1", request_id=rid, block_ids=[1, 2, 3], lease_seconds=30
+                    address="127.0.0.1:1",
+                    request_id=rid,
+                    block_ids=[1, 2, 3],
+                    lease_seconds=self.lease_seconds,
                 )
             )
             if self.gate is not None:
@@ -138,10 +148,12 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
     finish_reason: int = 0
     error: grpc.StatusCode | None = None
     hang: bool = False
+    delay_s: float = 0.0  # queued behind other work this long
 
     async def Prefill(self, request, context):
         call = self._record(request, context)
         with self._watch(call):
+            await asyncio.sleep(self.delay_s)
             if self.error is not None:
                 await context.abort(self.error, "scripted prefill failure")
             if self.hang:

@@ -372,3 +372,17 @@ def test_completion_tokens_are_counted_when_the_worker_leaves_them_out(frontend)
             assert done.usage.completion_tokens == 4 and done.finish_reason == "stop"
 
     run(scenario())
+
+
+def test_the_router_renews_the_decode_lease_while_prefill_is_slow(frontend):
+    async def scenario():
+        decode = FakeDecode(lease_seconds=0.3)
+        async with cluster(frontend, [FakePrefill(delay_s=1.0)], [decode]) as c:
+            done = await c.client.complete("hello", request_id="slow-1")
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert len(decode.renewals) >= 2 and set(decode.renewals) == {"slow-1"}
+            count = len(decode.renewals)
+            await asyncio.sleep(0.5)
+            assert len(decode.renewals) == count  # no renewal once the prefill returned
+
+    run(scenario())

@@ -17,6 +17,18 @@ ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("renewed",)
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    renewed: bool
+    def __init__(self, renewed: _Optional[bool] = ...) -> None: ...
+
 class WorkerRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -158,6 +158,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/RenewLease',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Status',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
@@ -170,6 +175,16 @@ class DecodeWorkerServicer:
 
     def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
+        """The router, which owns a reservation, renews its lease while the request waits
+        for its KV (queued on a busy prefill worker, say): a lease then only runs out
+        when its owner has stopped caring. Answers renewed=false for a request that is
+        not waiting for KV any more (arrived, failed, unknown).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -187,6 +202,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.RenewLeaseResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -221,6 +241,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Decode',
             tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/RenewLease',
+            tandem_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -224,8 +224,9 @@ async def cluster(
             await w.stop()
 
 
-async def wait_until(predicate, timeout: float = 2.0, what: str = "condition") -> float:
-    """Polls ``predicate`` until true; returns the seconds it took."""
+async def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> float:
+    """Polls ``predicate`` until true; returns the seconds it took (the timeout only
+    guards against a hang: a loaded machine may be slow)."""
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:

@@ -83,6 +83,7 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[tuple[Pool, str], Worker] = {}
         self._poller: asyncio.Task | None = None
+        self._polled: asyncio.Event | None = None  # set after each poll round, then replaced
 
     # Membership ----------------------------------------------------------------
 
@@ -119,6 +120,20 @@ class WorkerRegistry:
     def placeable(self, pool: Pool, exclude: Iterable[Worker] = ()) -> list[Worker]:
         skip = set(map(id, exclude))
         return [w for w in self.workers(pool) if w.healthy and id(w) not in skip]
+
+    async def any_placeable(self, pool: Pool, timeout: float) -> bool:
+        """Whether ``pool`` has a placeable worker; when every registered one is down,
+        after the next poll round (one marked down by a failed call but alive answers
+        its Status again), waiting at most ``timeout`` seconds."""
+        if self.placeable(pool) or not self.workers(pool):
+            return bool(self.placeable(pool))
+        if self._polled is None:
+            self._polled = asyncio.Event()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._polled.wait()), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return bool(self.placeable(pool))
 
     # Per-request accounting --------------------------------------------------------
 
@@ -159,6 +174,9 @@ class WorkerRegistry:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers()))
+        polled, self._polled = self._polled, None
+        if polled is not None:
+            polled.set()
 
     async def _poll_forever(self, after_poll: Callable[[], Awaitable[None]] | None) -> None:
         while True:

@@ -152,7 +152,7 @@ class Relay:
             raise RouterError(
                 Code.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
             )
-        if not self.registry.placeable(Pool.PREFILL):
+        if not await self._any_placeable(Pool.PREFILL, deadline):
             raise self._none_available(Pool.PREFILL)
         self._active.add(req.request_id)
         try:
@@ -204,7 +204,7 @@ class Relay:
                 result = await self._prefill(prefill, deadline)
             except RouterError as exc:
                 # Not when no prefill worker is left: another attempt would fail the same.
-                if exc.code in _LOST and self.registry.placeable(Pool.PREFILL):
+                if exc.code in _LOST and await self._any_placeable(Pool.PREFILL, deadline):
                     raise AttemptLost(exc) from None
                 raise
             finally:
@@ -229,6 +229,8 @@ class Relay:
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination]:
         queued_at: float | None = None
         while True:
+            if not await self._any_placeable(Pool.DECODE, deadline):
+                raise self._none_available(Pool.DECODE)
             opened, error = await self._try_decode(worker_req, deadline)
             if opened is not None:
                 if queued_at is not None:
@@ -313,10 +315,11 @@ class Relay:
         self, request: worker_pb2.PrefillRequest, deadline: float | None
     ) -> worker_pb2.PrefillResponse:
         tried: list[Worker] = []
+        error: RouterError | None = None
         while True:
             candidates = self.registry.placeable(Pool.PREFILL, exclude=tried)
             if not candidates:
-                raise self._none_available(Pool.PREFILL)
+                raise error or self._none_available(Pool.PREFILL)
             worker = self._pick(Pool.PREFILL, candidates)
             tried.append(worker)
             timeout = _remaining(deadline)
@@ -393,6 +396,14 @@ class Relay:
         if code is Code.DEADLINE_EXCEEDED:
             return RouterError(code, f"the deadline passed while waiting for {where}")
         return RouterError(code, f"{where}: {details}")
+
+    async def _any_placeable(self, pool: Pool, deadline: float | None) -> bool:
+        """A worker down only because a call to it failed may be back at the next poll:
+        worth that short wait before telling the client that the pool has none."""
+        wait = 2 * self.registry.status_interval_s + 2.0  # a poll round, with a slow Status
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+        return await self.registry.any_placeable(pool, wait)
 
     def _none_available(self, pool: Pool) -> RouterError:
         total = len(self.registry.workers(pool))

@@ -34,7 +34,7 @@ from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampler import Sampler, make_generator
+from tandem.engine.sampler import Sampler, draw_seed, new_seed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import FinishReason, Sequence, Status
@@ -59,10 +59,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    # prefill_only requests: where the prompt's KV waits for transfer (until release()),
-    # and the sampling generator's state, so the decode side continues the same stream.
+    # prefill_only requests: where the prompt's KV waits for transfer (until release()).
     held_block_ids: list[int] | None = None
-    rng_state: torch.Tensor | None = None  # uint8 [n], cpu; None for greedy requests
 
 
 @dataclass(eq=False)
@@ -191,22 +189,17 @@ class LLMEngine:
         self._register(seq)
         return list(seq.block_table)
 
-    def admit(
-        self, request_id: str, first_token: int, rng_state: torch.Tensor | None = None
-    ) -> RequestOutput:
+    def admit(self, request_id: str, first_token: int) -> RequestOutput:
         """Decode side: the prompt's KV is in the reserved blocks; decode from here on.
 
-        ``rng_state`` is the prefill side's generator state after the first draw, so
-        a seeded request samples exactly as it would have in one process. Returns the
-        output for ``first_token``: the prefill side already streamed its text, but
-        the token may end the request, and the detokenizer must see it.
+        Returns the output for ``first_token``: the prefill side already streamed its
+        text, but the token may end the request, and the detokenizer must see it.
+        Seeded sampling needs no state from the prefill side (see sampler.py).
         """
         req = self._requests[request_id]
         seq = req.seq
         if seq.status is not Status.RESERVED:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
-        if rng_state is not None and seq.generator is not None:
-            seq.generator.set_state(rng_state)
         seq.num_computed = seq.num_prompt_tokens
         self.kv.commit(seq)
         out = self._postprocess(req, first_token)
@@ -257,7 +250,7 @@ class LLMEngine:
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             params=params,
-            generator=None if params.greedy else make_generator(params.seed),
+            seed=None if params.greedy else new_seed(params.seed),
         )
         if register:
             self._register(seq)
@@ -284,7 +277,7 @@ class LLMEngine:
         tokens = self.sampler(
             logits,
             [s.params for s in seqs],
-            [s.generator for s in seqs],
+            [None if s.seed is None else draw_seed(s.seed, s.num_output_tokens) for s in seqs],
             [s.token_ids for s in seqs],
         )
         return [
@@ -331,7 +324,6 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             held_block_ids=held,
-            rng_state=seq.generator.get_state() if held and seq.generator else None,
         )
 
     # ---- conveniences -----------------------------------------------------------------

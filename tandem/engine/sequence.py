@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -40,7 +38,9 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None = None
+    # Sampled requests only (None: greedy). Output token i is drawn with
+    # draw_seed(seed, i), so a sampled stream needs no generator state carried along.
+    seed: int | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -14,7 +14,7 @@ from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.errors import InvalidRequestError
 from tandem.kv_transfer import Destination, TransferError, TransferStatus
 from tandem.wire import finish_to_proto
-from tandem.worker.request import WorkRequest, parse_request, rng_to_bytes
+from tandem.worker.request import WorkRequest, parse_request
 
 if TYPE_CHECKING:
     from tandem.prefill_worker.server import PrefillServer
@@ -113,9 +113,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _send(self, dest: Destination, first: RequestOutput) -> Future[TransferStatus]:
         # The gather copies the held blocks here, between steps: a consistent snapshot.
-        fut = self.server.sender.send(
-            dest, first.held_block_ids, first.token_ids[0], extra=rng_to_bytes(first.rng_state)
-        )
+        fut = self.server.sender.send(dest, first.held_block_ids, first.token_ids[0])
         self._transfers[first.request_id] = fut
         return fut
 

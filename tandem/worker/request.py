@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -39,12 +37,3 @@ def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest
     prompt = list(p.prompt_token_ids)
     engine.validate(prompt, params)
     return WorkRequest(rid, prompt, params)
-
-
-def rng_to_bytes(state: torch.Tensor | None) -> bytes | None:
-    """A torch.Generator state (uint8 [n], cpu) as bytes for the KV transfer's ``extra``."""
-    return None if state is None else bytes(state.numpy())
-
-
-def rng_from_bytes(data: bytes | None) -> torch.Tensor | None:
-    return None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -108,8 +108,13 @@ def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "cond
     return time.monotonic() - start
 
 
-def request(prompt: list[int], params: SamplingParams, rid: str = "r1"):
-    return worker_request(rid, prompt, params)
+def request(
+    prompt: list[int],
+    params: SamplingParams,
+    rid: str = "r1",
+    output_ids: list[int] | None = None,
+):
+    return worker_request(rid, prompt, params, output_ids)
 
 
 @dataclass

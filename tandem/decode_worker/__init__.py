@@ -15,8 +15,9 @@ thread, see tandem/engine/loop.py):
       FAILED (lease expired, checksum, peer lost, aborted)
                                      reservation aborted, blocks freed, UNAVAILABLE(reason)
     running                          one TokenChunk per step output; finish_reason and
-                                     completion_tokens (first token included) on the last;
-                                     the engine frees the blocks the moment it ends
+                                     completion_tokens (counting the first token and any
+                                     output_token_ids) on the last; the engine frees the
+                                     blocks the moment it ends
     client cancel / deadline / error the stream's clean-up, on the engine thread:
                                      receiver.release (no more writes), engine.abort (free)
 

@@ -55,7 +55,7 @@ class KvAdmission:
         self, engine: LLMEngine, req: WorkRequest, admitted: asyncio.Future[RequestOutput]
     ) -> Destination:
         """Blocks for prompt + max_tokens under a lease. Raises OutOfBlocksError."""
-        block_ids = engine.reserve(req.prompt_ids, req.params, req.request_id)
+        block_ids = engine.reserve(req.prompt_ids, req.params, req.request_id, req.output_ids)
         try:
             dest = self.receiver.expect(req.request_id, block_ids, self.lease_s)
         except Exception:

@@ -32,6 +32,10 @@ class Sequence:
     Chunked prefill, a prefix-cache hit, KV that arrived from a prefill worker and
     recompute after preemption are all the same thing here: a value of
     ``num_computed`` smaller than ``len(token_ids)``.
+
+    A request continued from earlier output (moved off a failed worker) starts with
+    that output already in ``token_ids``: only ``num_prompt_tokens`` tells prompt
+    from output, and the model and the cache treat both alike.
     """
 
     request_id: str

@@ -8,7 +8,8 @@ tandem/engine/loop.py):
                                         waiting prompts under the token budget (long ones
                                         in chunks), alongside other Prefill calls
       first token sampled               the request is HELD: its prompt KV stays in its
-                                        blocks
+                                        blocks (a request continuing after earlier output,
+                                        output_token_ids, computes and holds their KV too)
         ends the request? (EOS, max_tokens=1)  reply with finish_reason; no transfer
       sender.send(destination, held blocks, first token)
                                         gathered on the engine thread (a consistent copy),

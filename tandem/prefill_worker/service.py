@@ -31,11 +31,13 @@ def parse_destination(p: worker_pb2.KvDestination, req: WorkRequest, engine: LLM
             f"destination.request_id must equal request.request_id {req.request_id!r}, "
             f"got {p.request_id!r}",
         )
-    need = engine.kv.blocks_for(len(req.prompt_ids))
+    # The KV shipped covers the prompt and any earlier output the request continues after.
+    need = engine.kv.blocks_for(len(req.prompt_ids) + len(req.output_ids))
     if len(p.block_ids) < need:
         raise InvalidRequestError(
             "destination.block_ids",
-            f"destination.block_ids must hold the prompt's {need} blocks, got {len(p.block_ids)}",
+            f"destination.block_ids must hold the {need} blocks of the prompt and "
+            f"output_token_ids, got {len(p.block_ids)}",
         )
     return Destination(p.address, p.request_id, tuple(p.block_ids))
 
@@ -64,7 +66,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         outputs = loop.subscribe(rid)
         try:
             await loop.call(
-                lambda e: e.add_request(req.prompt_ids, req.params, rid, prefill_only=True)
+                lambda e: e.add_request(
+                    req.prompt_ids, req.params, rid, prefill_only=True, output_ids=req.output_ids
+                )
             )
             first = await outputs.get()
             if not first.token_ids:  # the engine failed the step that held this request

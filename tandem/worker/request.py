@@ -18,6 +18,9 @@ class WorkRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Tokens already generated and streamed (a request moved off a failed worker):
+    # the engine continues after them; they count towards params.max_tokens.
+    output_ids: list[int]
 
 
 def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest:
@@ -35,5 +38,6 @@ def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest
         )
     params = sampling_from_proto(p.sampling)
     prompt = list(p.prompt_token_ids)
-    engine.validate(prompt, params)
-    return WorkRequest(rid, prompt, params)
+    output = list(p.output_token_ids)
+    engine.validate(prompt, params, output)
+    return WorkRequest(rid, prompt, params, output)

@@ -51,6 +51,39 @@ def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, pa
         assert engine.kv.pool.num_used == 0
 
 
+def test_a_continued_request_ships_the_kv_of_its_earlier_output_too(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("你好，世界！")  # 18 tokens
+    expected = list(tiny_engine.stream(prompt, SEEDED))
+    earlier = [o.token_ids[0] for o in expected[:6]]  # 24 tokens of KV: 2 blocks
+    prefill, decode = make_engine(), make_engine(num_blocks=64)
+    receiver = make_receiver("inproc", decode.kv.tensor, decode.kv_fingerprint())
+    sender = make_sender("inproc", prefill.kv.tensor, prefill.kv_fingerprint())
+    try:
+        dest = receiver.expect("m", decode.reserve(prompt, SEEDED, "m", earlier), lease_s=30)
+        prefill.add_request(prompt, SEEDED, "m", prefill_only=True, output_ids=earlier)
+        (first,) = prefill.step()
+        assert len(first.held_block_ids) == 2
+        status = sender.send(dest, first.held_block_ids, first.token_ids[0]).result(30)
+        assert status.state is TransferState.DONE
+        prefill.release("m")
+        arrived = receiver.poll("m")
+        receiver.release("m")
+        out = decode.admit("m", arrived.first_token)
+        tokens, text = list(first.token_ids), first.text
+        while not out.finished:
+            for out in decode.step():
+                tokens += out.token_ids
+                text += out.text
+    finally:
+        sender.close()
+        receiver.close()
+    assert tokens == [t for o in expected[6:] for t in o.token_ids]
+    assert text == "".join(o.text for o in expected[6:])
+    for engine in (prefill, decode):
+        engine.kv.pool.check_integrity()
+        assert engine.kv.pool.num_used == 0
+
+
 def test_engines_with_different_block_sizes_refuse_to_connect():
     from tandem.kv_transfer import HandshakeError
 

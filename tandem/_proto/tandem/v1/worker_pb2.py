@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from tandem._proto.tandem.v1 import tandem_pb2 as tandem_dot_v1_dot_tandem__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/tandem.proto\"j\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"^\n\rKvDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"j\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12-\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x18.tandem.v1.KvDestination\"\x96\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x05 \x01(\x01\":\n\rDecodeRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\"q\n\x0e\x44\x65\x63odeResponse\x12/\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x18.tandem.v1.KvDestinationH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x42\x06\n\x04kind\"x\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"\x0f\n\rStatusRequest\"\xaa\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nkv_address\x18\x08 \x01(\t\x12\x0e\n\x06served\x18\t \x01(\x04\x12\x1a\n\x12kv_transfers_total\x18\n \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x0b \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\x0c \x01(\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\x8e\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus2\x8c\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/tandem.proto\"\x84\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\"^\n\rKvDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"j\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12-\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x18.tandem.v1.KvDestination\"\x96\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x05 \x01(\x01\":\n\rDecodeRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\"q\n\x0e\x44\x65\x63odeResponse\x12/\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x18.tandem.v1.KvDestinationH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x42\x06\n\x04kind\"x\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\"\x0f\n\rStatusRequest\"\xaa\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nkv_address\x18\x08 \x01(\t\x12\x0e\n\x06served\x18\t \x01(\x04\x12\x1a\n\x12kv_transfers_total\x18\n \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x0b \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\x0c \x01(\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\x8e\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus2\x8c\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1141
-  _globals['_ROLE']._serialized_end=1204
-  _globals['_WORKERREQUEST']._serialized_start=61
-  _globals['_WORKERREQUEST']._serialized_end=167
-  _globals['_KVDESTINATION']._serialized_start=169
-  _globals['_KVDESTINATION']._serialized_end=263
-  _globals['_PREFILLREQUEST']._serialized_start=265
-  _globals['_PREFILLREQUEST']._serialized_end=371
-  _globals['_PREFILLRESPONSE']._serialized_start=374
-  _globals['_PREFILLRESPONSE']._serialized_end=524
-  _globals['_DECODEREQUEST']._serialized_start=526
-  _globals['_DECODEREQUEST']._serialized_end=584
-  _globals['_DECODERESPONSE']._serialized_start=586
-  _globals['_DECODERESPONSE']._serialized_end=699
-  _globals['_TOKENCHUNK']._serialized_start=701
-  _globals['_TOKENCHUNK']._serialized_end=821
-  _globals['_STATUSREQUEST']._serialized_start=823
-  _globals['_STATUSREQUEST']._serialized_end=838
-  _globals['_WORKERSTATUS']._serialized_start=841
-  _globals['_WORKERSTATUS']._serialized_end=1139
-  _globals['_PREFILLWORKER']._serialized_start=1207
-  _globals['_PREFILLWORKER']._serialized_end=1349
-  _globals['_DECODEWORKER']._serialized_start=1352
-  _globals['_DECODEWORKER']._serialized_end=1492
+  _globals['_ROLE']._serialized_start=1168
+  _globals['_ROLE']._serialized_end=1231
+  _globals['_WORKERREQUEST']._serialized_start=62
+  _globals['_WORKERREQUEST']._serialized_end=194
+  _globals['_KVDESTINATION']._serialized_start=196
+  _globals['_KVDESTINATION']._serialized_end=290
+  _globals['_PREFILLREQUEST']._serialized_start=292
+  _globals['_PREFILLREQUEST']._serialized_end=398
+  _globals['_PREFILLRESPONSE']._serialized_start=401
+  _globals['_PREFILLRESPONSE']._serialized_end=551
+  _globals['_DECODEREQUEST']._serialized_start=553
+  _globals['_DECODEREQUEST']._serialized_end=611
+  _globals['_DECODERESPONSE']._serialized_start=613
+  _globals['_DECODERESPONSE']._serialized_end=726
+  _globals['_TOKENCHUNK']._serialized_start=728
+  _globals['_TOKENCHUNK']._serialized_end=848
+  _globals['_STATUSREQUEST']._serialized_start=850
+  _globals['_STATUSREQUEST']._serialized_end=865
+  _globals['_WORKERSTATUS']._serialized_start=868
+  _globals['_WORKERSTATUS']._serialized_end=1166
+  _globals['_PREFILLWORKER']._serialized_start=1234
+  _globals['_PREFILLWORKER']._serialized_end=1376
+  _globals['_DECODEWORKER']._serialized_start=1379
+  _globals['_DECODEWORKER']._serialized_end=1519
 # @@protoc_insertion_point(module_scope)

@@ -18,14 +18,16 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _tandem_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("address", "request_id", "block_ids", "lease_seconds")

@@ -28,9 +28,9 @@ from tandem.engine.sampling_params import SamplingParams
 _TOP_P_SLACK = 1e-6
 
 _MASK64 = (1 << 64) - 1
-# An odd 64-bit constant (from Steele and Vigna's mixer tables): it spreads position
-# bits over the whole word before the XOR, so that nearby (seed, position) pairs
-# do not collide.
+# An odd 64-bit multiplier: it spreads the position's bits over the whole word before
+# the XOR, so that small seeds and small positions do not cancel (seed 1 at position 0
+# and seed 0 at position 1 would otherwise draw alike). splitmix64 then mixes.
 _POSITION_MULTIPLIER = 0xD1B54A32D192ED03
 
 

@@ -79,11 +79,12 @@ def worker_request(
     request_id: str,
     prompt_ids: list[int],
     params: SamplingParams,
-    output_ids: list[int] | tuple[int, ...] = (),
+    output_ids: list[int] | None = None,
 ) -> worker_pb2.WorkerRequest:
+    """``output_ids``: tokens already streamed to the client, for a worker to continue after."""
     return worker_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling_to_proto(params),
-        output_token_ids=output_ids,
+        output_token_ids=output_ids or [],
     )

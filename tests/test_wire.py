@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem._proto.tandem.v1 import tandem_pb2
+from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import FinishReason
 from tandem.errors import InvalidRequestError
@@ -15,6 +15,7 @@ from tandem.wire import (
     finish_to_proto,
     sampling_from_proto,
     sampling_to_proto,
+    worker_request,
 )
 
 
@@ -61,3 +62,11 @@ def test_chat_roles_are_checked():
 def test_finish_reasons_round_trip():
     for reason in (None, *FinishReason):
         assert finish_from_proto(finish_to_proto(reason)) is reason
+
+
+def test_worker_request_carries_earlier_output_only_when_given():
+    params = SamplingParams(max_tokens=9, temperature=0)
+    moved = worker_request("r", [1, 2], params, [3, 4])
+    again = worker_pb2.WorkerRequest.FromString(moved.SerializeToString())
+    assert list(again.prompt_token_ids) == [1, 2] and list(again.output_token_ids) == [3, 4]
+    assert list(worker_request("r", [1, 2], params).output_token_ids) == []

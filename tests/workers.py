@@ -111,8 +111,13 @@ def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "con
     return time.monotonic() - start
 
 
-def request(prompt: list[int], params: SamplingParams, rid: str = "r1"):
-    return worker_request(rid, prompt, params)
+def request(
+    prompt: list[int],
+    params: SamplingParams,
+    rid: str = "r1",
+    output_ids: list[int] | None = None,
+):
+    return worker_request(rid, prompt, params, output_ids)
 
 
 @dataclass

@@ -8,14 +8,16 @@ thread, see tandem/engine/loop.py):
       receiver.expect(lease)         the reservation is WAITING for its KV
       -> first response              KvDestination(kv address, request id, block ids, lease)
     every engine iteration, the admission hook polls each waiting reservation:
-      DONE (every layer verified)    engine.admit(first token, prefill's RNG state): the
-                                     request joins the running batch; its first token's
-                                     text was streamed by the prefill worker, not again here
+      DONE (every layer verified)    engine.admit(first token): the request joins the
+                                     running batch (seeded sampling needs no state from the
+                                     prefill side); its first token's text was streamed by
+                                     the prefill worker, not again here
       FAILED (lease expired, checksum, peer lost, aborted)
                                      reservation aborted, blocks freed, UNAVAILABLE(reason)
     running                          one TokenChunk per step output; finish_reason and
-                                     completion_tokens (first token included) on the last;
-                                     the engine frees the blocks the moment it ends
+                                     completion_tokens (counting the first token and any
+                                     output_token_ids) on the last; the engine frees the
+                                     blocks the moment it ends
     client cancel / deadline / error the stream's clean-up, on the engine thread:
                                      receiver.release (no more writes), engine.abort (free)
 

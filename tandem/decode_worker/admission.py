@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.kv_transfer import Destination, KVReceiver, TransferError, TransferState
-from tandem.worker.request import WorkRequest, rng_from_bytes
+from tandem.worker.request import WorkRequest
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class KvAdmission:
         self, engine: LLMEngine, req: WorkRequest, admitted: asyncio.Future[RequestOutput]
     ) -> Destination:
         """Blocks for prompt + max_tokens under a lease. Raises OutOfBlocksError."""
-        block_ids = engine.reserve(req.prompt_ids, req.params, req.request_id)
+        block_ids = engine.reserve(req.prompt_ids, req.params, req.request_id, req.output_ids)
         try:
             dest = self.receiver.expect(req.request_id, block_ids, self.lease_s)
         except Exception:
@@ -72,8 +72,8 @@ class KvAdmission:
                 w = self._waiting.pop(rid)
                 self.receiver.release(rid)
                 try:
-                    out = engine.admit(rid, status.first_token, rng_from_bytes(status.extra))
-                except Exception as exc:  # a bad RNG state, say: fail this request only
+                    out = engine.admit(rid, status.first_token)
+                except Exception as exc:  # fail this request only, not the engine thread
                     log.exception("admitting %s failed", rid)
                     engine.abort(rid)
                     _resolve(w, TransferError("admit failed", f"admitting failed: {exc}"))

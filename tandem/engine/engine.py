@@ -14,6 +14,13 @@ The prefill and decode workers run this same engine, split in two:
 - decode side: ``reserve`` takes blocks for prompt + max_tokens (nothing runs
   yet), the KV transfer fills them, and ``admit(request_id, first_token)`` joins
   the request to the running batch as if it had prefilled here.
+
+A request can also continue from output it already produced elsewhere (moved off
+a worker that failed mid-stream): ``output_ids`` are appended to the prompt, so
+the prefill computes KV for both and samples the token after them; the
+detokenizer and the stop-string matcher replay them (their text is already with
+the client), and they count towards max_tokens. Sampling needs no state from the
+earlier run: output token ``i`` is drawn with ``draw_seed(seed, i)``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampler import Sampler, make_generator
+from tandem.engine.sampler import Sampler, draw_seed, new_seed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import FinishReason, Sequence, Status
@@ -59,10 +66,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    # prefill_only requests: where the prompt's KV waits for transfer (until release()),
-    # and the sampling generator's state, so the decode side continues the same stream.
+    # prefill_only requests: where the prompt's KV waits for transfer (until release()).
     held_block_ids: list[int] | None = None
-    rng_state: torch.Tensor | None = None  # uint8 [n], cpu; None for greedy requests
 
 
 @dataclass(eq=False)
@@ -146,9 +151,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
 
-    def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_ids: Seq[int], params: SamplingParams, output_ids: Seq[int] = ()
+    ) -> None:
         """Raise InvalidRequestError if the request can never run here. Takes no blocks."""
-        check_request(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
+        check_request(
+            prompt_ids, params, self.max_model_len, self.model_config.vocab_size, output_ids
+        )
         total = len(prompt_ids) + params.max_tokens
         blocks = self.kv.blocks_for(total)
         if blocks > self.kv.pool.num_blocks:
@@ -165,23 +174,35 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         prefill_only: bool = False,
+        output_ids: Seq[int] = (),
     ) -> str:
-        """Queue a request. ``prefill_only``: stop after the first token, keep the KV."""
-        seq = self._new_sequence(prompt_ids, params, request_id)
+        """Queue a request. ``prefill_only``: stop after the first token, keep the KV.
+
+        ``output_ids``: tokens this request already generated (and streamed) elsewhere;
+        it continues after them exactly as if it had generated them here.
+        """
+        seq = self._new_sequence(prompt_ids, params, request_id, output_ids)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         return seq.request_id
 
-    def reserve(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
+    def reserve(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        request_id: str,
+        output_ids: Seq[int] = (),
+    ) -> list[int]:
         """Decode side: blocks for the whole sequence, to be filled by a KV transfer.
 
-        Raises OutOfBlocksError when they do not fit now (the caller answers
-        RESOURCE_EXHAUSTED); the request runs only after ``admit``.
+        The whole sequence is prompt + max_tokens whatever ``output_ids`` holds: those
+        count towards max_tokens. Raises OutOfBlocksError when the blocks do not fit
+        now (the caller answers RESOURCE_EXHAUSTED); the request runs only after ``admit``.
         """
         reserved = sum(r.seq.status is Status.RESERVED for r in self._requests.values())
         if len(self.scheduler.running) + reserved >= self.config.max_num_seqs:
             raise OutOfBlocksError(f"max_num_seqs ({self.config.max_num_seqs}) reached")
-        seq = self._new_sequence(prompt_ids, params, request_id, register=False)
+        seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
         if not self.kv.ensure(seq, len(prompt_ids) + params.max_tokens):
             raise OutOfBlocksError(
                 f"request needs {self.kv.blocks_for(len(prompt_ids) + params.max_tokens)} "
@@ -191,23 +212,20 @@ class LLMEngine:
         self._register(seq)
         return list(seq.block_table)
 
-    def admit(
-        self, request_id: str, first_token: int, rng_state: torch.Tensor | None = None
-    ) -> RequestOutput:
-        """Decode side: the prompt's KV is in the reserved blocks; decode from here on.
+    def admit(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode side: the KV of every token so far (prompt and any earlier output) is
+        in the reserved blocks; decode from here on.
 
-        ``rng_state`` is the prefill side's generator state after the first draw, so
-        a seeded request samples exactly as it would have in one process. Returns the
-        output for ``first_token``: the prefill side already streamed its text, but
-        the token may end the request, and the detokenizer must see it.
+        Returns the output for ``first_token`` (the token the prefill side sampled):
+        the prefill side already streamed its text, but the token may end the
+        request, and the detokenizer must see it. Seeded sampling needs no state from
+        the prefill side (see sampler.py).
         """
         req = self._requests[request_id]
         seq = req.seq
         if seq.status is not Status.RESERVED:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
-        if rng_state is not None and seq.generator is not None:
-            seq.generator.set_state(rng_state)
-        seq.num_computed = seq.num_prompt_tokens
+        seq.num_computed = len(seq.token_ids)
         self.kv.commit(seq)
         out = self._postprocess(req, first_token)
         if not out.finished:
@@ -246,18 +264,19 @@ class LLMEngine:
         prompt_ids: Seq[int],
         params: SamplingParams,
         request_id: str | None,
+        output_ids: Seq[int] = (),
         register: bool = True,
     ) -> Sequence:
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, output_ids)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already running")
         seq = Sequence(
             request_id=request_id,
-            token_ids=list(prompt_ids),
+            token_ids=[*prompt_ids, *output_ids],
             num_prompt_tokens=len(prompt_ids),
             params=params,
-            generator=None if params.greedy else make_generator(params.seed),
+            seed=None if params.greedy else new_seed(params.seed),
         )
         if register:
             self._register(seq)
@@ -265,9 +284,15 @@ class LLMEngine:
 
     def _register(self, seq: Sequence) -> None:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        self._requests[seq.request_id] = _Request(
+        req = _Request(
             seq, IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(seq.params.stop)
         )
+        # Earlier output goes through both as _postprocess put it through them (the
+        # text is dropped: the client has it), so text held back then (a partial
+        # character, a possible stop string) is held back now too.
+        for token in seq.output_ids:
+            req.stops.push(req.detok.add(token))
+        self._requests[seq.request_id] = req
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -284,7 +309,7 @@ class LLMEngine:
         tokens = self.sampler(
             logits,
             [s.params for s in seqs],
-            [s.generator for s in seqs],
+            [None if s.seed is None else draw_seed(s.seed, s.num_output_tokens) for s in seqs],
             [s.token_ids for s in seqs],
         )
         return [
@@ -331,7 +356,6 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             held_block_ids=held,
-            rng_state=seq.generator.get_state() if held and seq.generator else None,
         )
 
     # ---- conveniences -----------------------------------------------------------------
@@ -363,9 +387,17 @@ class LLMEngine:
 
 
 def check_request(
-    prompt_ids: Seq[int], params: SamplingParams, max_model_len: int, vocab_size: int
+    prompt_ids: Seq[int],
+    params: SamplingParams,
+    max_model_len: int,
+    vocab_size: int,
+    output_ids: Seq[int] = (),
 ) -> None:
-    """The checks any stage can make without a KV pool (the router makes them too)."""
+    """The checks any stage can make without a KV pool (the router makes them too).
+
+    ``output_ids`` (earlier output of a continued request) count towards max_tokens,
+    so prompt + max_tokens bounds the context either way.
+    """
     n = len(prompt_ids)
     if n == 0:
         raise InvalidRequestError("prompt", "prompt must not be empty")
@@ -379,6 +411,17 @@ def check_request(
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("prompt", f"token id {bad} is outside [0, {vocab_size})")
+    if len(output_ids) >= params.max_tokens:
+        raise InvalidRequestError(
+            "output_token_ids",
+            f"output_token_ids must be fewer than max_tokens ({params.max_tokens}), "
+            f"got {len(output_ids)}",
+        )
+    bad = next((t for t in output_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "output_token_ids", f"output token id {bad} is outside [0, {vocab_size})"
+        )
 
 
 def _resolve_device(name: str) -> torch.device:

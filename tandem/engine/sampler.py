@@ -1,10 +1,16 @@
 """Turn one step's logits into one token per request.
 
 Order per row: repetition penalty -> greedy argmax (temperature 0), or
-temperature -> top-k -> top-p -> min-p -> softmax -> draw with the row's own
-generator. Every batched operation here is row-wise, so a row's probabilities,
-and with its own generator its draw, do not depend on which other rows share the
-batch.
+temperature -> top-k -> top-p -> min-p -> softmax -> draw from a generator
+seeded with the row's own seed. Every batched operation here is row-wise, so a
+row's probabilities, and with its own seed its draw, do not depend on which
+other rows share the batch.
+
+A request's seed is not a generator whose state advances with each token: the
+seed of output token ``i`` is ``draw_seed(request seed, i)``. Token ``i`` then
+depends only on the seed, ``i`` and the logits, so any worker can draw it
+without being handed state (the decode side of a disaggregated request, or a
+worker that continues a request moved off a failed one).
 """
 
 from __future__ import annotations
@@ -21,43 +27,63 @@ from tandem.engine.sampling_params import SamplingParams
 # token would be kept or dropped by rounding alone.
 _TOP_P_SLACK = 1e-6
 
-_SEED_MASK = (1 << 64) - 1
+_MASK64 = (1 << 64) - 1
+# An odd 64-bit multiplier: it spreads the position's bits over the whole word before
+# the XOR, so that small seeds and small positions do not cancel (seed 1 at position 0
+# and seed 0 at position 1 would otherwise draw alike). splitmix64 then mixes.
+_POSITION_MULTIPLIER = 0xD1B54A32D192ED03
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request; ``None`` draws a fresh seed from the OS."""
-    if seed is None:
-        seed = secrets.randbits(64)
-    generator = torch.Generator(device="cpu")
-    # torch accepts only [-2**63, 2**64); masking maps every Python int into it and
-    # agrees with torch's own wrap-around for the negative seeds it does accept.
-    generator.manual_seed(seed & _SEED_MASK)
-    return generator
+def new_seed(seed: int | None) -> int:
+    """A request's seed: its own, or a fresh one from the OS for an unseeded request."""
+    return secrets.randbits(64) if seed is None else seed
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for output token ``position`` (0-based) of a request seeded ``seed``.
+
+    Any Python int is a valid ``seed`` (it is taken modulo 2**64); the result is in
+    [0, 2**64), which torch's ``manual_seed`` accepts.
+    """
+    return splitmix64((seed & _MASK64) ^ ((position * _POSITION_MULTIPLIER) & _MASK64))
+
+
+def splitmix64(x: int) -> int:
+    """The SplitMix64 output for state ``x``: a bijective, well-mixed 64-bit hash."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class Sampler:
-    """Stateless; per-request state (the generator, the history) is passed in."""
+    """Stateless between calls; per-request state (the draw seed, the history) is passed in."""
+
+    def __init__(self) -> None:
+        # Reseeded before every draw, so it carries nothing from one row to the next.
+        self._generator = torch.Generator(device="cpu")
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         histories: list[Sequence[int]],
     ) -> list[int]:
         """Pick one token id per row of ``logits`` ([batch, vocab], any float dtype).
 
-        ``params``, ``generators`` and ``histories`` hold one entry per row;
-        ``histories`` are prompt plus generated ids, used by repetition_penalty. A
-        ``None`` generator draws from torch's global CPU generator. Greedy rows never
-        touch their generator.
+        ``params``, ``seeds`` and ``histories`` hold one entry per row. ``seeds`` are
+        the seeds of this step's draws (``draw_seed(request seed, position)``, in
+        [0, 2**64)); a ``None`` seed draws from torch's global CPU generator instead.
+        Greedy rows ignore theirs. ``histories`` are prompt plus generated ids, used
+        by repetition_penalty.
         """
         batch = logits.shape[0]
-        if logits.dim() != 2 or not len(params) == len(generators) == len(histories) == batch:
+        if logits.dim() != 2 or not len(params) == len(seeds) == len(histories) == batch:
             raise ValueError(
-                f"expected logits [batch, vocab] and one params/generator/history per row, got "
-                f"logits {tuple(logits.shape)}, {len(params)} params, {len(generators)} "
-                f"generators, {len(histories)} histories"
+                f"expected logits [batch, vocab] and one params/seed/history per row, got "
+                f"logits {tuple(logits.shape)}, {len(params)} params, {len(seeds)} "
+                f"seeds, {len(histories)} histories"
             )
         # Always a copy: the penalty and filters below write in place.
         logits = logits.to(torch.float32, copy=True)
@@ -72,10 +98,14 @@ class Sampler:
                 tokens[row] = token
         if sampled:
             sub = logits[_index(sampled, logits.device)]
-            # The generators live on the CPU, so the draw does too: one copy per step.
+            # The generator lives on the CPU, so the draw does too: one copy per step.
             probs = _sampling_probs(sub, [params[i] for i in sampled]).cpu()
             for j, row in enumerate(sampled):
-                draw = torch.multinomial(probs[j], 1, generator=generators[row])
+                generator = None
+                if seeds[row] is not None:
+                    generator = self._generator
+                    generator.manual_seed(seeds[row])
+                draw = torch.multinomial(probs[j], 1, generator=generator)
                 tokens[row] = int(draw.item())
         return tokens
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -34,13 +32,19 @@ class Sequence:
     Chunked prefill, a prefix-cache hit, KV that arrived from a prefill worker and
     recompute after preemption are all the same thing here: a value of
     ``num_computed`` smaller than ``len(token_ids)``.
+
+    A request continued from earlier output (moved off a failed worker) starts with
+    that output already in ``token_ids``: only ``num_prompt_tokens`` tells prompt
+    from output, and the model and the cache treat both alike.
     """
 
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None = None
+    # Sampled requests only (None: greedy). Output token i is drawn with
+    # draw_seed(seed, i), so a sampled stream needs no generator state carried along.
+    seed: int | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -30,7 +30,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 2  # 2: the final message may carry ``extra`` bytes
+# 2 let the final message carry ``extra`` bytes (a sampler RNG state); 3 drops them
+# again, since seeded sampling no longer needs state from the prefill side.
+PROTOCOL_VERSION = 3
 # The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 
@@ -107,7 +109,6 @@ class TransferStatus:
     state: TransferState
     reason: str = ""  # why it failed
     first_token: int | None = None  # arrives with the KV
-    extra: bytes | None = None  # the sender's opaque bytes (the sampler's RNG state), when DONE
     bytes: int = 0
     seconds: float = 0.0
     detail: str = ""  # for people: which layers, which setting
@@ -150,13 +151,8 @@ class KVSender(abc.ABC):
         src_block_ids: Sequence[int],
         first_token: int,
         layers: tuple[int, int] | None = None,
-        extra: bytes | None = None,
     ) -> Future[TransferStatus]:
         """Push the request's remaining layers (or ``layers``) and the first token.
-
-        ``extra`` (at most 64 KiB) rides the final message and reaches the receiver's
-        DONE status unchanged: the prefill sampler's RNG state, so a seeded request
-        continues on the decode side exactly as it would have in one process.
 
         The future resolves to a DONE status once the receiver verified every layer,
         or raises TransferError(reason); only then may the caller free its blocks.

@@ -16,8 +16,6 @@ The null block (index ``num_blocks``) is never a valid source or destination.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 import threading
@@ -27,7 +25,6 @@ import torch
 import xxhash
 
 HEADER_MAGIC = "tkv1"
-MAX_EXTRA_BYTES = 64 * 1024  # opaque state carried on the final message (an RNG state: 5 KB)
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -68,7 +65,6 @@ class MessageHeader:
     checksum: int  # xxh3_64 of the payload bytes
     first_token: int | None = None  # set on the final message
     final: bool = False  # the sender's last message for this request: ack it
-    extra: bytes | None = None  # final message only: opaque bytes for the receiver (RNG state)
 
     @property
     def num_layers(self) -> int:
@@ -90,7 +86,6 @@ def encode_header(h: MessageHeader) -> bytes:
         h.checksum,
         h.first_token,
         h.final,
-        None if h.extra is None else base64.b64encode(h.extra).decode(),
     ]
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -109,9 +104,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
         body = json.loads(bytes(data))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HeaderError(f"header is not valid JSON: {exc}") from None
-    if not isinstance(body, list) or len(body) != 13 or body[0] != HEADER_MAGIC:
+    if not isinstance(body, list) or len(body) != 12 or body[0] != HEADER_MAGIC:
         raise HeaderError("not a Tandem KV header (bad magic or field count)")
-    _, rid, l0, l1, src, dst, dtype, shape, nbytes, checksum, first, final, extra = body
+    _, rid, l0, l1, src, dst, dtype, shape, nbytes, checksum, first, final = body
     if not isinstance(rid, str) or not rid:
         raise HeaderError("request_id must be a non-empty string")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (l0, l1, nbytes, checksum)):
@@ -122,7 +117,6 @@ def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
         raise HeaderError("first_token must be an integer or null")
     if not isinstance(final, bool):
         raise HeaderError("final must be a boolean")
-    extra_bytes = _extra(extra, final)
     h = MessageHeader(
         request_id=rid,
         layer_start=l0,
@@ -135,7 +129,6 @@ def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
         checksum=checksum,
         first_token=first,
         final=final,
-        extra=extra_bytes,
     )
     if len(h.src_block_ids) != len(h.dst_block_ids):
         raise HeaderError(
@@ -151,19 +144,6 @@ def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
     if h.nbytes != math.prod(h.shape) * elem:
         raise HeaderError(f"nbytes {h.nbytes} does not match shape {list(h.shape)}")
     return h
-
-
-def _extra(value: object, final: bool) -> bytes | None:
-    if value is None:
-        return None
-    if not final:
-        raise HeaderError("extra is only allowed on the final message")
-    if not isinstance(value, str) or len(value) > 2 * MAX_EXTRA_BYTES:
-        raise HeaderError(f"extra must be base64 text of at most {MAX_EXTRA_BYTES} bytes")
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise HeaderError("extra is not valid base64") from None
 
 
 def check_fits(h: MessageHeader, kv: torch.Tensor) -> None:
@@ -295,10 +275,7 @@ def make_header(
     payload: torch.Tensor | None,
     first_token: int | None = None,
     final: bool = False,
-    extra: bytes | None = None,
 ) -> MessageHeader:
-    if extra is not None and len(extra) > MAX_EXTRA_BYTES:
-        raise ValueError(f"extra is {len(extra)} bytes, at most {MAX_EXTRA_BYTES} allowed")
     if payload is None or layers[0] == layers[1]:
         shape: tuple[int, ...] = ()
         nbytes, digest, dtype = 0, checksum(torch.empty(0)), ""
@@ -318,5 +295,4 @@ def make_header(
         checksum=digest,
         first_token=first_token,
         final=final,
-        extra=extra,
     )

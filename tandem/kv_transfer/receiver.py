@@ -75,7 +75,6 @@ class _Reservation:
     written: list[bool] = field(default_factory=list)  # layer i verified and in the blocks
     num_src_blocks: int | None = None  # fixed by the first message
     first_token: int | None = None
-    extra: bytes | None = None
     nbytes: int = 0
     started: float | None = None
     seconds: float = 0.0
@@ -92,7 +91,6 @@ class _Reservation:
             state=self.state,
             reason=self.reason,
             first_token=self.first_token if self.state is TransferState.DONE else None,
-            extra=self.extra if self.state is TransferState.DONE else None,
             bytes=self.nbytes,
             seconds=self.seconds,
             detail=self.detail,
@@ -321,7 +319,6 @@ class ReceiverCore:
             self._fail_locked(res, "incomplete", f"layers {missing} never arrived")
             return
         res.first_token = h.first_token
-        res.extra = h.extra
         res.state = TransferState.DONE
         res.seconds = self.clock() - (res.started or self.clock())
         self.metrics.transfers_done += 1

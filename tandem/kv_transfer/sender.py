@@ -5,9 +5,8 @@ A request's path on the prefill side:
     send_layers(dest, src, (0, 8))     gather layers 0-7 of src blocks now (one copy),
     send_layers(dest, src, (8, 16))    checksum, hand to the transport; no confirmation
     ...
-    send(dest, src, first_token,       the layers not yet sent (possibly none) go out with
-         extra)                        the first token and ``extra`` (the sampler's RNG
-      -> Future                        state) on the *final* message
+    send(dest, src, first_token)       the layers not yet sent (possibly none) go out with
+      -> Future                        the first token on the *final* message
     receiver acks the final message    future -> TransferStatus(DONE) or TransferError(reason)
                                        then, and only then, the caller frees its blocks
 
@@ -124,7 +123,6 @@ class SenderBase(KVSender):
         src_block_ids: Sequence[int],
         first_token: int,
         layers: tuple[int, int] | None = None,
-        extra: bytes | None = None,
     ) -> Future[TransferStatus]:
         ranges = None if layers is None else (layers,)
         out, todo = self._open(destination, src_block_ids, ranges, final=True)
@@ -133,7 +131,7 @@ class SenderBase(KVSender):
         if not todo:  # everything went out with send_layers: a final message with no KV
             todo = [(len(out.sent), len(out.sent))]
         msgs = [self._message(out, r, final=False) for r in todo[:-1]]
-        msgs.append(self._message(out, todo[-1], True, first_token, extra))
+        msgs.append(self._message(out, todo[-1], True, first_token))
         self._transmit(out, msgs)
         return out.future
 
@@ -259,7 +257,6 @@ class SenderBase(KVSender):
         layers: tuple[int, int],
         final: bool,
         first_token: int | None = None,
-        extra: bytes | None = None,
     ) -> Message:
         dst = out.destination.block_ids[: len(out.src_block_ids)]
         payload = None
@@ -268,7 +265,7 @@ class SenderBase(KVSender):
             buffer = self.buffers.take(shape, self.kv.dtype, self.kv.device)
             payload = gather(self.kv, out.src_block_ids, layers, out=buffer)
         header = make_header(
-            out.request_id, layers, out.src_block_ids, dst, payload, first_token, final, extra
+            out.request_id, layers, out.src_block_ids, dst, payload, first_token, final
         )
         if payload is not None and self.fault_hook is not None:
             self.fault_hook(header, payload)

@@ -8,9 +8,10 @@ tandem/engine/loop.py):
                                         waiting prompts under the token budget (long ones
                                         in chunks), alongside other Prefill calls
       first token sampled               the request is HELD: its prompt KV stays in its
-                                        blocks, the generator state is captured
+                                        blocks (a request continuing after earlier output,
+                                        output_token_ids, computes and holds their KV too)
         ends the request? (EOS, max_tokens=1)  reply with finish_reason; no transfer
-      sender.send(destination, held blocks, first token, extra=RNG state)
+      sender.send(destination, held blocks, first token)
                                         gathered on the engine thread (a consistent copy),
                                         pushed over the worker's one connection per peer
       await the decode side's ack       bounded by kv_ack_timeout_s

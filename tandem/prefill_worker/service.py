@@ -14,7 +14,7 @@ from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.errors import InvalidRequestError
 from tandem.kv_transfer import Destination, TransferError, TransferStatus
 from tandem.wire import finish_to_proto
-from tandem.worker.request import WorkRequest, parse_request, rng_to_bytes
+from tandem.worker.request import WorkRequest, parse_request
 
 if TYPE_CHECKING:
     from tandem.prefill_worker.server import PrefillServer
@@ -31,11 +31,13 @@ def parse_destination(p: worker_pb2.KvDestination, req: WorkRequest, engine: LLM
             f"destination.request_id must equal request.request_id {req.request_id!r}, "
             f"got {p.request_id!r}",
         )
-    need = engine.kv.blocks_for(len(req.prompt_ids))
+    # The KV shipped covers the prompt and any earlier output the request continues after.
+    need = engine.kv.blocks_for(len(req.prompt_ids) + len(req.output_ids))
     if len(p.block_ids) < need:
         raise InvalidRequestError(
             "destination.block_ids",
-            f"destination.block_ids must hold the prompt's {need} blocks, got {len(p.block_ids)}",
+            f"destination.block_ids must hold the {need} blocks of the prompt and "
+            f"output_token_ids, got {len(p.block_ids)}",
         )
     return Destination(p.address, p.request_id, tuple(p.block_ids))
 
@@ -64,7 +66,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         outputs = loop.subscribe(rid)
         try:
             await loop.call(
-                lambda e: e.add_request(req.prompt_ids, req.params, rid, prefill_only=True)
+                lambda e: e.add_request(
+                    req.prompt_ids, req.params, rid, prefill_only=True, output_ids=req.output_ids
+                )
             )
             first = await outputs.get()
             if not first.token_ids:  # the engine failed the step that held this request
@@ -113,9 +117,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _send(self, dest: Destination, first: RequestOutput) -> Future[TransferStatus]:
         # The gather copies the held blocks here, between steps: a consistent snapshot.
-        fut = self.server.sender.send(
-            dest, first.held_block_ids, first.token_ids[0], extra=rng_to_bytes(first.rng_state)
-        )
+        fut = self.server.sender.send(dest, first.held_block_ids, first.token_ids[0])
         self._transfers[first.request_id] = fut
         return fut
 

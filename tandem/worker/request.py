@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -20,6 +18,9 @@ class WorkRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Tokens already generated and streamed (a request moved off a failed worker):
+    # the engine continues after them; they count towards params.max_tokens.
+    output_ids: list[int]
 
 
 def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest:
@@ -37,14 +38,6 @@ def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest
         )
     params = sampling_from_proto(p.sampling)
     prompt = list(p.prompt_token_ids)
-    engine.validate(prompt, params)
-    return WorkRequest(rid, prompt, params)
-
-
-def rng_to_bytes(state: torch.Tensor | None) -> bytes | None:
-    """A torch.Generator state (uint8 [n], cpu) as bytes for the KV transfer's ``extra``."""
-    return None if state is None else bytes(state.numpy())
-
-
-def rng_from_bytes(data: bytes | None) -> torch.Tensor | None:
-    return None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    output = list(p.output_token_ids)
+    engine.validate(prompt, params, output)
+    return WorkRequest(rid, prompt, params, output)

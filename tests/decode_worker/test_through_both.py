@@ -60,3 +60,19 @@ def test_concurrent_requests_are_batched_and_all_right(tiny_engine, pair):
         results = [f.result(60) for f in futures]
     for prompt, got in zip(prompts, results, strict=True):
         assert (got.tokens, got.text) == _colocated(tiny_engine, prompt, GREEDY)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_request_moved_with_its_earlier_output_continues_the_same_stream(
+    tiny_engine, pair, params
+):
+    prompt = tiny_engine.tokenizer.encode(PROMPTS[1])
+    outs = list(tiny_engine.stream(prompt, params))
+    tokens = [o.token_ids[0] for o in outs]
+    for k in (1, 5):
+        got = drive(pair, request(prompt, params, rid=f"m{k}", output_ids=tokens[:k]))
+        assert got.tokens == tokens[k:]
+        assert got.text == "".join(o.text for o in outs[k:])
+        last = got.chunks[-1]
+        assert last.finish_reason == tandem_pb2.FINISH_REASON_LENGTH
+        assert last.completion_tokens == params.max_tokens  # the earlier output counts

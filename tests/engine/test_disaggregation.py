@@ -33,7 +33,7 @@ def _split(prefill, decode, prompt, params, rid="r1"):
     src = first.held_block_ids
     decode.kv.tensor[:, :, dst[: len(src)]] = prefill.kv.tensor[:, :, src]
     prefill.release(rid)
-    out = decode.admit(rid, tokens[0], first.rng_state)  # its text was streamed by prefill
+    out = decode.admit(rid, tokens[0])  # its text was streamed by prefill
     while not out.finished:
         for out in decode.step():
             tokens += out.token_ids

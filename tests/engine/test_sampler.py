@@ -11,7 +11,9 @@ from tandem.engine.sampler import (
     Sampler,
     _apply_repetition_penalty,
     _sampling_probs,
-    make_generator,
+    draw_seed,
+    new_seed,
+    splitmix64,
 )
 from tandem.engine.sampling_params import SamplingParams
 
@@ -21,9 +23,9 @@ def _logits_from_probs(probs: list[float]) -> torch.Tensor:
 
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> list[int]:
-    """n draws for one row, as n rows of one batch sharing a generator."""
-    generator = make_generator(seed)
-    return Sampler()(logits.expand(n, -1), [params] * n, [generator] * n, [[]] * n)
+    """n draws for one row: output positions 0..n-1 of one request, as n rows of a batch."""
+    seeds = [draw_seed(seed, i) for i in range(n)]
+    return Sampler()(logits.expand(n, -1), [params] * n, seeds, [[]] * n)
 
 
 def _random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -40,27 +42,35 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert tokens == logits.float().argmax(dim=-1).tolist()
 
 
-def test_greedy_rows_do_not_advance_their_generator() -> None:
+def test_greedy_rows_ignore_their_seed() -> None:
     logits = _random_logits(3, 100, seed=2)
-    generators = [make_generator(s) for s in (10, 11, 12)]
-    before = [g.get_state() for g in generators]
-    params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0)]
-    Sampler()(logits, params, generators, [[1, 2], [], [3]])
-    assert torch.equal(generators[0].get_state(), before[0])
-    assert not torch.equal(generators[1].get_state(), before[1])
-    assert torch.equal(generators[2].get_state(), before[2])
+    params = [SamplingParams(temperature=0)] * 3
+    assert Sampler()(logits, params, [1, 2, None], [[]] * 3) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_draw_depends_only_on_its_seed_and_its_logits() -> None:
+    # Identical rows with one seed draw one token, wherever they sit in the batch, and
+    # a row drawn before them does not shift their draw (the generator is reseeded).
+    logits = _random_logits(1, 500, seed=8).expand(4, -1)
+    params = [SamplingParams(temperature=1.5)] * 4
+    sampler = Sampler()
+    first = sampler(logits, params, [9, 5, 7, 5], [[]] * 4)
+    assert first[1] == first[3]
+    assert sampler(logits[:1], params[:1], [5], [[]]) == [first[1]]
+    # ...and the seed matters: 20 seeds give more than one token from a flat distribution.
+    assert len({sampler(logits[:1], params[:1], [s], [[]])[0] for s in range(20)}) > 1
 
 
 def test_sampler_does_not_modify_the_callers_logits() -> None:
     logits = _random_logits(2, 50, seed=3)
     copy = logits.clone()
     params = [SamplingParams(repetition_penalty=2.0, top_k=3), SamplingParams(temperature=0.5)]
-    Sampler()(logits, params, [make_generator(0), make_generator(1)], [[0, 1, 2], [4]])
+    Sampler()(logits, params, [0, 1], [[0, 1, 2], [4]])
     assert torch.equal(logits, copy)
 
 
 def test_mismatched_lengths_are_rejected() -> None:
-    with pytest.raises(ValueError, match="one params/generator/history per row"):
+    with pytest.raises(ValueError, match="one params/seed/history per row"):
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [None, None], [[], []])
 
 
@@ -218,12 +228,12 @@ def _sequence(
 ) -> list[int]:
     """The first row's draws over several steps, sharing the batch with ``others``."""
     sampler = Sampler()
-    generators = [make_generator(seed)] + [make_generator(1000 + i) for i in range(len(others))]
     out = []
     for step in range(steps):
         logits = _random_logits(1 + len(others), 64, seed=step)
         histories = [list(range(step % 7))] * (1 + len(others))
-        out.append(sampler(logits, [params, *others], generators, histories)[0])
+        seeds = [draw_seed(seed, step)] + [draw_seed(1000 + i, step) for i in range(len(others))]
+        out.append(sampler(logits, [params, *others], seeds, histories)[0])
     return out
 
 
@@ -253,14 +263,24 @@ def test_different_seeds_give_different_draws() -> None:
     assert _sequence(7, SamplingParams(), []) != _sequence(8, SamplingParams(), [])
 
 
-def test_make_generator_without_seed_is_fresh_each_time() -> None:
-    a, b = make_generator(None), make_generator(None)
-    assert not torch.equal(a.get_state(), b.get_state())
+def test_new_seed_keeps_a_given_seed_and_draws_a_fresh_one_otherwise() -> None:
+    assert new_seed(7) == 7 and new_seed(0) == 0
+    assert new_seed(None) != new_seed(None)
 
 
-@pytest.mark.parametrize(
-    ("seed", "torch_seed"), [(5, 5), (-1, -1), (2**64 + 5, 5), (-(2**64) - 1, -1)]
-)
-def test_make_generator_wraps_any_int_like_torch(seed: int, torch_seed: int) -> None:
-    expected = torch.Generator().manual_seed(torch_seed).get_state()
-    assert torch.equal(make_generator(seed).get_state(), expected)
+def test_splitmix64_matches_the_reference_sequence() -> None:
+    # Vigna's splitmix64.c from state 0: each output is splitmix64 of the state before
+    # the increment, the state advancing by the golden gamma.
+    gamma = 0x9E3779B97F4A7C15
+    outputs = [splitmix64(i * gamma % 2**64) for i in range(3)]
+    assert outputs == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_draw_seeds_are_distinct_in_range_and_wrap_any_int() -> None:
+    grid = {draw_seed(seed, pos) for seed in range(64) for pos in range(64)}
+    assert len(grid) == 64 * 64
+    assert all(0 <= s < 2**64 for s in grid)
+    # Seeds are taken modulo 2**64, as torch wraps the negative ones it accepts.
+    assert draw_seed(-1, 3) == draw_seed(2**64 - 1, 3)
+    assert draw_seed(2**64 + 5, 0) == draw_seed(5, 0)
+    Sampler()(torch.zeros(1, 4), [SamplingParams()], [max(grid)], [[]])  # torch accepts it

@@ -6,7 +6,6 @@ The client-visible result must equal one colocated engine, token for token.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer import TransferState, make_receiver, make_sender
@@ -29,16 +28,13 @@ def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, pa
             dest = receiver.expect(rid, decode.reserve(prompt, params, rid), lease_s=30)
             prefill.add_request(prompt, params, rid, prefill_only=True)
             (first,) = prefill.step()
-            # The sampler's RNG state rides the final message, so seeded sampling continues.
-            rng = None if first.rng_state is None else bytes(first.rng_state.numpy())
-            fut = sender.send(dest, first.held_block_ids, first.token_ids[0], extra=rng)
+            # Only KV and the first token travel: seeded sampling needs no state.
+            fut = sender.send(dest, first.held_block_ids, first.token_ids[0])
             assert fut.result(30).state is TransferState.DONE
             prefill.release(rid)  # the decode side confirmed: the prefill blocks are free
             arrived = receiver.poll(rid)
             receiver.release(rid)
-            assert arrived.extra == rng
-            state = None if rng is None else torch.frombuffer(bytearray(rng), dtype=torch.uint8)
-            out = decode.admit(rid, arrived.first_token, state)
+            out = decode.admit(rid, arrived.first_token)
             tokens, text_out = list(first.token_ids), first.text
             while not out.finished:
                 for out in decode.step():
@@ -50,6 +46,39 @@ def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, pa
     finally:
         sender.close()
         receiver.close()
+    for engine in (prefill, decode):
+        engine.kv.pool.check_integrity()
+        assert engine.kv.pool.num_used == 0
+
+
+def test_a_continued_request_ships_the_kv_of_its_earlier_output_too(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("你好，世界！")  # 18 tokens
+    expected = list(tiny_engine.stream(prompt, SEEDED))
+    earlier = [o.token_ids[0] for o in expected[:6]]  # 24 tokens of KV: 2 blocks
+    prefill, decode = make_engine(), make_engine(num_blocks=64)
+    receiver = make_receiver("inproc", decode.kv.tensor, decode.kv_fingerprint())
+    sender = make_sender("inproc", prefill.kv.tensor, prefill.kv_fingerprint())
+    try:
+        dest = receiver.expect("m", decode.reserve(prompt, SEEDED, "m", earlier), lease_s=30)
+        prefill.add_request(prompt, SEEDED, "m", prefill_only=True, output_ids=earlier)
+        (first,) = prefill.step()
+        assert len(first.held_block_ids) == 2
+        status = sender.send(dest, first.held_block_ids, first.token_ids[0]).result(30)
+        assert status.state is TransferState.DONE
+        prefill.release("m")
+        arrived = receiver.poll("m")
+        receiver.release("m")
+        out = decode.admit("m", arrived.first_token)
+        tokens, text = list(first.token_ids), first.text
+        while not out.finished:
+            for out in decode.step():
+                tokens += out.token_ids
+                text += out.text
+    finally:
+        sender.close()
+        receiver.close()
+    assert tokens == [t for o in expected[6:] for t in o.token_ids]
+    assert text == "".join(o.text for o in expected[6:])
     for engine in (prefill, decode):
         engine.kv.pool.check_integrity()
         assert engine.kv.pool.num_used == 0

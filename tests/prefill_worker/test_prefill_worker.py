@@ -30,7 +30,22 @@ def _dest(rid="r1", blocks=(0, 1, 2), address="127.0.0.1:1"):
     [
         (request([5] * 20, PARAMS), _dest(address=""), "destination.address must not be empty"),
         (request([5] * 20, PARAMS), _dest(rid="other"), "destination.request_id must equal"),
-        (request([5] * 40, PARAMS), _dest(blocks=(0, 1)), "must hold the prompt's 3 blocks, got 2"),
+        (
+            request([5] * 40, PARAMS),
+            _dest(blocks=(0, 1)),
+            "destination.block_ids must hold the 3 blocks of the prompt and output_token_ids, "
+            "got 2",
+        ),
+        (  # 30 + 4 tokens of KV to ship: 3 blocks of 16
+            request([5] * 30, PARAMS, output_ids=[6] * 4),
+            _dest(blocks=(0, 1)),
+            "must hold the 3 blocks of the prompt and output_token_ids, got 2",
+        ),
+        (
+            request([5] * 20, PARAMS, output_ids=[6] * 8),
+            _dest(),
+            "output_token_ids must be fewer than max_tokens (8), got 8",
+        ),
         (request([], PARAMS), _dest(), "prompt must not be empty"),
         (request([5, 300], PARAMS), _dest(), "token id 300 is outside [0, 259)"),
         (

@@ -8,9 +8,13 @@ sees, in tokens' worth of waiting).
 
 Each kill gets a fresh `tandem serve`-style cluster (1 prefill + 2 decode workers
 on loopback): one greedy stream (chat prompt, EOS ignored) runs until it has
---kill-after tokens, the decode worker serving it is SIGKILLed, and the stream
+--kill-after tokens, the decode worker serving it is frozen until the client has
+read every token it sent, then SIGKILLed (so the clock starts at the death and
+the next token is the migrated attempt's), and the stream
 goes on through a migration (the prompt plus the tokens already streamed are
-re-prefilled). Every stream's text is checked against an undisturbed run of the
+re-prefilled). Two short requests first let both decode workers serve once, so
+the prefill worker's KV links to them are up, as in a cluster in use (a first
+connection costs a UCX set-up). Every stream's text is checked against an undisturbed run of the
 same request. The figure is the median over the kills; the baseline is the median
 inter-token gap of the streams before their kill.
 """
@@ -25,33 +29,54 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-def _stream(address: str, max_tokens: int, kill_after: int | None, cluster=None):
-    """(tokens, text, token arrival times, kill time or None)."""
+def _stream(address: str, max_tokens: int, kill_after: int | None = None, cluster=None):
+    """(tokens, text, token arrival times, kill time or None).
+
+    With ``kill_after``: once that many tokens have arrived, the decode worker serving
+    the stream is frozen (SIGSTOP) until every token it already sent has been read,
+    then killed; so the first token after the kill is the migrated attempt's.
+    """
     from tandem.client import TandemClient
 
-    tokens, text, times, killed_at = [], "", [], None
-    with TandemClient(address, timeout=600) as client:
-        for chunk in client.generate(
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=max_tokens,
-            temperature=0,
-            ignore_eos=True,
-        ):
-            if chunk.token_ids:
-                times.append(time.perf_counter())
-            tokens.extend(chunk.token_ids)
-            text += chunk.text
-            if kill_after is not None and killed_at is None and len(tokens) >= kill_after:
-                killed_at = _kill_serving_decode_worker(cluster)
-    return tokens, text, times, killed_at
+    tokens: list[int] = []
+    text: list[str] = []
+    times: list[float] = []
+    killed_at: list[float] = []
+
+    def read() -> None:
+        with TandemClient(address, timeout=600) as client:
+            for chunk in client.generate(
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=max_tokens,
+                temperature=0,
+                ignore_eos=True,
+            ):
+                now = time.perf_counter()
+                times.extend([now] * len(chunk.token_ids))
+                tokens.extend(chunk.token_ids)
+                text.append(chunk.text)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    if kill_after is not None:
+        while len(tokens) < kill_after and reader.is_alive():
+            time.sleep(0.001)
+        victim = _serving_decode_worker(cluster)
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(1.0)  # whatever it sent before it froze is read by now
+        os.kill(victim, signal.SIGKILL)
+        killed_at.append(time.perf_counter())
+    reader.join()
+    return tokens, "".join(text), times, killed_at[0] if killed_at else None
 
 
-def _kill_serving_decode_worker(cluster) -> float:
+def _serving_decode_worker(cluster) -> int:
     import grpc
 
     from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -64,8 +89,7 @@ def _kill_serving_decode_worker(cluster) -> float:
                 worker_pb2.StatusRequest(), timeout=10
             )
         if status.running:
-            os.kill(proc.popen.pid, signal.SIGKILL)
-            return time.perf_counter()
+            return proc.popen.pid
     raise RuntimeError("no decode worker was running the stream")
 
 
@@ -94,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     gaps, itls, exact = [], [], 0
     for i in range(args.kills):
         with cluster() as c:
+            for _ in range(2):  # both decode workers serve once: KV links are up, as in use
+                _stream(c.address, 2)
             tokens, text, times, killed_at = _stream(c.address, args.max_tokens, args.kill_after, c)
-        before = [t for t in times if t <= killed_at]
+        before = sorted({t for t in times if t <= killed_at})  # one time per response
         after = [t for t in times if t > killed_at]
         gaps.append(after[0] - killed_at)
         itls.append(statistics.median(b - a for a, b in zip(before, before[1:], strict=False)))

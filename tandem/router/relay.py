@@ -228,6 +228,9 @@ class Relay:
         self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination]:
         queued_at: float | None = None
+        if self.capacity.waiting:  # others wait for room already: in line behind them
+            queued_at = time.monotonic()
+            await self._wait_for_room(queued_at, deadline, False, "requests queued ahead")
         while True:
             if not await self._any_placeable(Pool.DECODE, deadline):
                 raise self._none_available(Pool.DECODE)
@@ -238,22 +241,30 @@ class Relay:
                 return opened
             if error is None or error.code is not Code.RESOURCE_EXHAUSTED:
                 raise error or self._none_available(Pool.DECODE)
-            # Every decode worker tried is full: wait for room, in order.
-            now = time.monotonic()
-            queued_at = now if queued_at is None else queued_at
-            left = self.queue_timeout_s - (now - queued_at)
-            if deadline is not None:
-                left = min(left, deadline - now)
-            if left <= 0 or not await self.capacity.wait(left, first=queued_at != now):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise RouterError(
-                        Code.DEADLINE_EXCEEDED,
-                        "the deadline passed while waiting for a decode worker with room",
-                    )
-                raise RouterError.overloaded(
-                    f"no decode worker had room within queue_timeout_s="
-                    f"{self.queue_timeout_s:g} s ({error.message}); retry later"
-                )
+            # Every decode worker tried is full: wait for room, in order (a request
+            # that was woken and still found none keeps its place at the front).
+            first = queued_at is not None
+            queued_at = queued_at or time.monotonic()
+            await self._wait_for_room(queued_at, deadline, first, error.message)
+
+    async def _wait_for_room(
+        self, queued_at: float, deadline: float | None, first: bool, why: str
+    ) -> None:
+        now = time.monotonic()
+        left = self.queue_timeout_s - (now - queued_at)
+        if deadline is not None:
+            left = min(left, deadline - now)
+        if left > 0 and await self.capacity.wait(left, first=first):
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            raise RouterError(
+                Code.DEADLINE_EXCEEDED,
+                "the deadline passed while waiting for a decode worker with room",
+            )
+        raise RouterError.overloaded(
+            f"no decode worker had room within queue_timeout_s={self.queue_timeout_s:g} s "
+            f"({why}); retry later"
+        )
 
     async def _try_decode(
         self, worker_req: worker_pb2.WorkerRequest, deadline: float | None

@@ -185,10 +185,12 @@ def test_waiting_requests_get_room_in_arrival_order(frontend):
                 await wait_until(
                     lambda n=i: c.router.relay.capacity.waiting == n + 1, what="queued"
                 )
-            full.open_error = None
+            full.open_error = None  # room now; a newcomer must not overtake the queue
+            tasks.append(asyncio.ensure_future(one("late")))
+            await wait_until(lambda: c.router.relay.capacity.waiting == 4, what="in line")
             c.router.relay.capacity.notify()  # as a finished request or a poll does
             await asyncio.wait_for(asyncio.gather(*tasks), 10)
-            assert order == ["r0", "r1", "r2"]
+            assert order == ["r0", "r1", "r2", "late"]
 
     run(scenario())
 

@@ -134,14 +134,15 @@ def test_health_reports_serving(pair):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_lease_expiry_without_prefill_is_unavailable_and_frees_blocks(bg):
+def test_lease_expiry_without_prefill_is_aborted_and_frees_blocks(bg):
     worker = start_worker(bg, DecodeConfig(engine=engine_config(num_blocks=16), kv_lease_s=0.3))
     try:
         stream, dest = _open(worker, request([5] * 30, PARAMS))
         assert dest.lease_seconds == pytest.approx(0.3)
         with pytest.raises(grpc.RpcError) as err:  # the lease, not the call's deadline, ends it
             next(stream)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # ABORTED: the worker is alive (the router must not take it for dead); the KV failed.
+        assert err.value.code() == grpc.StatusCode.ABORTED
         assert "lease expired" in err.value.details()
         worker.check_clean()
     finally:

@@ -174,7 +174,10 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Errors: INVALID_ARGUMENT (the request does not fit this worker), RESOURCE_EXHAUSTED
+        (no room now: blocks or max_num_seqs), ABORTED (the KV did not arrive: lease
+        expired, transfer failed; this worker is fine), UNAVAILABLE (it is going away).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

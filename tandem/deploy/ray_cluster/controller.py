@@ -153,7 +153,7 @@ class Controller:
         self._event(f"router serving on {self.router_info['address']}")
 
     def _start_loops(self) -> None:
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self._monitor_forever()),
             asyncio.create_task(self._autoscale_forever()),
         ]
@@ -166,24 +166,42 @@ class Controller:
         starting and given ``startup_timeout_s``; one that was draining is drained
         and stopped. Router entries of no live worker are removed. Cooldowns start anew.
         """
+        self._lock = asyncio.Lock()
+        try:
+            await self._adopt_all()
+        except Exception:  # what was adopted stays; the monitor does the rest
+            log.exception("recovering after the restart failed")
+            self._event("recovery after the restart failed: see the controller's log")
+        finally:
+            self._start_loops()
+            self._ready.set()
+
+    async def _adopt_all(self) -> None:
         import ray
 
         cfg = self.config
-        self._lock = asyncio.Lock()
         saved = recovery.load(cfg.namespace)
         self.targets.update(saved.get("targets", {}))
         try:
             self.router = ray.get_actor(ROUTER_NAME, namespace=cfg.namespace)
+        except ValueError:
+            self._event("no router after the restart: starting one")
+            await self._start_router()
+        routed = []
+        try:
             self.router_info = await asyncio.wait_for(
                 self.router.info.remote(), cfg.router_timeout_s
             )
             routed = await asyncio.wait_for(self.router.workers.remote(), CALL_TIMEOUT_S)
-        except Exception as exc:
-            self._event(f"router not found after the restart ({type(exc).__name__}): new one")
-            await self._start_router()
-            routed = []
-        names = recovery.worker_names(cfg.namespace)
-        handles = [ray.get_actor(n, namespace=cfg.namespace) for n in names]
+        except Exception as exc:  # restarting: the monitor registers every worker once back
+            self._event(f"the router did not answer after the restart: {type(exc).__name__}")
+        found = {}
+        for name in recovery.worker_names(cfg.namespace):
+            try:
+                found[name] = ray.get_actor(name, namespace=cfg.namespace)
+            except ValueError:  # gone since listed
+                continue
+        names, handles = list(found), list(found.values())
         infos = await asyncio.gather(
             *(asyncio.wait_for(h.info.remote(), CALL_TIMEOUT_S) for h in handles),
             return_exceptions=True,
@@ -219,8 +237,6 @@ class Controller:
             task = asyncio.create_task(job)
             task.add_done_callback(_log_crash)
             self._tasks.append(task)
-        self._start_loops()
-        self._ready.set()
 
     async def _adopt(self, w: _Worker) -> None:
         """A worker found after a restart that did not answer: serving once it does."""

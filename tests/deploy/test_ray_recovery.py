@@ -66,7 +66,13 @@ def test_a_restarted_controller_adopts_the_live_workers_as_they_are(cluster):
     draining = actors["decode-2"] = FakeWorker("decode", "decode-2", port=4002)
     draining.current["draining"] = True
     silent = actors["decode-3"] = FakeWorker("decode", "decode-3", port=4003)
-    silent.info.hang = True  # restarting: answers later
+
+    async def answers_the_second_time():  # restarting: recover's ask times out
+        if len(silent.info.calls) == 1:
+            await asyncio.sleep(10)
+        return dict(silent.current)
+
+    silent.info.fn = answers_the_second_time
     router.members = {("decode", "10.0.0.1:4001"), ("decode", "10.0.0.1:4002"),
                       ("decode", "10.0.0.1:3999")}  # fmt: skip
     router.workers.fn = lambda: [{"pool": p, "address": a} for p, a in router.members]
@@ -78,7 +84,6 @@ def test_a_restarted_controller_adopts_the_live_workers_as_they_are(cluster):
         assert ctrl._ready.is_set()
         assert ctrl.workers["decode-3"].state == "starting"
         assert ctrl.workers["decode-2"].state == "draining"
-        silent.info.hang = False
         for _ in range(100):
             if ctrl.workers.get("decode-3") and ctrl.workers["decode-3"].state == "serving":
                 break
@@ -112,3 +117,24 @@ def _run_forever_loops_off(ctrl: Controller, coro_fn):
     ctrl._monitor_forever = monitor_forever
     ctrl._autoscale_forever = lambda: asyncio.sleep(0)
     return asyncio.run(coro_fn())
+
+
+def test_the_first_call_after_a_restart_recovers_once(cluster):
+    actors, _ = cluster
+    for i, name in enumerate(["prefill-0", "decode-1", "decode-2"]):  # the targets
+        actors[name] = FakeWorker(name.split("-")[0], name, port=4000 + i)
+    ctrl = Controller(RayDeployConfig(request_nodes=False))
+    ctrl._actor_classes["worker"] = FakeWorkerClass()
+    ctrl._ready.clear()  # as after a restart, with the self-call not yet through
+
+    async def go():
+        st, _ = await asyncio.gather(ctrl.status(), ctrl.recover())
+        await ctrl.recover()  # again: nothing more
+        return st
+
+    ctrl._start_loops = lambda: None
+    st = asyncio.run(go())
+    assert [w["name"] for w in st["workers"]] == ["decode-1", "decode-2", "prefill-0"]
+    assert ctrl._actor_classes["worker"].made == {}
+    assert sum("controller restarted" in e for e in ctrl.events) == 1
+    assert actors["router"].info.calls == [()]

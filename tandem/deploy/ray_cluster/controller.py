@@ -105,6 +105,7 @@ class Controller:
         self._actor_classes: dict[str, Any] = {}
         # Calls wait for this while a restarted controller rebuilds its view.
         self._ready = asyncio.Event()
+        self._recovery: asyncio.Task | None = None
         if recovery.restarted():
             recovery.call_self("recover")
         else:
@@ -165,7 +166,18 @@ class Controller:
         says); one that does not yet (restarting, or its node is gone) is adopted as
         starting and given ``startup_timeout_s``; one that was draining is drained
         and stopped. Router entries of no live worker are removed. Cooldowns start anew.
+        Runs once however often it is called (``__init__`` asks for it, and so does
+        any call that comes first).
         """
+        if self._recovery is None:
+            self._recovery = asyncio.create_task(self._recover())
+        await asyncio.shield(self._recovery)
+
+    async def _until_ready(self) -> None:
+        if not self._ready.is_set():
+            await self.recover()
+
+    async def _recover(self) -> None:
         self._lock = asyncio.Lock()
         try:
             await self._adopt_all()
@@ -264,7 +276,7 @@ class Controller:
         Raises ``NotStarted`` naming the workers that did not start (the targets stay
         set: the monitor tries again while a pool is short of its target).
         """
-        await self._ready.wait()
+        await self._until_ready()
         wanted = {"prefill": prefill, "decode": decode}
         for pool, n in wanted.items():
             if n is None:
@@ -292,7 +304,7 @@ class Controller:
         return await self.status()
 
     async def status(self) -> dict[str, Any]:
-        await self._ready.wait()
+        await self._until_ready()
         try:
             router_view = await asyncio.wait_for(self.router.workers.remote(), 5.0)
         except Exception:  # restarting: the view is back at the next call
@@ -355,7 +367,7 @@ class Controller:
         """Drain the router's in-flight streams, then stop every actor this controller made."""
         import ray
 
-        await self._ready.wait()
+        await self._until_ready()
         tasks = self._tasks + ([self._top_up] if self._top_up is not None else [])
         for task in tasks:
             task.cancel()
@@ -384,7 +396,7 @@ class Controller:
 
     async def worker_started(self, info: dict[str, Any]) -> None:
         """A worker's server is up. After a restart, its new address replaces the old one."""
-        await self._ready.wait()
+        await self._until_ready()
         w = self.workers.get(info["name"])
         if w is None or w.state != "serving" or info["incarnation"] == w.info.get("incarnation"):
             return  # a first start (``_start_worker`` registers it) or news already known

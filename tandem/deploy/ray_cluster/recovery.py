@@ -15,8 +15,13 @@ actor (the controller's unit tests run without Ray).
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
+import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 WORKER_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
 _KV_NAMESPACE = "tandem"
@@ -61,11 +66,30 @@ def restarted() -> bool:
     return ctx.get_actor_id() is not None and ctx.was_current_actor_reconstructed
 
 
-def call_self(method: str) -> None:
-    """Queue a call of this actor's own ``method``: it runs once ``__init__`` has returned."""
+def call_self(method: str, within_s: float = 300.0) -> None:
+    """Call this actor's own ``method`` once ``__init__`` has returned, from a thread.
+
+    A call sent while Ray still sees the actor as restarting fails at once
+    (ActorUnavailableError), so it is sent again until it gets through or
+    ``within_s`` passes. ``method`` must be safe to call twice.
+    """
     import ray
 
-    getattr(ray.get_runtime_context().current_actor, method).remote()
+    handle = ray.get_runtime_context().current_actor
+
+    def run() -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                ray.get(getattr(handle, method).remote())
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    log.error("calling %s on this actor failed: %r", method, exc)
+                    return
+                time.sleep(0.5)
+
+    threading.Thread(target=run, name=f"call-{method}", daemon=True).start()
 
 
 def worker_names(namespace: str) -> list[str]:

@@ -34,7 +34,7 @@ from tests.deploy.test_ray_cluster import _assert_gone, _tandem, _wait_for
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
-    # 3 to 6 minutes on two cores (four Ray nodes): too long for `make test`.
+    # 2 to 6 minutes on two cores (four Ray nodes), with the load: too long for `make test`.
     pytest.mark.skipif(
         not os.environ.get("TANDEM_MULTINODE"),
         reason="opt-in: TANDEM_MULTINODE=1, or deploy/test-multinode.sh",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The multi-node Ray test (tests/deploy/test_ray_multinode.py): a head and three
 # worker nodes on this machine, made with start-head.sh / start-worker.sh, then
-# node loss and controller loss. Opt-in, since it takes 3 to 6 minutes on two
+# node loss and controller loss. Opt-in, since it takes 2 to 6 minutes on two
 # cores; `make test` skips it. Run from the repository root after `make setup`.
 #
 #   deploy/test-multinode.sh [pytest arguments]

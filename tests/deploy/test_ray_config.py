@@ -218,3 +218,18 @@ def test_the_router_runs_on_the_head_unless_its_resources_say_otherwise():
     assert anywhere.router_actor.resources == {}
     # Ray's per-node resource is not one a local head is started with.
     assert "node:__internal_head__" not in _local_resources(cfg)
+
+
+def test_the_autoscaler_waits_while_a_resize_is_under_way():
+    ctrl = _controller()
+    _add(ctrl, "prefill-0", queue_depth=6, running=2, kv_blocks_used=0, kv_blocks_total=100)
+
+    async def during_a_resize():
+        ctrl._lock = asyncio.Lock()
+        async with ctrl._lock:  # a scale holds it until its workers serve
+            await ctrl._autoscale_once()
+        assert ctrl.reconciled == [] and ctrl.targets["prefill"] == 1
+        await ctrl._autoscale_once()
+
+    asyncio.run(during_a_resize())
+    assert ctrl.reconciled == [{"prefill": 3, "decode": 1}]  # only the round after it

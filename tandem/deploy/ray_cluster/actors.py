@@ -92,6 +92,7 @@ class WorkerActor:
         self._loop.run(self.server.start())
         self.incarnation = uuid.uuid4().hex
         self.started_at = time.time()
+        self.draining = False  # a controller restarted mid-drain finishes the job
         log.info("%s serving on %s (%s)", name, self.server.address, self.incarnation)
         if controller is not None:
             self._announce(controller, config.namespace)
@@ -113,6 +114,7 @@ class WorkerActor:
             "kv_address": self.server.kv_address,
             "incarnation": self.incarnation,
             "started_at": self.started_at,
+            "draining": self.draining,
             **self.node,
         }
 
@@ -129,6 +131,7 @@ class WorkerActor:
     def drain(self, grace: float) -> int:
         """No new requests; in-flight ones get ``grace`` seconds; returns the served count."""
         log.info("%s draining (up to %g s)", self.name, grace)
+        self.draining = True
         self._loop.run(self.server.stop(grace))
         return self.server.served
 

@@ -36,6 +36,12 @@ def add_parser(sub) -> None:
     up.add_argument(
         "--local-cpus", type=int, default=8, help="logical CPUs of a local head (default 8)"
     )
+    up.add_argument(
+        "--token-file",
+        default=None,
+        help="with --address: the cluster's Ray token (deploy/start-head.sh made it); "
+        "recorded, so later commands need it no more",
+    )
     up.set_defaults(func=cmd_up)
 
     st = cmds.add_parser("status", help="each pool's workers: node, queue depth, KV use")
@@ -82,7 +88,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem.deploy.ray_cluster.launch import up
 
     config = load_config(args)
-    state = up(config, args.address, _state_file(args), local_cpus=args.local_cpus)
+    state = up(
+        config,
+        args.address,
+        _state_file(args),
+        local_cpus=args.local_cpus,
+        token_file=args.token_file,
+    )
     where = "a local Ray head" if state.get("head_pid") else "Ray"
     print(f"tandem: serving {config.engine.model} on {state['router']} "
           f"({where} at {state['address']}, namespace {config.namespace})", flush=True)  # fmt: skip
@@ -104,12 +116,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def format_status(st: dict[str, Any]) -> str:
     t = st["targets"]
+    ctrl = st.get("controller", {})
     lines = [
         f"router  {st['router']} (node {st['router_node']})",
+        f"controller pid {ctrl.get('pid', '-')} on node {ctrl.get('node_id', '-')[:12]}",
         f"targets prefill={t['prefill']} decode={t['decode']}  "
         f"autoscale={'on' if st['autoscale'] else 'off'}",
         "",
-        f"{'POOL':8} {'WORKER':11} {'STATE':9} {'NODE':16} {'ADDRESS':22} "
+        f"{'POOL':8} {'WORKER':11} {'STATE':10} {'NODE':16} {'NODE ID':12} {'ADDRESS':22} "
         f"{'QUEUE':>5} {'RUN':>4} {'KV USE':>12} {'SERVED':>7} {'RESTARTS':>8}",
     ]
     for w in st["workers"]:
@@ -118,10 +132,14 @@ def format_status(st: dict[str, Any]) -> str:
         if total:
             kv += f" {100 * w['kv_blocks_used'] / total:.0f}%"
         lines.append(
-            f"{w['pool']:8} {w['name']:11} {w['state']:9} {w.get('node_ip', '-'):16} "
-            f"{w.get('address', '-'):22} {w.get('queue_depth', '-'):>5} "
+            f"{w['pool']:8} {w['name']:11} {w['state']:10} {w.get('node_ip', '-'):16} "
+            f"{w.get('node_id', '-')[:12]:12} {w.get('address', '-'):22} "
+            f"{w.get('queue_depth', '-'):>5} "
             f"{w.get('running', '-'):>4} {kv:>12} {w.get('served', '-'):>7} {w['restarts']:>8}"
         )
+    for pool, p in st.get("pools", {}).items():
+        if p["waiting"]:
+            lines.append(f"{pool}: {p['serving']} of {p['target']} serving; {p['waiting']}")
     if st.get("events"):
         lines += ["", "recent events:"] + [f"  {e}" for e in st["events"][-8:]]
     return "\n".join(lines)

@@ -1,8 +1,11 @@
 """The controller: one detached, named Ray actor that owns a deployment.
 
-It creates the router actor and the worker actors (so they share its fate: when
-it is killed, they go too), keeps the router's membership equal to the serving
-workers, and answers ``tandem ray status / scale / down``.
+It creates the router actor and the worker actors, keeps the router's membership
+equal to the serving workers, and answers ``tandem ray status / scale / down``.
+Every actor it creates is named and detached, so none shares its fate: when the
+controller's process dies, Ray restarts it (``max_restarts``) and ``recover``
+rebuilds the view from the live actors, the router's membership and the
+checkpoint (recovery.py), adopting every worker as it is: none restarts.
 
 A worker's life:
 
@@ -28,12 +31,16 @@ Pool sizes change by ``scale`` (by hand) or by the autoscaling policy
 ``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time. A
 pool left short of its target (a worker that did not start, or was lost) is topped up
 by the monitor: one attempt at a time, checked each ``monitor_interval_s``.
+
+A node that dies takes its workers' processes with it: the monitor takes their
+addresses out of the router at once, and Ray restarts each worker (as after a
+crash) on another node that offers its pool's resources, or, when none has room,
+once such a node joins; ``status`` says which resources a short pool waits for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -41,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.deploy.autoscale import POOLS, Autoscaler
+from tandem.deploy.ray_cluster import recovery
 from tandem.deploy.ray_cluster.config import RayDeployConfig
 from tandem.errors import ConfigError, TandemError
 
@@ -66,6 +74,7 @@ class _Worker:
     stats: dict[str, Any] = field(default_factory=dict)  # last WorkerActor.stats()
     restarts: int = 0
     last_seen: float = 0.0  # monotonic time of the last answer
+    answering: bool = True  # whether the last stats call was answered
     replaced_at: float = 0.0  # monotonic time ``info`` last changed to a new incarnation
     # The address the router last confirmed for this worker ("": none). While it differs
     # from ``address``, the router owes an update, and the monitor retries it.
@@ -89,11 +98,18 @@ class Controller:
         self.router_info: dict[str, Any] = {}
         self.autoscaler = Autoscaler(config.autoscale)
         self.events: deque[str] = deque(maxlen=50)  # recent membership changes, for status
-        self._ids = itertools.count()
+        self._next_id = 0  # worker names are <pool>-<n>, never reused
         self._lock: asyncio.Lock | None = None  # made on the actor's event loop
         self._tasks: list[asyncio.Task] = []
         self._top_up: asyncio.Task | None = None  # the monitor's ``_reconcile`` in progress
         self._actor_classes: dict[str, Any] = {}
+        # Calls wait for this while a restarted controller rebuilds its view.
+        self._ready = asyncio.Event()
+        self._recovery: asyncio.Task | None = None
+        if recovery.restarted():
+            recovery.call_self("recover")
+        else:
+            self._ready.set()
 
     # ---- calls from the CLI ------------------------------------------------------------
 
@@ -102,16 +118,28 @@ class Controller:
 
         Raises ``NotStarted`` naming each piece that did not start, and why.
         """
+        self._lock = asyncio.Lock()
+        self._save()
+        await self._start_router()
+        failed = await self._reconcile()
+        if failed:
+            raise NotStarted("; ".join(failed))
+        self._start_loops()
+        return self.router_info["address"]
+
+    async def _start_router(self) -> None:
         import ray
 
         from tandem.deploy.ray_cluster.actors import RouterActor
         from tandem.deploy.ray_cluster.placement import actor_options
 
-        self._lock = asyncio.Lock()
         cfg = self.config
         router_cls = ray.remote(RouterActor)
         self.router = router_cls.options(
-            name=ROUTER_NAME, namespace=cfg.namespace, **actor_options(cfg.router_actor)
+            name=ROUTER_NAME,
+            namespace=cfg.namespace,
+            lifetime="detached",
+            **actor_options(cfg.router_actor),
         ).remote(cfg.router_config())
         try:
             self.router_info = await asyncio.wait_for(
@@ -124,14 +152,123 @@ class Controller:
             self._event(f"router did not start: {reason}")
             raise NotStarted(f"the router did not start: {reason}") from None
         self._event(f"router serving on {self.router_info['address']}")
-        failed = await self._reconcile()
-        if failed:
-            raise NotStarted("; ".join(failed))
-        self._tasks = [
+
+    def _start_loops(self) -> None:
+        self._tasks += [
             asyncio.create_task(self._monitor_forever()),
             asyncio.create_task(self._autoscale_forever()),
         ]
-        return self.router_info["address"]
+
+    async def recover(self) -> None:
+        """Ray restarted this controller: adopt the live router and workers, then resume.
+
+        A worker that answers is serving again as it was (``routed`` as the router
+        says); one that does not yet (restarting, or its node is gone) is adopted as
+        starting and given ``startup_timeout_s``; one that was draining is drained
+        and stopped. Router entries of no live worker are removed. Cooldowns start anew.
+        Runs once however often it is called (``__init__`` asks for it, and so does
+        any call that comes first).
+        """
+        if self._recovery is None:
+            self._recovery = asyncio.create_task(self._recover())
+        await asyncio.shield(self._recovery)
+
+    async def _until_ready(self) -> None:
+        if not self._ready.is_set():
+            await self.recover()
+
+    async def _recover(self) -> None:
+        self._lock = asyncio.Lock()
+        try:
+            await self._adopt_all()
+        except Exception:  # what was adopted stays; the monitor does the rest
+            log.exception("recovering after the restart failed")
+            self._event("recovery after the restart failed: see the controller's log")
+        finally:
+            self._start_loops()
+            self._ready.set()
+
+    async def _adopt_all(self) -> None:
+        import ray
+
+        cfg = self.config
+        saved = recovery.load(cfg.namespace)
+        self.targets.update(saved.get("targets", {}))
+        try:
+            self.router = ray.get_actor(ROUTER_NAME, namespace=cfg.namespace)
+        except ValueError:
+            self._event("no router after the restart: starting one")
+            await self._start_router()
+        routed = []
+        try:
+            self.router_info = await asyncio.wait_for(
+                self.router.info.remote(), cfg.router_timeout_s
+            )
+            routed = await asyncio.wait_for(self.router.workers.remote(), CALL_TIMEOUT_S)
+        except Exception as exc:  # restarting: the monitor registers every worker once back
+            self._event(f"the router did not answer after the restart: {type(exc).__name__}")
+        found = {}
+        for name in recovery.worker_names(cfg.namespace):
+            try:
+                found[name] = ray.get_actor(name, namespace=cfg.namespace)
+            except ValueError:  # gone since listed
+                continue
+        names, handles = list(found), list(found.values())
+        infos = await asyncio.gather(
+            *(asyncio.wait_for(h.info.remote(), CALL_TIMEOUT_S) for h in handles),
+            return_exceptions=True,
+        )
+        in_router = {(r["pool"], r["address"]) for r in routed}
+        now, later = time.monotonic(), []
+        for name, handle, info in zip(names, handles, infos, strict=True):
+            pool = recovery.WORKER_NAME.match(name).group(1)
+            w = _Worker(name, pool, handle, recovery.placement_group(name), last_seen=now)
+            self.workers[name] = w
+            if isinstance(info, BaseException):
+                later.append(self._adopt(w))  # stays "starting" until it answers
+                continue
+            w.info = info
+            if info.get("draining"):
+                w.state = "draining"
+                later.append(self._stop_worker(w, cfg.drain_timeout_s))
+            else:
+                w.state = "serving"
+                w.routed = w.address if (pool, w.address) in in_router else ""
+        known = {(w.pool, w.address) for w in self.workers.values() if w.state == "serving"}
+        for pool, address in in_router - known:
+            await self._sync_call(self.router.remove_worker, pool, address)
+        self._next_id = max([saved.get("next_id", 0)] + [int(n.split("-")[-1]) + 1 for n in names])
+        for pool in POOLS:
+            self.autoscaler.resized(pool, now)
+        self._event(
+            f"controller restarted: adopted {len(names)} workers "
+            f"({sum(w.state == 'serving' for w in self.workers.values())} serving); "
+            f"targets prefill={self.targets['prefill']} decode={self.targets['decode']}"
+        )
+        for job in later:
+            task = asyncio.create_task(job)
+            task.add_done_callback(_log_crash)
+            self._tasks.append(task)
+
+    async def _adopt(self, w: _Worker) -> None:
+        """A worker found after a restart that did not answer: serving once it does."""
+        cfg = self.config
+        try:
+            w.info = await asyncio.wait_for(w.handle.info.remote(), cfg.startup_timeout_s)
+            await self._route(w)
+        except Exception as exc:
+            reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(w.pool))
+            self._event(f"{w.name} lost: {reason}")
+            self._free(w)
+            return
+        w.state, w.last_seen = "serving", time.monotonic()
+        self._event(f"{w.name} serving on {w.address} (node {w.info['node_ip']})")
+
+    async def _sync_call(self, method: Any, *args: Any) -> None:
+        try:
+            await asyncio.wait_for(method.remote(*args), CALL_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("%r: %r", args, exc)
 
     async def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
         """Set pool sizes (None: unchanged) and wait until the pools have them.
@@ -139,6 +276,7 @@ class Controller:
         Raises ``NotStarted`` naming the workers that did not start (the targets stay
         set: the monitor tries again while a pool is short of its target).
         """
+        await self._until_ready()
         wanted = {"prefill": prefill, "decode": decode}
         for pool, n in wanted.items():
             if n is None:
@@ -158,20 +296,26 @@ class Controller:
             if n is not None and n != self.targets[pool]:
                 self.targets[pool] = n
                 self.autoscaler.resized(pool, now)
+        self._save()
         failed = await self._reconcile()
+        self._resized([pool for pool, n in wanted.items() if n is not None])
         if failed:
             raise NotStarted("; ".join(failed))
         return await self.status()
 
     async def status(self) -> dict[str, Any]:
+        await self._until_ready()
         try:
             router_view = await asyncio.wait_for(self.router.workers.remote(), 5.0)
         except Exception:  # restarting: the view is back at the next call
             router_view = []
         workers = sorted(self.workers.values(), key=lambda w: (w.pool, int(w.name.split("-")[-1])))
         return {
+            "controller": self._whoami(),
+            "pools": self._pools(),
             "router": self.router_info.get("address", ""),
             "router_node": self.router_info.get("node_ip", ""),
+            "router_pid": self.router_info.get("pid"),
             "targets": dict(self.targets),
             "autoscale": self.config.autoscale.enabled,
             "workers": [
@@ -180,7 +324,7 @@ class Controller:
                     **w.stats,
                     "name": w.name,
                     "pool": w.pool,
-                    "state": w.state,
+                    "state": "restarting" if w.state == "serving" and not w.answering else w.state,
                     "restarts": w.restarts,
                 }
                 for w in workers
@@ -189,10 +333,41 @@ class Controller:
             "events": list(self.events),
         }
 
+    def _pools(self) -> dict[str, dict[str, Any]]:
+        """Per pool: target, workers serving, and what a short pool waits for."""
+        from tandem.deploy.ray_cluster.placement import cluster_missing
+
+        out = {}
+        for pool in POOLS:
+            ws = [w for w in self.workers.values() if w.pool == pool]
+            serving = sum(w.state == "serving" and w.answering for w in ws)
+            waiting = ""
+            if serving < self.targets[pool]:
+                try:
+                    waiting = cluster_missing(self.config.pool(pool).bundle())
+                except Exception as exc:  # no Ray here (tests) or the GCS is busy
+                    waiting = f"unknown ({type(exc).__name__})"
+                waiting = waiting or "starting or restarting"
+            out[pool] = {"target": self.targets[pool], "serving": serving, "waiting": waiting}
+        return out
+
+    @staticmethod
+    def _whoami() -> dict[str, Any]:
+        import os
+
+        import ray
+
+        info: dict[str, Any] = {"pid": os.getpid()}
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            info.update(node_id=ctx.get_node_id(), actor_id=ctx.get_actor_id())
+        return info
+
     async def shutdown(self, grace: float = 30.0) -> None:
         """Drain the router's in-flight streams, then stop every actor this controller made."""
         import ray
 
+        await self._until_ready()
         tasks = self._tasks + ([self._top_up] if self._top_up is not None else [])
         for task in tasks:
             task.cancel()
@@ -214,12 +389,14 @@ class Controller:
         )
         if self.config.request_nodes:
             self._request_capacity(empty=True)
+        recovery.forget(self.config.namespace)
         self._event("shut down")
 
     # ---- calls from worker actors ---------------------------------------------------------
 
     async def worker_started(self, info: dict[str, Any]) -> None:
         """A worker's server is up. After a restart, its new address replaces the old one."""
+        await self._until_ready()
         w = self.workers.get(info["name"])
         if w is None or w.state != "serving" or info["incarnation"] == w.info.get("incarnation"):
             return  # a first start (``_start_worker`` registers it) or news already known
@@ -268,7 +445,9 @@ class Controller:
         from tandem.deploy.ray_cluster.placement import reserve
 
         cfg = self.config
-        name = f"{pool}-{next(self._ids)}"
+        name = f"{pool}-{self._next_id}"
+        self._next_id += 1
+        self._save()
         options, pg = reserve(cfg.pool(pool), name)
         w = _Worker(name, pool, handle=None, placement_group=pg)
         try:
@@ -290,7 +469,13 @@ class Controller:
             await w.placement_group.ready()
         w.handle = (
             self._worker_class()
-            .options(name=w.name, namespace=self.config.namespace, max_concurrency=4, **options)
+            .options(
+                name=w.name,
+                namespace=self.config.namespace,
+                lifetime="detached",  # not the controller's: see the module docstring
+                max_concurrency=4,
+                **options,
+            )
             .remote(w.pool, w.name, self.config, CONTROLLER_NAME)
         )
         self.workers[w.name] = w
@@ -346,6 +531,7 @@ class Controller:
         old = w.address
         now = time.monotonic()
         w.info, w.restarts, w.last_seen, w.replaced_at = info, w.restarts + 1, now, now
+        w.answering = True
         self._event(f"{w.name} restarted: {old} -> {info['address']}")
 
     async def _route(self, w: _Worker) -> None:
@@ -396,7 +582,8 @@ class Controller:
         for w, stats in zip(serving, results, strict=True):
             if w.state != "serving" or w.replaced_at > asked:
                 continue  # a drain began meanwhile, or news newer than these stats came
-            if isinstance(stats, BaseException):
+            w.answering = not isinstance(stats, BaseException)
+            if not w.answering:
                 # Restarting (or gone): the router stops placing on it by itself.
                 if now - w.last_seen > self.config.startup_timeout_s:
                     lost.append(w)
@@ -404,11 +591,17 @@ class Controller:
             if stats["incarnation"] != w.info.get("incarnation"):
                 self._replace(w, {k: stats[k] for k in w.info})  # the router: below
             w.stats, w.last_seen = stats, now
+        await self._leave_dead_nodes([w for w in serving if not w.answering])
         for w in lost:
             self._event(f"{w.name} lost: no answer for {self.config.startup_timeout_s:g} s")
             await self._stop_worker(w, grace=0)
         await self._check_router()
-        owed = [w for w in self.workers.values() if w.state == "serving" and w.routed != w.address]
+        # Only answering workers: a silent one's address may be a dead node's.
+        owed = [
+            w
+            for w in self.workers.values()
+            if w.state == "serving" and w.answering and w.routed != w.address
+        ]
         await asyncio.gather(*(self._sync_router(w) for w in owed))
         if self._short() and (self._top_up is None or self._top_up.done()):
             # Replacements, or a start that failed before. In the background: a start may
@@ -416,6 +609,28 @@ class Controller:
             # meanwhile. One at a time, so an unplaceable worker is not retried in a loop.
             self._top_up = asyncio.create_task(self._reconcile())
             self._top_up.add_done_callback(_log_crash)
+
+    async def _leave_dead_nodes(self, silent: list[_Worker]) -> None:
+        """Take the workers of nodes Ray declared dead out of the router now (the router
+        would stop placing on them after its own ``worker_timeout_s``). Ray restarts
+        them elsewhere; ``_route`` adds the new address then."""
+        if not silent or not (dead := recovery.dead_nodes()):
+            return
+        for w in silent:
+            if w.info.get("node_id") not in dead or not w.routed:
+                continue
+            async with w.router_lock:
+                if w.state != "serving" or not w.routed:
+                    continue
+                try:
+                    await asyncio.wait_for(
+                        self.router.remove_worker.remote(w.pool, w.routed), CALL_TIMEOUT_S
+                    )
+                except Exception as exc:
+                    self._event(f"{w.name}: not removed from the router: {type(exc).__name__}")
+                    continue
+                w.routed = ""
+            self._event(f"{w.name}: node {w.info['node_id'][:12]} lost; out of the router")
 
     def _short(self) -> bool:
         """Whether a pool has fewer live (starting or serving) workers than its target."""
@@ -447,6 +662,8 @@ class Controller:
                 log.exception("autoscale round failed")
 
     async def _autoscale_once(self) -> None:
+        if self._lock is not None and self._lock.locked():
+            return  # a resize is under way: the numbers do not show its effect yet
         serving = [w for w in self.workers.values() if w.state == "serving" and w.stats]
         loads = {
             "prefill": [w.stats["queue_depth"] for w in serving if w.pool == "prefill"],
@@ -464,7 +681,9 @@ class Controller:
                 self.targets[pool] = d.replicas
                 changed = True
         if changed:
+            self._save()
             await self._reconcile()
+            self._resized([pool for pool, d in decisions.items() if d.replicas != d.current])
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -486,6 +705,17 @@ class Controller:
             )
         except Exception as exc:  # no autoscaler API on this cluster: placement still works
             log.info("resource request to the Ray autoscaler failed: %s", exc)
+
+    def _resized(self, pools: list[str]) -> None:
+        """Cooldowns count from when a resize is done (new workers serve, removed ones
+        drained), so that the next decision sees its effect."""
+        now = time.monotonic()
+        for pool in pools:
+            self.autoscaler.resized(pool, now)
+
+    def _save(self) -> None:
+        """Checkpoint what a restarted controller cannot read from the live actors."""
+        recovery.save(self.config.namespace, {"targets": self.targets, "next_id": self._next_id})
 
     def _event(self, text: str) -> None:
         log.info("%s", text)

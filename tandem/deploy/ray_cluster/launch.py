@@ -98,11 +98,13 @@ def up(
     address: str | None,
     state_file: Path,
     local_cpus: int = 8,
+    token_file: str | None = None,
 ) -> dict[str, Any]:
     """Deploy; returns the recorded state (``router`` is the address clients use).
 
     Without ``address`` a local head is started with ``local_cpus`` logical CPUs and
-    the pools' custom resources, sized so every pool's maximum fits.
+    the pools' custom resources, sized so every pool's maximum fits. With it,
+    ``token_file`` is the cluster's Ray token (recorded for the later commands).
     """
     if read_state(state_file).get("router"):
         raise RayDeployError(
@@ -111,6 +113,12 @@ def up(
         )
     require_ray()
     state: dict[str, Any] = {"namespace": config.namespace}
+    if token_file is not None:
+        if address is None:
+            raise RayDeployError("--token-file is for --address (a local head makes its own)")
+        if not Path(token_file).is_file():
+            raise RayDeployError(f"--token-file {token_file}: no such file")
+        state.update(auth_mode="token", auth_token_file=str(Path(token_file).resolve()))
     if address is None:
         state.update(start_head(local_cpus, _local_resources(config), token_path(state_file)))
         address = state["address"]
@@ -135,6 +143,9 @@ def up(
                     lifetime="detached",
                     num_cpus=0,
                     max_concurrency=100,
+                    # Its process dies: Ray starts it again, and it adopts the live
+                    # actors (they are detached too; see controller.py).
+                    max_restarts=-1,
                     # On the head: the controller lives as long as the cluster does.
                     resources=HEAD_NODE,
                 )
@@ -221,8 +232,8 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
 
 
 def stop_deployment(state: dict[str, Any], grace: float = 30.0) -> list[str]:
-    """Shut the controller's actors down, kill the controller, wait until no actor
-    of the namespace is left."""
+    """Shut the controller's actors down, kill the controller and any actor of the
+    namespace left, wait until none is alive."""
     namespace = state["namespace"]
     with connected(state) as ray:
         try:
@@ -235,6 +246,11 @@ def stop_deployment(state: dict[str, Any], grace: float = 30.0) -> list[str]:
             log.warning("the controller's shutdown: %s: %s", type(exc).__name__, exc)
         finally:
             ray.kill(ctrl, no_restart=True)
+        # The actors are detached, so they outlive the controller: a shutdown that
+        # did not finish leaves some, ended here.
+        for name in tandem_actors(ray, namespace):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         deadline = time.monotonic() + 30
         while left := tandem_actors(ray, namespace):
             if time.monotonic() > deadline:

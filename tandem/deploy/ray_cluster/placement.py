@@ -4,6 +4,11 @@
 group a multi-device worker needs and returns the options that place the actor in
 it. Ray's autoscaler, when the cluster has one, adds nodes for actors that do not
 fit; ``request_capacity`` also tells it the pools' whole target size ahead of time.
+``missing`` says why an actor of some shape is not placed (for ``tandem ray status``).
+
+Every actor and placement group of a deployment is detached: owned by the cluster,
+not by the controller that created it, so that they outlive the controller's
+process (Ray restarts it; see recovery.py). ``tandem ray down`` ends them.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ def reserve(res: ActorResources, name: str) -> tuple[dict[str, Any], Any]:
 
     # One bundle with all the worker's devices, on one node. The group outlives
     # restarts of the actor, so a restarted worker finds its devices free.
-    pg = placement_group([res.bundle()], strategy="STRICT_PACK", name=f"tandem-{name}")
+    pg = placement_group(
+        [res.bundle()], strategy="STRICT_PACK", name=f"tandem-{name}", lifetime="detached"
+    )
     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=0
     )
@@ -46,3 +53,31 @@ def request_capacity(pools: list[tuple[ActorResources, int]]) -> None:
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=[res.bundle() for res, count in pools for _ in range(count)])
+
+
+def missing(
+    bundle: dict[str, float], nodes: list[dict[str, float]], available: dict[str, float]
+) -> str:
+    """Why an actor asking for ``bundle`` may wait: no alive node (``nodes``: each one's
+    total resources) offers it, or they are all taken (``available``: what is free in
+    the cluster). "" when it should fit (it is starting or restarting)."""
+    if not any(all(n.get(k, 0) >= v for k, v in bundle.items()) for n in nodes):
+        lacking = [k for k, v in bundle.items() if not any(n.get(k, 0) >= v for n in nodes)]
+        what = f"no alive node has {', '.join(lacking)}" if lacking else "not on one node"
+        return f"no alive node offers {bundle} ({what})"
+    taken = {k: available.get(k, 0) for k, v in bundle.items() if available.get(k, 0) < v}
+    if taken:
+        free = ", ".join(f"{k} {v:g} free" for k, v in taken.items())
+        return f"the nodes offering {bundle} are full ({free})"
+    return ""
+
+
+def cluster_missing(bundle: dict[str, float]) -> str:
+    """``missing`` for the cluster this process is connected to ("unknown" without one)."""
+    import ray
+
+    if not ray.is_initialized():  # ray.nodes() would start a local Ray
+        return "unknown (not connected to Ray)"
+
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    return missing(bundle, nodes, ray.available_resources())

@@ -198,9 +198,9 @@ def test_a_restart_the_live_router_did_not_take_is_retried_by_the_monitor(killed
 
 
 def test_a_restarted_router_gets_every_worker_even_when_one_add_hangs(killed, monkeypatch):
-    from tandem.deploy.ray_cluster import controller
+    from tandem.deploy.ray_cluster import membership
 
-    monkeypatch.setattr(controller, "CALL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(membership, "CALL_TIMEOUT_S", 0.2)
     ctrl = _controller()
     hung: list[str] = []
 

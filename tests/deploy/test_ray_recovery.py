@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from tandem.deploy.ray_cluster import controller, recovery
+from tandem.deploy.ray_cluster import adoption, recovery
 from tandem.deploy.ray_cluster.config import RayDeployConfig
 from tandem.deploy.ray_cluster.controller import Controller
 from tandem.deploy.ray_cluster.placement import missing
@@ -53,7 +53,7 @@ def cluster(monkeypatch):
         recovery, "worker_names", lambda ns: sorted(n for n in actors if n != "router")
     )
     monkeypatch.setattr(recovery, "placement_group", lambda name: None)
-    monkeypatch.setattr(controller, "CALL_TIMEOUT_S", 0.3)  # the silent worker's first ask
+    monkeypatch.setattr(adoption, "CALL_TIMEOUT_S", 0.3)  # the silent worker's first ask
     monkeypatch.setattr(recovery, "load", lambda ns: {"targets": {"decode": 2}, "next_id": 5})
     return actors, killed
 

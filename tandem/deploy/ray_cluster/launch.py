@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.deploy.ray_cluster.config import HEAD_NODE, RayDeployConfig
-from tandem.deploy.ray_cluster.controller import CONTROLLER_NAME, Controller
+from tandem.deploy.ray_cluster.controller import Controller
 from tandem.deploy.ray_cluster.head import (
     RayDeployError,
     auth_env,
@@ -27,6 +27,7 @@ from tandem.deploy.ray_cluster.head import (
     token_path,
     write_state,
 )
+from tandem.deploy.ray_cluster.state import CONTROLLER_NAME
 from tandem.errors import TandemError
 
 log = logging.getLogger(__name__)

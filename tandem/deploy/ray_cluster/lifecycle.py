@@ -1,0 +1,108 @@
+"""A worker's start and stop (its states are told in controller.py).
+
+Start: placement group (when it needs one), actor, first answer (its server is up),
+then the router; a worker that does not get that far is killed and its resources
+freed. Stop: out of the router, drain, kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from tandem.deploy.ray_cluster import membership
+from tandem.deploy.ray_cluster.state import CONTROLLER_NAME, _why, _Worker
+
+if TYPE_CHECKING:
+    from tandem.deploy.ray_cluster.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+async def start_worker(ctrl: Controller, pool: str) -> str | None:
+    """Start one worker and add it to the router. Returns None once it serves, or
+    why it did not start; it is then gone and its resources are free."""
+    from tandem.deploy.ray_cluster.placement import reserve
+
+    cfg = ctrl.config
+    name = f"{pool}-{ctrl._next_id}"
+    ctrl._next_id += 1
+    ctrl._save()
+    options, pg = reserve(cfg.pool(pool), name)
+    w = _Worker(name, pool, handle=None, placement_group=pg)
+    try:
+        await asyncio.wait_for(_launch(ctrl, w, options), cfg.startup_timeout_s)
+        await membership.route(ctrl, w)
+    except Exception as exc:
+        reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(pool))
+        log.error("%s did not start: %r", name, exc)
+        ctrl._event(f"{name} did not start: {reason}")
+        free(ctrl, w)
+        return f"{name} did not start: {reason}"
+    w.state, w.last_seen = "serving", time.monotonic()
+    ctrl._event(f"{name} serving on {w.address} (node {w.info['node_ip']})")
+    return None
+
+
+async def _launch(ctrl: Controller, w: _Worker, options: dict[str, Any]) -> None:
+    """Placement group (if any), then the actor, then its first answer (server up)."""
+    if w.placement_group is not None:
+        await w.placement_group.ready()
+    w.handle = (
+        _worker_class(ctrl)
+        .options(
+            name=w.name,
+            namespace=ctrl.config.namespace,
+            lifetime="detached",  # not the controller's: see controller.py's docstring
+            max_concurrency=4,
+            **options,
+        )
+        .remote(w.pool, w.name, ctrl.config, CONTROLLER_NAME)
+    )
+    ctrl.workers[w.name] = w
+    w.info = await w.handle.info.remote()
+
+
+def _worker_class(ctrl: Controller) -> Any:
+    if "worker" not in ctrl._actor_classes:
+        import ray
+
+        from tandem.deploy.ray_cluster.actors import WorkerActor
+
+        ctrl._actor_classes["worker"] = ray.remote(WorkerActor)
+    return ctrl._actor_classes["worker"]
+
+
+async def stop_worker(ctrl: Controller, w: _Worker, grace: float) -> None:
+    """Out of the router, drain, kill. The kill and the freeing happen whatever fails."""
+    w.state = "draining"
+    try:
+        if ctrl.router is not None and w.address and await membership.leave_router(ctrl, w):
+            # A request placed just before the removal reaches the worker before it stops.
+            await asyncio.sleep(0.5)
+        try:
+            served = await asyncio.wait_for(w.handle.drain.remote(grace), grace + 30)
+            ctrl._event(f"{w.name} drained ({served} requests served)")
+        except Exception as exc:
+            ctrl._event(f"{w.name} did not drain: {type(exc).__name__}")
+    finally:
+        free(ctrl, w)
+
+
+def free(ctrl: Controller, w: _Worker) -> None:
+    """Kill the actor (a pending one is never placed) and release its placement group."""
+    import ray
+
+    ctrl.workers.pop(w.name, None)
+    if w.handle is not None:
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception as exc:
+            log.warning("%s: kill: %r", w.name, exc)
+    if w.placement_group is not None:
+        try:
+            ray.util.remove_placement_group(w.placement_group)
+        except Exception as exc:
+            log.warning("%s: placement group not removed: %r", w.name, exc)

@@ -1,0 +1,115 @@
+"""The controller's two background loops.
+
+The monitor reads every serving worker's stats each ``monitor_interval_s``: it
+notices restarts and lost workers, takes a dead node's workers out of the router,
+re-registers the workers with a restarted router, sends the router updates still
+owed, and tops up a pool short of its target. The autoscaler feeds the same stats
+to the policy (``tandem/deploy/autoscale.py``) each ``autoscale.interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tandem.deploy.autoscale import POOLS
+from tandem.deploy.ray_cluster import membership
+from tandem.deploy.ray_cluster.state import _log_crash
+
+if TYPE_CHECKING:
+    from tandem.deploy.ray_cluster.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+async def monitor_forever(ctrl: Controller) -> None:
+    while True:
+        try:
+            await monitor_once(ctrl)
+        except Exception:
+            log.exception("monitor round failed")
+        await asyncio.sleep(ctrl.config.monitor_interval_s)
+
+
+async def monitor_once(ctrl: Controller) -> None:
+    serving = [w for w in ctrl.workers.values() if w.state == "serving"]
+    asked = time.monotonic()
+    results = await asyncio.gather(
+        *(asyncio.wait_for(w.handle.stats.remote(), 5.0) for w in serving),
+        return_exceptions=True,
+    )
+    now = time.monotonic()
+    lost = []
+    for w, stats in zip(serving, results, strict=True):
+        if w.state != "serving" or w.replaced_at > asked:
+            continue  # a drain began meanwhile, or news newer than these stats came
+        w.answering = not isinstance(stats, BaseException)
+        if not w.answering:
+            # Restarting (or gone): the router stops placing on it by itself.
+            if now - w.last_seen > ctrl.config.startup_timeout_s:
+                lost.append(w)
+            continue
+        if stats["incarnation"] != w.info.get("incarnation"):
+            membership.replace(ctrl, w, {k: stats[k] for k in w.info})  # the router: below
+        w.stats, w.last_seen = stats, now
+    await membership.leave_dead_nodes(ctrl, [w for w in serving if not w.answering])
+    for w in lost:
+        ctrl._event(f"{w.name} lost: no answer for {ctrl.config.startup_timeout_s:g} s")
+        await ctrl._stop_worker(w, grace=0)
+    await membership.check_router(ctrl)
+    # Only answering workers: a silent one's address may be a dead node's.
+    owed = [
+        w
+        for w in ctrl.workers.values()
+        if w.state == "serving" and w.answering and w.routed != w.address
+    ]
+    await asyncio.gather(*(membership.sync_router(ctrl, w) for w in owed))
+    if _short(ctrl) and (ctrl._top_up is None or ctrl._top_up.done()):
+        # Replacements, or a start that failed before. In the background: a start may
+        # take ``startup_timeout_s``, and the stats and the router need watching
+        # meanwhile. One at a time, so an unplaceable worker is not retried in a loop.
+        ctrl._top_up = asyncio.create_task(ctrl._reconcile())
+        ctrl._top_up.add_done_callback(_log_crash)
+
+
+def _short(ctrl: Controller) -> bool:
+    """Whether a pool has fewer live (starting or serving) workers than its target."""
+    live = [w.pool for w in ctrl.workers.values() if w.state != "draining"]
+    return any(live.count(pool) < ctrl.targets[pool] for pool in POOLS)
+
+
+async def autoscale_forever(ctrl: Controller) -> None:
+    cfg = ctrl.config.autoscale
+    while cfg.enabled:
+        await asyncio.sleep(cfg.interval_s)
+        try:
+            await autoscale_once(ctrl)
+        except Exception:
+            log.exception("autoscale round failed")
+
+
+async def autoscale_once(ctrl: Controller) -> None:
+    if ctrl._lock is not None and ctrl._lock.locked():
+        return  # a resize is under way: the numbers do not show its effect yet
+    serving = [w for w in ctrl.workers.values() if w.state == "serving" and w.stats]
+    loads = {
+        "prefill": [w.stats["queue_depth"] for w in serving if w.pool == "prefill"],
+        "decode": [
+            w.stats["kv_blocks_used"] / max(1, w.stats["kv_blocks_total"])
+            for w in serving
+            if w.pool == "decode"
+        ],
+    }
+    decisions = ctrl.autoscaler.decide(time.monotonic(), dict(ctrl.targets), loads)
+    changed = False
+    for pool, d in decisions.items():
+        if d.replicas != ctrl.targets[pool]:
+            ctrl._event(f"autoscale {pool}: {d.current} -> {d.replicas} ({d.reason})")
+            ctrl.targets[pool] = d.replicas
+            changed = True
+    if changed:
+        ctrl._save()
+        await ctrl._reconcile()
+        ctrl._resized([pool for pool, d in decisions.items() if d.replicas != d.current])

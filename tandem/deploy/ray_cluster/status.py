@@ -1,0 +1,67 @@
+"""What ``tandem ray status`` shows: the pools, the workers, the router, recent events."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tandem.deploy.autoscale import POOLS
+
+if TYPE_CHECKING:
+    from tandem.deploy.ray_cluster.controller import Controller
+
+
+def status_report(ctrl: Controller, router_view: list[dict[str, Any]]) -> dict[str, Any]:
+    workers = sorted(ctrl.workers.values(), key=lambda w: (w.pool, int(w.name.split("-")[-1])))
+    return {
+        "controller": _whoami(),
+        "pools": _pools(ctrl),
+        "router": ctrl.router_info.get("address", ""),
+        "router_node": ctrl.router_info.get("node_ip", ""),
+        "router_pid": ctrl.router_info.get("pid"),
+        "targets": dict(ctrl.targets),
+        "autoscale": ctrl.config.autoscale.enabled,
+        "workers": [
+            {
+                **w.info,
+                **w.stats,
+                "name": w.name,
+                "pool": w.pool,
+                "state": "restarting" if w.state == "serving" and not w.answering else w.state,
+                "restarts": w.restarts,
+            }
+            for w in workers
+        ],  # fmt: skip
+        "router_workers": router_view,  # the router's own membership and health
+        "events": list(ctrl.events),
+    }
+
+
+def _pools(ctrl: Controller) -> dict[str, dict[str, Any]]:
+    """Per pool: target, workers serving, and what a short pool waits for."""
+    from tandem.deploy.ray_cluster.placement import cluster_missing
+
+    out = {}
+    for pool in POOLS:
+        ws = [w for w in ctrl.workers.values() if w.pool == pool]
+        serving = sum(w.state == "serving" and w.answering for w in ws)
+        waiting = ""
+        if serving < ctrl.targets[pool]:
+            try:
+                waiting = cluster_missing(ctrl.config.pool(pool).bundle())
+            except Exception as exc:  # no Ray here (tests) or the GCS is busy
+                waiting = f"unknown ({type(exc).__name__})"
+            waiting = waiting or "starting or restarting"
+        out[pool] = {"target": ctrl.targets[pool], "serving": serving, "waiting": waiting}
+    return out
+
+
+def _whoami() -> dict[str, Any]:
+    import os
+
+    import ray
+
+    info: dict[str, Any] = {"pid": os.getpid()}
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        info.update(node_id=ctx.get_node_id(), actor_id=ctx.get_actor_id())
+    return info

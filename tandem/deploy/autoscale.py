@@ -1,7 +1,7 @@
 """The autoscaling policy: how many prefill and decode workers the load asks for.
 
 A pure decision over numbers, so it is tested without Ray; the Ray controller
-(``tandem/deploy/ray_cluster/controller.py``) feeds it each worker's ``Status``
+(``tandem/deploy/ray_cluster/loops.py``) feeds it each worker's ``Status``
 every ``interval_s`` and applies what it returns.
 
 Per pool, the load is one number per serving worker:

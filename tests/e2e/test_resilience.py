@@ -137,10 +137,10 @@ def test_a_frozen_decode_worker_is_left_by_keepalive_and_its_streams_migrate(
     # lost power or network would look to the router (no TCP reset).
     keepalive = {"worker_keepalive_s": 0.5, "worker_keepalive_timeout_s": 0.5}
     n = 4
-    expected = _expected(tiny_engine, n, max_tokens=600)
+    expected = _expected(tiny_engine, n, max_tokens=400)
     with _cluster(tmp_path_factory, "freeze", prefill=1, decode=2, router=keepalive) as c:
         victim = next(w for w in _workers(c) if w.name == "decode-0")
-        streams = Streams(c.address, n, max_tokens=600)
+        streams = Streams(c.address, n, max_tokens=400)
         streams.wait_until_all_stream()
         os.kill(victim.popen.pid, signal.SIGSTOP)
         try:

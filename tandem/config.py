@@ -93,6 +93,27 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ClusterSecurityConfig:
+    """Files that make a process a member of one cluster (see tandem/security/cluster.py).
+
+    All four or none. None: the process talks to its peers without TLS and its KV
+    connections are unauthenticated, which a worker allows only on loopback unless
+    ``insecure`` is set. ``tandem serve`` and ``tandem ray up`` fill them in.
+    """
+
+    ca_file: str = ""  # the cluster CA (PEM): peers must present a certificate it signed
+    cert_file: str = ""  # this member's certificate (PEM), presented as server and client
+    key_file: str = ""  # its private key (PEM); keep it owner-only
+    kv_secret_file: str = ""  # the shared KV secret (>= 16 bytes; owner-only)
+    # The name clients check in a member's certificate instead of the address they
+    # dialled (members' addresses are known only at run time); "" checks the address.
+    server_name: str = "tandem-cluster"
+    # A worker bound to a non-loopback address without the files above refuses to
+    # start unless this is set: anyone who reaches the port could call it.
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
 class PrefillConfig:
     """A prefill worker: computes prompts and pushes their KV to decode workers."""
 
@@ -104,6 +125,7 @@ class PrefillConfig:
     kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
     kv_connect_timeout_s: float = 10.0  # connecting to a decode worker's KV receiver
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
+    cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
         _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
@@ -125,6 +147,7 @@ class DecodeConfig:
     kv_port: int = 0  # the KV receiver's listener; 0 picks a free one
     kv_lease_s: float = 30.0  # reserved blocks are freed if the KV has not arrived by then
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
+    cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
         _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
@@ -147,6 +170,8 @@ class RouterConfig:
     port: int = 50051
     prefill_workers: tuple[str, ...] = ()  # "host:port" gRPC addresses
     decode_workers: tuple[str, ...] = ()
+    # The router's credentials as a cluster member: mutual TLS to the workers.
+    cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
     placement: str = "least-loaded"
     max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
     # An admitted request that finds every decode worker full waits this long for room
@@ -206,10 +231,12 @@ def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:
 
 
 def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:
-    """A PrefillConfig / DecodeConfig / RouterConfig from a mapping; ``engine:`` nests."""
+    """A PrefillConfig / DecodeConfig / RouterConfig from a mapping; ``engine:`` and
+    ``cluster:`` nest."""
     values = dict(values)
-    if "engine" in values and isinstance(values["engine"], dict):
-        values["engine"] = from_dict(EngineConfig, values["engine"], where=where)
+    for key, nested in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
+        if key in values and isinstance(values[key], dict):
+            values[key] = from_dict(nested, values[key], where=where)
     return from_dict(cls, values, where=where)
 
 

@@ -10,6 +10,7 @@ from tandem.decode_worker.admission import KvAdmission
 from tandem.decode_worker.service import DecodeService
 from tandem.engine.engine import LLMEngine
 from tandem.kv_transfer import KVReceiver, make_receiver
+from tandem.security.cluster import ClusterCredentials
 from tandem.worker.server import WorkerServer
 
 
@@ -18,8 +19,13 @@ class DecodeServer(WorkerServer):
     service_name = "tandem.v1.DecodeWorker"
     role_proto = worker_pb2.ROLE_DECODE
 
-    def __init__(self, config: DecodeConfig, engine: LLMEngine | None = None) -> None:
-        super().__init__(config, engine)
+    def __init__(
+        self,
+        config: DecodeConfig,
+        engine: LLMEngine | None = None,
+        credentials: ClusterCredentials | None = None,
+    ) -> None:
+        super().__init__(config, engine, credentials)
         self.config: DecodeConfig = config
         self.receiver: KVReceiver | None = None
         self.admission: KvAdmission | None = None

@@ -10,6 +10,14 @@ stopped. Shutdown: SIGTERM to the router first (it drains in-flight requests),
 then to the workers, then SIGKILL for anything still alive after the drain
 timeout. Each process logs to ``<run dir>/<name>.log``.
 
+Inside, the cluster is encrypted with zero set-up: ``start`` creates a
+throw-away CA, a member certificate and a KV secret for this run (in
+``<run dir>/cluster/``, owner-only, deleted by ``stop``), and every process
+gets them through its config: the router calls the workers over mutual TLS and
+the workers authenticate their KV connections. A ``cluster:`` section naming
+the operator's own files is used instead; ``cluster: {insecure: true}`` runs
+without (loopback only; for measuring what TLS costs).
+
 Every process is started through tandem/deploy/lifeline.py, which stops it
 within seconds if the launcher dies without stopping it (SIGKILL included), so
 no orphan keeps a port or memory.
@@ -20,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -29,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config import (
+    ClusterSecurityConfig,
     DecodeConfig,
     EngineConfig,
     PrefillConfig,
@@ -40,6 +50,7 @@ from tandem.config import (
 from tandem.deploy.lifeline import Lifeline
 from tandem.errors import ConfigError, TandemError
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +65,9 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)  # its engine is replaced
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # its engine is replaced
+    # Every process's cluster credentials (the roles' own sections are replaced); no
+    # files named: a throw-away set per run.
+    cluster: ClusterSecurityConfig = field(default_factory=ClusterSecurityConfig)
     threads_per_worker: int | None = None  # default: cores // workers, at least 1
     startup_timeout_s: float = 600.0  # the first start may dequantise the model
     drain_timeout_s: float = 30.0
@@ -76,10 +90,13 @@ class ClusterConfig:
 def cluster_config(values: dict, where: str = "") -> ClusterConfig:
     """A ClusterConfig from YAML-shaped values (role sections nest, as in role_config)."""
     values = dict(values)
-    for key, cls in (("engine", EngineConfig), ("router", RouterConfig),
-                     ("prefill", PrefillConfig), ("decode", DecodeConfig)):  # fmt: skip
+    for key, cls in (("router", RouterConfig), ("prefill", PrefillConfig),
+                     ("decode", DecodeConfig)):  # fmt: skip
         if isinstance(values.get(key), dict):
             values[key] = role_config(cls, values[key], where=where)
+    for key, cls in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
+        if isinstance(values.get(key), dict):
+            values[key] = from_dict(cls, values[key], where=where)
     return from_dict(ClusterConfig, values, where=where)
 
 
@@ -118,6 +135,7 @@ class LocalCluster:
         self.processes: list[_Process] = []
         self.address: str | None = None
         self._lifeline: Lifeline | None = None  # open from start() to the end of stop()
+        self._own_credentials: Path | None = None  # the throw-away set's directory
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -131,14 +149,17 @@ class LocalCluster:
         engine = dataclasses.replace(cfg.engine, num_threads=cfg.worker_threads())
         self._lifeline = self._lifeline or Lifeline()
         try:
+            cluster = self._cluster_security()
             prefill = [
                 self._spawn(f"prefill-{i}", self.modules["prefill"],
-                            dataclasses.replace(cfg.prefill, engine=engine, port=0))
+                            dataclasses.replace(cfg.prefill, engine=engine, port=0,
+                                                cluster=cluster))
                 for i in range(cfg.num_prefill)
             ]  # fmt: skip
             decode = [
                 self._spawn(f"decode-{i}", self.modules["decode"],
-                            dataclasses.replace(cfg.decode, engine=engine, port=0, kv_port=0))
+                            dataclasses.replace(cfg.decode, engine=engine, port=0, kv_port=0,
+                                                cluster=cluster))
                 for i in range(cfg.num_decode)
             ]  # fmt: skip
             for p in prefill + decode:
@@ -149,6 +170,7 @@ class LocalCluster:
                 cache_dir=engine.cache_dir,
                 prefill_workers=tuple(p.ready["grpc"] for p in prefill),
                 decode_workers=tuple(p.ready["grpc"] for p in decode),
+                cluster=cluster,
             )
             router = self._spawn("router", self.modules["router"], router_cfg)
             self._wait_ready(router)
@@ -157,6 +179,14 @@ class LocalCluster:
             raise
         self.address = router.ready["grpc"]
         return self.address
+
+    def _cluster_security(self) -> ClusterSecurityConfig:
+        """The operator's files (checked now), none (``insecure``), or a throw-away set."""
+        own = self.config.cluster
+        if ClusterCredentials.load(own) is not None or own.insecure:
+            return own
+        self._own_credentials = self.run_dir / "cluster"
+        return ClusterCredentials.create().write(self._own_credentials)
 
     def _spawn(self, name: str, module: str, config) -> _Process:
         config_path = self.run_dir / f"{name}.yaml"
@@ -219,6 +249,9 @@ class LocalCluster:
                     p.popen.kill()
                     p.popen.wait()
         self.processes.clear()
+        if self._own_credentials is not None:  # the key and the secret die with the run
+            shutil.rmtree(self._own_credentials, ignore_errors=True)
+            self._own_credentials = None
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None

@@ -9,6 +9,7 @@ from tandem.config import PrefillConfig
 from tandem.engine.engine import LLMEngine
 from tandem.kv_transfer import KVSender, make_sender
 from tandem.prefill_worker.service import PrefillService
+from tandem.security.cluster import ClusterCredentials
 from tandem.worker.server import WorkerServer
 
 
@@ -17,8 +18,13 @@ class PrefillServer(WorkerServer):
     service_name = "tandem.v1.PrefillWorker"
     role_proto = worker_pb2.ROLE_PREFILL
 
-    def __init__(self, config: PrefillConfig, engine: LLMEngine | None = None) -> None:
-        super().__init__(config, engine)
+    def __init__(
+        self,
+        config: PrefillConfig,
+        engine: LLMEngine | None = None,
+        credentials: ClusterCredentials | None = None,
+    ) -> None:
+        super().__init__(config, engine, credentials)
         self.config: PrefillConfig = config
         self.sender: KVSender | None = None
         self.service = PrefillService(self)

@@ -2,7 +2,9 @@
 
 Workers are given at start (``RouterConfig.prefill_workers`` / ``decode_workers``)
 and can be added and removed while the router runs (``add_worker`` /
-``remove_worker``). Each has one gRPC channel, reused by every request.
+``remove_worker``). Each has one gRPC channel, reused by every request: mutual
+TLS with the cluster's credentials when the router has them (the worker checks
+our member certificate, we check its), plaintext otherwise.
 
 A worker is *placeable* while it is healthy. A busy worker is not a dead one:
 it stops being healthy only on evidence of death,
@@ -34,6 +36,7 @@ import grpc
 
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.router.placement import Pool, WorkerLoad
+from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +79,13 @@ class WorkerRegistry:
         worker_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         channel_options: list[tuple[str, int]] | None = None,
+        credentials: ClusterCredentials | None = None,
     ) -> None:
         self.status_interval_s = status_interval_s
-        self.channel_options = channel_options or []
+        self.channel_options = list(channel_options or [])
+        self.credentials = credentials
+        if credentials is not None:
+            self.channel_options += credentials.channel_options()
         self.worker_timeout_s = worker_timeout_s
         self._clock = clock
         self._workers: dict[tuple[Pool, str], Worker] = {}
@@ -92,7 +99,12 @@ class WorkerRegistry:
         pool = Pool(pool)
         if (pool, address) in self._workers:
             return
-        channel = grpc.aio.insecure_channel(address, options=self.channel_options)
+        if self.credentials is None:
+            channel = grpc.aio.insecure_channel(address, options=self.channel_options)
+        else:
+            channel = grpc.aio.secure_channel(
+                address, self.credentials.channel_credentials(), options=self.channel_options
+            )
         stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
             if pool is Pool.PREFILL

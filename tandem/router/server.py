@@ -27,6 +27,7 @@ from tandem.router.placement import Pool, make_policy
 from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
 from tandem.router.service import TandemService
+from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,14 @@ SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 
 
 class Router:
-    def __init__(self, config: RouterConfig, frontend: Frontend | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        frontend: Frontend | None = None,
+        credentials: ClusterCredentials | None = None,
+    ) -> None:
+        """``credentials``: the cluster's, for mutual TLS to the workers (default: the
+        files ``config.cluster`` names; none: plaintext to the workers)."""
         self.config = config
         self.frontend = frontend  # loaded in start() when not given
         self.registry = WorkerRegistry(
@@ -43,6 +51,7 @@ class Router:
             channel_options=channel_options(
                 config.worker_keepalive_s, config.worker_keepalive_timeout_s
             ),
+            credentials=credentials or ClusterCredentials.load(config.cluster),
         )
         self.admission = Admission(config.max_queue)
         self.relay = Relay(

@@ -2,6 +2,8 @@
 
     --config FILE      a role config as YAML (``engine:`` nests; what the launcher writes)
     --model, --port, --kv-backend, ...   one flag per config field, overriding the file
+    --cluster-ca-file, --cluster-cert-file, --cluster-key-file, --cluster-kv-secret-file
+                       the cluster credentials (files; see tandem/security/cluster.py)
 
 Once serving it prints one line on stdout, which the launcher waits for:
 
@@ -21,7 +23,14 @@ import logging
 import signal
 import sys
 
-from tandem.config import DecodeConfig, EngineConfig, PrefillConfig, load_yaml, role_config
+from tandem.config import (
+    ClusterSecurityConfig,
+    DecodeConfig,
+    EngineConfig,
+    PrefillConfig,
+    load_yaml,
+    role_config,
+)
 from tandem.errors import TandemError
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
@@ -53,7 +62,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML role config (engine: nests); flags override it")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     for f in dataclasses.fields(cls):
-        if f.name != "engine":
+        if f.name not in ("engine", "cluster"):
             p.add_argument(
                 _flag(f.name), dest=f.name, metavar=f.name.upper(), type=_field_type(cls, f.name)
             )
@@ -68,20 +77,28 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     g.add_argument(
         "--threads", dest="engine.num_threads", metavar="N", type=int, help="torch threads"
     )
+    c = p.add_argument_group("cluster security")
+    for f in dataclasses.fields(ClusterSecurityConfig):
+        flag, dest = _flag("cluster_" + f.name), f"cluster.{f.name}"
+        if f.type in (bool, "bool"):
+            c.add_argument(flag, dest=dest, action="store_true", default=None)
+        else:
+            c.add_argument(flag, dest=dest, metavar=f.name.upper())
     return p
 
 
 def load_config(role: str, args: argparse.Namespace) -> PrefillConfig | DecodeConfig:
     values = dict(load_yaml(args.config)) if args.config else {}
-    engine = dict(values.get("engine") or {})
+    nested = {name: dict(values.get(name) or {}) for name in ("engine", "cluster")}
     for key, value in vars(args).items():
         if value is None or key in ("config", "verbose"):
             continue
-        if key.startswith("engine."):
-            engine[key.removeprefix("engine.")] = value
+        section, _, field = key.rpartition(".")
+        if section:
+            nested[section][field] = value
         else:
             values[key] = value
-    values["engine"] = engine
+    values.update(nested)
     return role_config(ROLES[role], values, where=args.config or "flags")
 
 

@@ -1,8 +1,9 @@
 """The gRPC server shared by both worker roles: an engine on its own thread behind grpc.aio.
 
-    start()   load the engine (off the event loop), open the KV transfer endpoint,
-              bind the port (0: any free one), start the engine thread and the server,
-              then report SERVING on grpc.health.v1 ("" and the role's service)
+    start()   load the cluster credentials and the engine (off the event loop), open
+              the KV transfer endpoint, bind the port (0: any free one) with mutual
+              TLS, start the engine thread and the server, then report SERVING on
+              grpc.health.v1 ("" and the role's service)
     stop()    NOT_SERVING first (routers stop placing here), no new RPCs, in-flight
               ones get ``grace`` seconds and are then cancelled; whatever is left
               in the engine is aborted (blocks freed) before its thread stops
@@ -12,6 +13,12 @@ engine. The engine thread publishes its numbers (queues, batch, KV blocks) into 
 snapshot before every step; ``Status`` answers from it on the event loop, so a
 worker whose engine is busy with a long step still answers in milliseconds, with
 numbers at most one step old.
+
+Who may call: with cluster credentials (``config.cluster``, or given by the Ray
+actor that hosts the server) the port speaks mutual TLS and the TLS handshake
+refuses any caller without a certificate from the cluster CA, before any RPC
+runs; the KV endpoint proves the cluster's KV secret to its peers. Without
+them, a worker serves only on loopback unless ``cluster.insecure`` is set.
 
 Subclasses add their servicer and their KV transfer endpoint.
 """
@@ -34,6 +41,8 @@ from tandem.engine.loop import EngineLoop
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS
 from tandem.kv_transfer.base import TransferMetrics
+from tandem.security.cluster import ClusterCredentials
+from tandem.security.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +62,16 @@ class WorkerServer(abc.ABC):
     service_name: str  # the full gRPC service name, for health checks
     role_proto: int  # worker_pb2.Role
 
-    def __init__(self, config: PrefillConfig | DecodeConfig, engine: LLMEngine | None = None):
+    def __init__(
+        self,
+        config: PrefillConfig | DecodeConfig,
+        engine: LLMEngine | None = None,
+        credentials: ClusterCredentials | None = None,
+    ):
         self.config = config
         self.engine: LLMEngine | None = engine  # tests may share one engine across servers
+        # None until start() when config.cluster names files; stays None without any.
+        self.credentials = credentials
         self.loop: EngineLoop | None = None
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -79,7 +95,12 @@ class WorkerServer(abc.ABC):
     def kv_address(self) -> str:
         """Where KV is received ("" for a prefill worker)."""
 
+    @property
+    def kv_secret(self) -> bytes | None:
+        return self.credentials.kv_secret if self.credentials is not None else None
+
     async def start(self) -> None:
+        self._load_credentials()
         if self.engine is None:
             self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.loop = EngineLoop(self.engine)
@@ -91,7 +112,10 @@ class WorkerServer(abc.ABC):
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         where = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = server.add_insecure_port(where)
+            if self.credentials is None:
+                self.port = server.add_insecure_port(where)
+            else:
+                self.port = server.add_secure_port(where, self.credentials.server_credentials())
         except RuntimeError as exc:
             self._close_transfer()
             raise ConfigError(f"cannot listen on {where} (host/port): {exc}") from exc
@@ -100,7 +124,26 @@ class WorkerServer(abc.ABC):
         await server.start()
         for service in ("", self.service_name):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s worker %s serving (kv %s)", self.role, self.address, self.kv_address or "-")
+        log.info(
+            "%s worker %s serving (kv %s, %s)",
+            self.role,
+            self.address,
+            self.kv_address or "-",
+            "mutual TLS, KV authenticated" if self.credentials else "no TLS, KV unauthenticated",
+        )
+
+    def _load_credentials(self) -> None:
+        """The cluster credentials, and the rule that an open worker stays on loopback."""
+        cluster = self.config.cluster
+        if self.credentials is None:
+            self.credentials = ClusterCredentials.load(cluster)
+        if self.credentials is None and not cluster.insecure and not is_loopback(self.config.host):
+            raise ConfigError(
+                f"a {self.role} worker on {self.config.host} without cluster credentials would "
+                "let anyone who reaches it call it and write into its KV: give cluster.ca_file, "
+                "cluster.cert_file, cluster.key_file and cluster.kv_secret_file (tandem serve "
+                "and tandem ray up create them), or set cluster.insecure: true"
+            )
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain for ``grace`` seconds (None: the config's drain_timeout_s), then stop."""

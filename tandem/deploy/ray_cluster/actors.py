@@ -6,7 +6,9 @@ an asyncio event loop in a background thread; the engine keeps its own thread.
 Nothing else is spawned, so when Ray kills or restarts the actor's process the
 server goes with it, and no process is left behind.
 
-A worker binds its node's IP on ports the OS picks. When Ray restarts a crashed
+Cluster credentials (CA, member certificate and key, KV secret) arrive as an
+argument, from the controller, so they reach the actor's process through Ray
+alone. A worker binds its node's IP on ports the OS picks. When Ray restarts a crashed
 worker it runs ``__init__`` again: a new server on new ports, with a new
 ``incarnation``; the worker then tells the controller, which swaps the old
 address for the new one in the router (and its monitor would notice anyway).
@@ -29,6 +31,7 @@ from typing import Any
 from tandem.config import RouterConfig
 from tandem.deploy.ray_cluster.config import RayDeployConfig
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,12 @@ class WorkerActor:
     """A prefill or decode worker's server, serving from the end of ``__init__``."""
 
     def __init__(
-        self, pool: str, name: str, config: RayDeployConfig, controller: str | None = None
+        self,
+        pool: str,
+        name: str,
+        config: RayDeployConfig,
+        controller: str | None = None,
+        credentials: ClusterCredentials | None = None,
     ) -> None:
         _setup_process()
         self.pool, self.name = pool, name
@@ -87,7 +95,7 @@ class WorkerActor:
             from tandem.prefill_worker.server import PrefillServer as Server
         else:
             from tandem.decode_worker.server import DecodeServer as Server
-        self.server = Server(worker_config)
+        self.server = Server(worker_config, credentials=credentials)
         self._loop = _EventLoopThread(f"{name}-server")
         self._loop.run(self.server.start())
         self.incarnation = uuid.uuid4().hex
@@ -139,12 +147,12 @@ class WorkerActor:
 class RouterActor:
     """The router's server. Membership changes arrive as actor calls from the controller."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, credentials: ClusterCredentials | None = None):
         _setup_process()
         from tandem.router.server import Router
 
         self.node = _node()
-        self.router = Router(config)
+        self.router = Router(config, credentials=credentials)
         self._loop = _EventLoopThread("router-server")
         self._loop.run(self.router.start())
         host = config.host

@@ -6,6 +6,9 @@ YAML (every section optional; role sections are the same as for ``tandem serve``
     router:  {port: 50051}                      # RouterConfig (workers are filled in)
     prefill: {kv_backend: ucx}                  # PrefillConfig (engine, host, port replaced)
     decode:  {kv_lease_s: 30}                   # DecodeConfig (engine, host, ports replaced)
+    cluster: {ca_file: ..., cert_file: ..., key_file: ..., kv_secret_file: ...}
+                                                # files on the launching machine; default:
+                                                # `up` makes a throw-away set
     ray:
       namespace: tandem
       prefill: {replicas: 2, num_cpus: 8, num_gpus: 1, resources: {prefill: 1}}
@@ -19,6 +22,12 @@ the resource (``ray start --resources '{"prefill": 1}'``). A pool's workers are
 spread over the nodes that qualify (``strategy: SPREAD``). A worker that needs
 several GPUs gets a placement group of one STRICT_PACK bundle: its devices are
 reserved on one node together, and stay reserved for it across restarts.
+Security inside: ``tandem ray up`` reads the ``cluster:`` files (or creates a
+throw-away CA, member certificate and KV secret) and hands the bytes to the
+controller, which passes them to every router and worker actor as an argument:
+through Ray, never through a log, a file on the worker nodes or a command line.
+The router calls the workers over mutual TLS; the workers authenticate their
+KV connections. ``cluster: {insecure: true}`` turns this off.
 The router runs on the head node (Ray's ``node:__internal_head__`` resource), as
 the controller does, so its address is the head's; ``ray.router.resources``
 places it elsewhere (``{}``: any node).
@@ -31,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config import (
+    ClusterSecurityConfig,
     DecodeConfig,
     EngineConfig,
     PrefillConfig,
@@ -98,6 +108,7 @@ class RayDeployConfig:
     router: RouterConfig = field(default_factory=lambda: RouterConfig(host="0.0.0.0"))
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    cluster: ClusterSecurityConfig = field(default_factory=ClusterSecurityConfig)
     namespace: str = "tandem"
     prefill_pool: ActorResources = field(
         default_factory=lambda: ActorResources(resources={"prefill": 1})
@@ -136,9 +147,10 @@ class RayDeployConfig:
         """The role config one worker of ``pool`` runs, bound to ``host`` on free ports."""
         threads = max(1, int(self.pool(pool).num_cpus))
         engine = dataclasses.replace(self.engine, num_threads=self.engine.num_threads or threads)
+        where = {"engine": engine, "host": host, "port": 0, "cluster": self.cluster}
         if pool == "prefill":
-            return dataclasses.replace(self.prefill, engine=engine, host=host, port=0)
-        return dataclasses.replace(self.decode, engine=engine, host=host, port=0, kv_port=0)
+            return dataclasses.replace(self.prefill, **where)
+        return dataclasses.replace(self.decode, **where, kv_port=0)
 
     def router_config(self) -> RouterConfig:
         return dataclasses.replace(
@@ -147,21 +159,24 @@ class RayDeployConfig:
             cache_dir=self.engine.cache_dir,
             prefill_workers=(),
             decode_workers=(),
+            cluster=self.cluster,
         )
 
 
 def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
     """A RayDeployConfig from YAML-shaped values (see the module docstring)."""
     values = dict(values)
-    unknown = sorted(set(values) - {"engine", "router", "prefill", "decode", "ray"})
+    sections = ("engine", "router", "prefill", "decode", "cluster", "ray")
+    unknown = sorted(set(values) - set(sections))
     if unknown:
         raise ConfigError(
             f"unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
-            f"{' in ' + where if where else ''} (known: engine, router, prefill, decode, ray)"
+            f"{' in ' + where if where else ''} (known: {', '.join(sections)})"
         )
     out: dict[str, Any] = {}
-    if "engine" in values:
-        out["engine"] = from_dict(EngineConfig, values["engine"] or {}, where=where)
+    for key, cls in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
+        if key in values:
+            out[key] = from_dict(cls, values[key] or {}, where=where)
     if "router" in values:
         out["router"] = role_config(
             RouterConfig, {"host": "0.0.0.0", **(values["router"] or {})}, where=where

@@ -59,16 +59,21 @@ from tandem.deploy.ray_cluster.state import (
 )
 from tandem.deploy.ray_cluster.status import status_report
 from tandem.errors import ConfigError
+from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
 
 class Controller:
-    def __init__(self, config: RayDeployConfig) -> None:
+    def __init__(
+        self, config: RayDeployConfig, credentials: ClusterCredentials | None = None
+    ) -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
         )
         self.config = config
+        # Handed to every router and worker actor (mutual TLS, KV secret); None: off.
+        self.credentials = credentials
         self.targets = {pool: config.pool(pool).replicas for pool in POOLS}
         self.workers: dict[str, _Worker] = {}
         self.router: Any = None
@@ -117,7 +122,7 @@ class Controller:
             namespace=cfg.namespace,
             lifetime="detached",
             **actor_options(cfg.router_actor),
-        ).remote(cfg.router_config())
+        ).remote(cfg.router_config(), self.credentials)
         try:
             self.router_info = await asyncio.wait_for(
                 self.router.info.remote(), cfg.router_timeout_s

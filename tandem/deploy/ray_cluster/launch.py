@@ -29,6 +29,7 @@ from tandem.deploy.ray_cluster.head import (
 )
 from tandem.deploy.ray_cluster.state import CONTROLLER_NAME
 from tandem.errors import TandemError
+from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def up(
             "(or pass --state-file)"
         )
     require_ray()
+    credentials = cluster_credentials(config)  # bad files fail before a head starts
     state: dict[str, Any] = {"namespace": config.namespace}
     if token_file is not None:
         if address is None:
@@ -150,7 +152,7 @@ def up(
                     # On the head: the controller lives as long as the cluster does.
                     resources=HEAD_NODE,
                 )
-                .remote(config)
+                .remote(config, credentials)
             )
             # The controller bounds the router's start and each worker's (they start
             # together); the margin covers its own start and the router calls.
@@ -164,6 +166,14 @@ def up(
         raise
     write_state(state_file, state)
     return state
+
+
+def cluster_credentials(config: RayDeployConfig) -> ClusterCredentials | None:
+    """The operator's files (read on this machine), a throw-away set, or None (insecure)."""
+    own = ClusterCredentials.load(config.cluster)
+    if own is None and not config.cluster.insecure:
+        own = ClusterCredentials.create()
+    return own
 
 
 def _local_resources(config: RayDeployConfig) -> dict[str, float]:

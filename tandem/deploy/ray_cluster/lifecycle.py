@@ -59,7 +59,7 @@ async def _launch(ctrl: Controller, w: _Worker, options: dict[str, Any]) -> None
             max_concurrency=4,
             **options,
         )
-        .remote(w.pool, w.name, ctrl.config, CONTROLLER_NAME)
+        .remote(w.pool, w.name, ctrl.config, CONTROLLER_NAME, ctrl.credentials)
     )
     ctrl.workers[w.name] = w
     w.info = await w.handle.info.remote()

@@ -125,10 +125,16 @@ class PrefillConfig:
     kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
     kv_connect_timeout_s: float = 10.0  # connecting to a decode worker's KV receiver
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
+    # Prefill calls in this worker (queued, computing or shipping KV); beyond it a call
+    # gets RESOURCE_EXHAUSTED and the router tries another worker. Bounds the memory a
+    # burst can take here; as large as a router's own max_queue.
+    max_queue: int = 256
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
         _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
+        if self.max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.kv_ack_timeout_s <= 0:
             raise ConfigError(f"kv_ack_timeout_s must be > 0, got {self.kv_ack_timeout_s}")
         if self.kv_connect_timeout_s <= 0:

@@ -1,4 +1,15 @@
-"""PrefillWorker gRPC service: one Prefill call is one request's prompt and KV push."""
+"""PrefillWorker gRPC service: one Prefill call is one request's prompt and KV push.
+
+    Prefill   over ``max_queue`` calls in this worker -> RESOURCE_EXHAUSTED at once
+              request and destination checked (INVALID_ARGUMENT) -> engine queue
+              -> prefill step -> first token -> KV pushed to the destination
+              -> the decode side's ack -> response (first token, KV bytes)
+
+Who may name a destination: only callers with the cluster's certificate reach
+this service (mutual TLS, see tandem/worker/server.py), and the KV sender
+ships a request's KV only to a receiver that proves the cluster's KV secret,
+so a destination outside the cluster gets nothing (the call fails ABORTED).
+"""
 
 from __future__ import annotations
 
@@ -22,9 +33,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def parse_destination(p: worker_pb2.KvDestination, req: WorkRequest, engine: LLMEngine):
-    if not p.address:
-        raise InvalidRequestError("destination.address", "destination.address must not be empty")
+def parse_destination(
+    p: worker_pb2.KvDestination, req: WorkRequest, engine: LLMEngine, kv_backend: str
+) -> Destination:
+    host, _, port = p.address.rpartition(":")
+    if kv_backend == "inproc":
+        valid = p.address.startswith("inproc://")
+    else:
+        valid = bool(host) and port.isdigit() and 0 < int(port) < 65536
+    if not valid:
+        raise InvalidRequestError(
+            "destination.address",
+            f"destination.address must be HOST:PORT with a port in [1, 65535] "
+            f"({kv_backend} KV transfer), got {p.address[:100]!r}",
+        )
     if p.request_id != req.request_id:
         raise InvalidRequestError(
             "destination.request_id",
@@ -52,9 +74,18 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context
     ) -> worker_pb2.PrefillResponse:
         loop, engine = self.server.loop, self.server.engine
+        limit = self.server.config.max_queue
+        if len(self._active) >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill worker {self.server.worker_id} has {len(self._active)} requests, "
+                f"its limit (max_queue={limit}); try another worker",
+            )
         try:
             req = parse_request(request.request, engine)
-            dest = parse_destination(request.destination, req, engine)
+            dest = parse_destination(
+                request.destination, req, engine, self.server.config.kv_backend
+            )
             if req.request_id in self._active:
                 raise InvalidRequestError(
                     "request_id", f"request_id {req.request_id!r} is already running"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
-from tandem.config import DecodeConfig
+from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.sampling_params import SamplingParams
 from tests.workers import TIMEOUT, engine_config, request, start_worker, stop_worker, wait_until
 
@@ -28,7 +31,7 @@ def _dest(rid="r1", blocks=(0, 1, 2), address="127.0.0.1:1"):
 @pytest.mark.parametrize(
     ("req", "dest", "message"),
     [
-        (request([5] * 20, PARAMS), _dest(address=""), "destination.address must not be empty"),
+        (request([5] * 20, PARAMS), _dest(address=""), "destination.address must be HOST:PORT"),
         (request([5] * 20, PARAMS), _dest(rid="other"), "destination.request_id must equal"),
         (
             request([5] * 40, PARAMS),
@@ -65,6 +68,44 @@ def test_bad_input_is_invalid_argument_and_takes_nothing(pair, req, dest, messag
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     assert pair.prefill.used_blocks() == 0 and pair.decode.used_blocks() == 0
+
+
+@pytest.mark.parametrize("address", ["nohost", "127.0.0.1:0", "127.0.0.1:65536", ":80", "h:x"])
+def test_a_destination_that_is_not_host_and_port_is_refused(pair, address):
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(pair.prefill, request([5] * 20, PARAMS), _dest(address=address))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "destination.address must be HOST:PORT with a port in [1, 65535]" in err.value.details()
+
+
+def test_calls_beyond_max_queue_are_resource_exhausted_at_once(bg):
+    config = PrefillConfig(engine=engine_config(), max_queue=1, kv_connect_timeout_s=1)
+    worker = start_worker(bg, config)
+    engine = worker.server.engine
+    real_step, in_step = engine.step, threading.Event()
+
+    def slow_step():  # holds the first call in the worker
+        in_step.set()
+        time.sleep(1.0)
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        first = worker.stub.Prefill.future(
+            worker_pb2.PrefillRequest(request=request([5] * 20, PARAMS), destination=_dest()),
+            timeout=TIMEOUT,
+        )
+        assert in_step.wait(TIMEOUT)
+        with pytest.raises(grpc.RpcError) as err:
+            _prefill(worker, request([5] * 20, PARAMS, rid="r2"), _dest(rid="r2"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit (max_queue=1)" in err.value.details()
+        with pytest.raises(grpc.RpcError):  # the first goes on: its destination is dead
+            first.result()
+        wait_until(lambda: worker.used_blocks() == 0, what="blocks freed")
+    finally:
+        engine.step = real_step
+        stop_worker(bg, worker)
 
 
 def test_unreachable_decode_worker_is_aborted_and_frees_blocks(pair):

@@ -9,6 +9,11 @@ Same model, same prompt token ids (plain text, no template), greedy, EOS ignored
 Each side is warmed up once, then the median of --runs is reported. On one host
 the cluster pays for the gRPC hops, the KV transfer (UCX over loopback) and
 processes sharing the cores; the colocated engine pays none of these.
+
+The cluster runs twice: as `tandem serve` starts it (mutual TLS between the
+router and the workers, authenticated KV connections) and with
+``cluster: {insecure: true}`` (plaintext inside); the last column is what
+security inside costs (secure / plaintext).
 """
 
 from __future__ import annotations
@@ -53,14 +58,12 @@ def _cluster(address, prompt, output_len, runs):
 
 def _prefill_transfer_totals(cluster) -> tuple[float, int, int]:
     """Cumulative KV transfer seconds, bytes and count of the prefill worker(s)."""
-    import grpc
-
     from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 
     seconds = nbytes = requests = 0
     for p in cluster.processes:
         if p.name.startswith("prefill"):
-            with grpc.insecure_channel(p.ready["grpc"]) as ch:
+            with cluster.dial(p.ready["grpc"]) as ch:
                 s = worker_pb2_grpc.PrefillWorkerStub(ch).Status(worker_pb2.StatusRequest())
             seconds += s.kv_transfer_seconds_total
             nbytes += s.kv_bytes_total
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from tandem.config import EngineConfig
+    from tandem.config import ClusterSecurityConfig, EngineConfig
     from tandem.deploy.local import ClusterConfig, LocalCluster
     from tandem.engine.engine import LLMEngine
 
@@ -91,15 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     colocated = _colocated(engine, prompt_ids, args.output_len, args.runs)
     del engine
 
-    print("cluster: starting 1 prefill + 1 decode worker ...", file=sys.stderr)
-    cfg = ClusterConfig(engine=EngineConfig(model=args.model, enable_prefix_caching=False))
-    with LocalCluster(cfg) as cluster:
-        before = _prefill_transfer_totals(cluster)
-        remote = _cluster(cluster.address, prompt, args.output_len, args.runs)
-        after = _prefill_transfer_totals(cluster)
-    n = after[2] - before[2]
-    transfer_ms = (after[0] - before[0]) / n * 1e3 if n else float("nan")
-    kv_mib = (after[1] - before[1]) / n / 2**20 if n else float("nan")
+    clusters = {}
+    for name, security in (("secure", ClusterSecurityConfig()),
+                           ("plaintext", ClusterSecurityConfig(insecure=True))):  # fmt: skip
+        print(f"cluster ({name} inside): 1 prefill + 1 decode worker ...", file=sys.stderr)
+        cfg = ClusterConfig(
+            engine=EngineConfig(model=args.model, enable_prefix_caching=False), cluster=security
+        )
+        with LocalCluster(cfg) as cluster:
+            before = _prefill_transfer_totals(cluster)
+            samples = _cluster(cluster.address, prompt, args.output_len, args.runs)
+            after = _prefill_transfer_totals(cluster)
+        n = after[2] - before[2]
+        clusters[name] = (
+            samples,
+            (after[0] - before[0]) / n * 1e3 if n else float("nan"),
+            (after[1] - before[1]) / n / 2**20 if n else float("nan"),
+        )
+    remote, transfer_ms, kv_mib = clusters["secure"]
+    plain = clusters["plaintext"][0]
 
     def med(samples, i):
         return statistics.median(s[i] for s in samples) * 1e3
@@ -110,21 +123,32 @@ def main(argv: list[str] | None = None) -> int:
         "output_tokens": args.output_len,
         "colocated_ttft_ms": round(med(colocated, 0), 1),
         "cluster_ttft_ms": round(med(remote, 0), 1),
+        "plaintext_ttft_ms": round(med(plain, 0), 1),
         "ttft_ratio": round(med(remote, 0) / med(colocated, 0), 3),
+        "tls_ttft_ratio": round(med(remote, 0) / med(plain, 0), 3),
         "colocated_e2e_ms": round(med(colocated, 1), 1),
         "cluster_e2e_ms": round(med(remote, 1), 1),
+        "plaintext_e2e_ms": round(med(plain, 1), 1),
         "e2e_ratio": round(med(remote, 1) / med(colocated, 1), 3),
+        "tls_e2e_ratio": round(med(remote, 1) / med(plain, 1), 3),
         "kv_transfer_ms": round(transfer_ms, 2),
+        "plaintext_kv_transfer_ms": round(clusters["plaintext"][1], 2),
         "kv_mib_per_request": round(kv_mib, 2),
     }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{'':<22} {'colocated':>10} {'cluster 1+1':>12} {'ratio':>7}")
+        head = ("colocated", "cluster 1+1", "ratio", "no TLS inside", "TLS cost")
+        print(f"{'':<16} {head[0]:>10} {head[1]:>12} {head[2]:>6} {head[3]:>14} {head[4]:>9}")
         for key, label in (("ttft", "TTFT ms"), ("e2e", "end-to-end ms")):
             c, r = result[f"colocated_{key}_ms"], result[f"cluster_{key}_ms"]
-            print(f"{label:<22} {c:>10.1f} {r:>12.1f} {r / c:>7.2f}")
-        print(f"{'KV transfer ms':<22} {'':>10} {transfer_ms:>12.2f}   ({kv_mib:.1f} MiB/request)")
+            p = result[f"plaintext_{key}_ms"]
+            print(f"{label:<16} {c:>10.1f} {r:>12.1f} {r / c:>6.2f} {p:>14.1f} {r / p:>9.3f}")
+        plain_ms = result["plaintext_kv_transfer_ms"]
+        print(
+            f"{'KV transfer ms':<16} {'':>10} {transfer_ms:>12.2f} {'':>6} {plain_ms:>14.2f}"
+            f"   ({kv_mib:.1f} MiB/request)"
+        )
     return 0
 
 

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from tandem.config import (
     ClusterSecurityConfig,
     DecodeConfig,
@@ -136,6 +138,7 @@ class LocalCluster:
         self.address: str | None = None
         self._lifeline: Lifeline | None = None  # open from start() to the end of stop()
         self._own_credentials: Path | None = None  # the throw-away set's directory
+        self.security = ClusterSecurityConfig()  # what every process got (set by start)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -149,7 +152,7 @@ class LocalCluster:
         engine = dataclasses.replace(cfg.engine, num_threads=cfg.worker_threads())
         self._lifeline = self._lifeline or Lifeline()
         try:
-            cluster = self._cluster_security()
+            cluster = self.security = self._cluster_security()
             prefill = [
                 self._spawn(f"prefill-{i}", self.modules["prefill"],
                             dataclasses.replace(cfg.prefill, engine=engine, port=0,
@@ -187,6 +190,11 @@ class LocalCluster:
             return own
         self._own_credentials = self.run_dir / "cluster"
         return ClusterCredentials.create().write(self._own_credentials)
+
+    def dial(self, address: str) -> grpc.Channel:
+        """A blocking channel to one of this cluster's processes, as a member."""
+        credentials = ClusterCredentials.load(self.security)
+        return grpc.insecure_channel(address) if credentials is None else credentials.dial(address)
 
     def _spawn(self, name: str, module: str, config) -> _Process:
         config_path = self.run_dir / f"{name}.yaml"

@@ -117,6 +117,12 @@ class ClusterCredentials:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca, self.cert, self.key)
 
+    def dial(self, address: str) -> grpc.Channel:
+        """A blocking channel to a member, as a member (tools, benchmarks, tests)."""
+        return grpc.secure_channel(
+            address, self.channel_credentials(), options=self.channel_options()
+        )
+
     def channel_options(self) -> list[tuple[str, str]]:
         if not self.server_name:
             return []

@@ -141,3 +141,39 @@ def _alive_for(proc: psutil.Process, seconds: float) -> bool:
     except psutil.TimeoutExpired:
         return True
     return False
+
+
+def test_every_process_gets_the_runs_own_credentials_and_stop_deletes_them(tmp_path):
+    from tandem.security.cluster import ClusterCredentials
+
+    cluster = FakeCluster(_config(), tmp_path)
+    cluster.start()
+    try:
+        sections = [
+            yaml.safe_load((tmp_path / f"{name}.yaml").read_text())["cluster"]
+            for name in ("prefill-0", "decode-0", "router")
+        ]
+        assert sections[0] == sections[1] == sections[2]
+        assert sections[0]["ca_file"].startswith(str(tmp_path / "cluster"))
+        assert ClusterCredentials.load(cluster.security) is not None
+    finally:
+        cluster.stop()
+    assert not (tmp_path / "cluster").exists()  # the key and the KV secret went with the run
+
+
+def test_an_operators_own_credentials_are_used_as_they_are_and_kept(tmp_path):
+    from tandem.config import ClusterSecurityConfig
+    from tandem.security.cluster import ClusterCredentials
+
+    own = ClusterCredentials.create().write(tmp_path / "own")
+    cluster = FakeCluster(_config(cluster=own), tmp_path / "run")
+    cluster.start()
+    cluster.stop()
+    router = yaml.safe_load((tmp_path / "run" / "router.yaml").read_text())["cluster"]
+    assert router["key_file"] == own.key_file and (tmp_path / "own" / "member-key.pem").exists()
+    off = FakeCluster(_config(cluster=ClusterSecurityConfig(insecure=True)), tmp_path / "off")
+    off.start()
+    off.stop()
+    assert yaml.safe_load((tmp_path / "off" / "decode-0.yaml").read_text())["cluster"] == {
+        **vars(ClusterSecurityConfig()), "insecure": True
+    }  # fmt: skip

@@ -41,6 +41,9 @@ class DecodeServer(WorkerServer):
             cfg.host,
             cfg.kv_port,
             metrics=self.transfer_metrics,
+            # The largest reservation a request can need: staging for late data never
+            # grows past it.
+            max_request_blocks=engine.kv.blocks_for(engine.max_model_len),
         )
         self.admission = KvAdmission(self.receiver, cfg.kv_lease_s)
         self.loop.add_hook(self.admission.poll)

@@ -75,7 +75,9 @@ def make_receiver(
     port: int = 0,
     **options: Any,
 ) -> KVReceiver:
-    """options: metrics; inproc also name; ucx also handshake_timeout_s, sweep_interval_s.
+    """options: metrics, max_request_blocks (the largest reservation ``expect`` takes, and
+    so the bound on staging for late data; default: the whole pool); inproc also name;
+    ucx also handshake_timeout_s, sweep_interval_s.
 
     ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``).
     """

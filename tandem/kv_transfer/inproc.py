@@ -38,9 +38,12 @@ class InProcReceiver(CoreReceiver):
         fingerprint: Fingerprint,
         name: str | None = None,
         metrics: TransferMetrics | None = None,
+        max_request_blocks: int | None = None,
     ) -> None:
         address = f"inproc://{name if name is not None else f'receiver-{next(_names)}'}"
-        self.core = ReceiverCore(kv, fingerprint, address, metrics)
+        self.core = ReceiverCore(
+            kv, fingerprint, address, metrics, max_request_blocks=max_request_blocks
+        )
         with _registry_lock:
             if address in _registry:
                 raise ValueError(f"an in-process receiver is already named {address}")

@@ -5,9 +5,12 @@ A request's path through one connection (all on the UCX loop thread, except
 connection do not stall the others):
 
     accept -> HELLO: fingerprint compared; REPLY '' or the mismatch (then close)
-    loop:  frame  b"K"+header -> validate -> payload received into this connection's
-                                 staging buffer (the one extra copy: see receiver.py)
-                                 -> core.deliver(header, staged) -> ACK if final
+    loop:  frame  b"K"+header -> validate -> core.payload_limit: over it -> the request
+                                 FAILED "bad header", the connection dropped; no
+                                 staging allocated -> payload received into this
+                                 connection's staging buffer (the one extra copy: see
+                                 receiver.py) -> core.deliver(header, staged) -> ACK
+                                 if final
            frame  b"A"+id     -> core.sender_abort(id)
     connection lost (peer killed, closed, protocol error) -> core.source_lost:
                                  every live request it fed is FAILED("peer lost")
@@ -51,8 +54,11 @@ class UcxReceiver(CoreReceiver):
         metrics: TransferMetrics | None = None,
         handshake_timeout_s: float = 10.0,
         sweep_interval_s: float = 0.2,
+        max_request_blocks: int | None = None,
     ) -> None:
-        self.core = ReceiverCore(kv, fingerprint, address="", metrics=metrics)
+        self.core = ReceiverCore(
+            kv, fingerprint, address="", metrics=metrics, max_request_blocks=max_request_blocks
+        )
         self.handshake_timeout_s = handshake_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self._rt = get_runtime()
@@ -120,18 +126,16 @@ class UcxReceiver(CoreReceiver):
         return not problem
 
     async def _read_frames(self, conn: _Connection) -> None:
-        ep, loop = conn.ep, asyncio.get_running_loop()
-        kv = self.core.kv
+        ep, loop, core = conn.ep, asyncio.get_running_loop(), self.core
         # Grown to the largest payload seen; one per connection, since a connection
         # receives its next payload only after the previous one was delivered.
-        staging = torch.empty(0, dtype=torch.uint8, device=kv.device)
-        limit = self.core.max_payload_bytes()
+        staging = torch.empty(0, dtype=torch.uint8, device=core.kv.device)
         while True:
             frame = bytes(await ep.recv_obj())
             kind, body = frame[:1], frame[1:]
             if kind == wire.ABORT_FRAME:
                 rid = body.decode()
-                await loop.run_in_executor(self._pool, self.core.sender_abort, rid, conn)
+                await loop.run_in_executor(self._pool, core.sender_abort, rid, conn)
                 continue
             if kind != wire.KV_FRAME:
                 raise wire.ProtocolError(f"unknown frame kind {kind!r}")
@@ -141,15 +145,19 @@ class UcxReceiver(CoreReceiver):
                 raise wire.ProtocolError(f"bad header: {exc}") from None
             payload = None
             if header.nbytes:
+                limit = core.payload_limit(header)
                 if header.nbytes > limit:
-                    raise wire.ProtocolError(f"payload of {header.nbytes} bytes > {limit}")
+                    problem = (
+                        f"payload of {header.nbytes} bytes for layers [{header.layer_start}, "
+                        f"{header.layer_end}) over the {limit} bytes its reservation can hold"
+                    )
+                    await loop.run_in_executor(self._pool, core.reject, header, conn, problem)
+                    raise wire.ProtocolError(f"{header.request_id}: {problem}")
                 if staging.numel() < header.nbytes:
-                    staging = torch.empty(header.nbytes, dtype=torch.uint8, device=kv.device)
+                    staging = torch.empty(header.nbytes, dtype=torch.uint8, device=core.kv.device)
                 payload = staging[: header.nbytes]
                 await ep.recv(wire.wire_buffer(payload))
-            status = await loop.run_in_executor(
-                self._pool, self.core.deliver, header, payload, conn
-            )
+            status = await loop.run_in_executor(self._pool, core.deliver, header, payload, conn)
             if status is not None:
                 await ep.send_obj(wire.encode_ack(header.request_id, status))
 

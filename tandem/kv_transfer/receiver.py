@@ -5,7 +5,8 @@ A request's path on the decode side:
     engine thread                            transport thread (UCX loop or an in-process sender)
     expect(rid, block_ids, lease_s)
       -> Destination, state WAITING
-                                             handshake(peer fingerprint) -> '' or mismatch text
+                                             handshake(peer fingerprint) -> '' or mismatch text,
+                                             then the shared secret proved (auth.py)
                                              payload_limit(header): a payload larger than the
                                              reservation (or than max_request_blocks for an
                                              unknown request) is refused before staging

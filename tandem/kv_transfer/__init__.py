@@ -90,7 +90,8 @@ def make_receiver(
     takes, and so the bound on staging for late data; default: the whole pool); inproc
     also name; ucx also handshake_timeout_s, sweep_interval_s.
 
-    ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``).
+    ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``); the
+    listener accepts connections to ``host`` only ("0.0.0.0": every interface).
     """
     _check(backend)
     if backend == "inproc":

@@ -4,6 +4,8 @@ A request's path through one connection (all on the UCX loop thread, except
 ``deliver``, which runs on a small thread pool so that checksums and copies of one
 connection do not stall the others):
 
+    listen on host:port      ucxx listens on every interface; sockets.restrict_listener
+                             drops connections to any other address than ``host``'s
     accept                   the peer's address is looked up (for the log)
     HELLO                    fingerprint compared, then whether both sides have a secret;
                              REPLY: the mismatch (then close), or nonce_r + proof_r
@@ -77,7 +79,7 @@ class UcxReceiver(CoreReceiver):
         self._connections: set[_Connection] = set()
         self._closed = False
         try:
-            bound = self._rt.submit(self._start(port)).result(timeout=30)
+            bound = self._rt.submit(self._start(host, port)).result(timeout=30)
         except BaseException:
             self._pool.shutdown(wait=False)
             raise
@@ -87,10 +89,16 @@ class UcxReceiver(CoreReceiver):
     def port(self) -> int:
         return int(self.core.address.rsplit(":", 1)[1])
 
-    async def _start(self, port: int) -> int:
+    async def _start(self, host: str, port: int) -> int:
+        sockets.listen_addresses(host)  # an unresolvable host fails before listening
         self._listener = self._rt.ucxx.create_listener(
             self._serve, port=port, endpoint_error_handling=True
         )
+        try:
+            sockets.restrict_listener(self._listener.port, host)
+        except Exception:
+            self._listener.close()
+            raise
         self._sweeper = asyncio.create_task(self._sweep_loop())
         return self._listener.port
 

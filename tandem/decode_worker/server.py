@@ -28,6 +28,7 @@ class DecodeServer(WorkerServer):
         super().__init__(config, engine, credentials)
         self.config: DecodeConfig = config
         self.receiver: KVReceiver | None = None
+        self.kv_secret: bytes | None = None  # the cluster's KV secret (None: unauthenticated)
         self.admission: KvAdmission | None = None
         self.service = DecodeService(self)
 
@@ -47,6 +48,10 @@ class DecodeServer(WorkerServer):
             cfg.host,
             cfg.kv_port,
             metrics=self.transfer_metrics,
+            secret=self.kv_secret,
+            # The largest reservation a request can need: staging for late data never
+            # grows past it.
+            max_request_blocks=engine.kv.blocks_for(engine.max_model_len),
         )
         self.admission = KvAdmission(self.receiver, cfg.kv_lease_s)
         self.loop.add_hook(self.admission.poll)

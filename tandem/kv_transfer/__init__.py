@@ -1,6 +1,7 @@
 """KV transfer between the prefill and decode pools.
 
 base.py      the contract: states, errors, fingerprint, sender/receiver interfaces
+auth.py      the shared-secret handshake: nonces, proofs, which side lacks a secret
 payload.py   gather/scatter of a request's blocks, message header, checksum
 receiver.py  reservations and their state machine, shared by every backend
 sender.py    request bookkeeping and message building, shared by every backend
@@ -8,6 +9,16 @@ inproc.py    same-process backend (tests, colocated mode)
 ucx/         UCX backend (ucxx) for separate processes and machines
 
 Pick a backend by name with ``make_sender`` / ``make_receiver``.
+
+Security. KV bytes travel UNENCRYPTED over the KV fabric, as with NIXL and
+Mooncake: anyone who can watch that network can read prompts' KV, and anyone
+who can sit in the middle of a connection can change it. The shared secret
+(``secret``, at least 16 bytes, the same on every worker of a cluster) only
+authenticates the two ends: a stranger can neither write into a decode worker's
+blocks nor get a prefill worker to send it a prompt's KV. So keep the KV
+network trusted, and bind the listener to that network's interface (the decode
+worker's ``host``), never to every interface of a machine on a wider network.
+``secret=None`` turns authentication off: for tests and loopback-only setups.
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ def _check(backend: str) -> None:
 def make_sender(
     backend: str, kv: torch.Tensor, fingerprint: Fingerprint, **options: Any
 ) -> KVSender:
-    """options: metrics, fault_hook; ucx also connect_timeout_s, ack_timeout_s."""
+    """options: metrics, fault_hook, secret; ucx also connect_timeout_s, ack_timeout_s."""
     _check(backend)
     if backend == "inproc":
         from tandem.kv_transfer.inproc import InProcSender
@@ -75,9 +86,12 @@ def make_receiver(
     port: int = 0,
     **options: Any,
 ) -> KVReceiver:
-    """options: metrics; inproc also name; ucx also handshake_timeout_s, sweep_interval_s.
+    """options: metrics, secret, max_request_blocks (the largest reservation ``expect``
+    takes, and so the bound on staging for late data; default: the whole pool); inproc
+    also name; ucx also handshake_timeout_s, sweep_interval_s.
 
-    ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``).
+    ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``); the
+    listener accepts connections to ``host`` only ("0.0.0.0": every interface).
     """
     _check(backend)
     if backend == "inproc":

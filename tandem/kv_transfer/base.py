@@ -17,8 +17,9 @@ into blocks that a decode worker reserved for that request:
 Every reservation has an owner and a deadline: a request whose data has not
 fully arrived when its lease runs out is FAILED("lease expired"), and the caller
 frees its blocks. Payloads carry a checksum; a mismatch is FAILED("checksum"),
-never DONE. Connections start with a fingerprint handshake; a mismatch is an
-immediate error naming both values.
+never DONE. Connections start with a handshake: fingerprints compared (a mismatch
+is an immediate error naming both values), then, when the workers have a shared
+secret, each side proves it holds the secret (auth.py) before any KV moves.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 # 2 let the final message carry ``extra`` bytes (a sampler RNG state); 3 drops them
-# again, since seeded sampling no longer needs state from the prefill side.
-PROTOCOL_VERSION = 3
+# again, since seeded sampling no longer needs state from the prefill side; 4 makes
+# the handshake a mutual challenge-response over a shared secret (HELLO carries a
+# nonce, REPLY a nonce and a proof, then PROOF and VERDICT), which a version-3 peer
+# cannot speak: the version mismatch is named instead of a parse error.
+PROTOCOL_VERSION = 4
 # The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 

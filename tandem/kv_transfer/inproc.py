@@ -6,13 +6,18 @@ process). A request's path:
     InProcReceiver(kv, fingerprint)     registers itself under "inproc://<name>"
     receiver.expect(...) -> Destination
     InProcSender.send(destination, ...) first contact with an address: handshake
-                                        (fingerprints compared, HandshakeError on mismatch)
+                                        (fingerprints compared, then the two secrets:
+                                        HandshakeError on any mismatch)
                                         gather (copy 1) -> receiver core deliver:
                                         checksum, scatter (copy 2), all in the caller's thread
     future already resolved when send returns
 
 The gathered buffer doubles as the receiver's staging buffer, so this backend makes
 exactly the two copies every transfer needs and no more.
+
+``secret``: both ends live in one process, so nothing needs proving; the secrets
+are still compared (auth.local_problem: same presence, same bytes), so that a
+test or a colocated setup with mismatched secrets fails as the UCX backend would.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 
 import torch
 
+from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, HandshakeError, TransferError, TransferMetrics
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
 from tandem.kv_transfer.sender import FaultHook, Message, Outgoing, SenderBase
@@ -38,9 +44,14 @@ class InProcReceiver(CoreReceiver):
         fingerprint: Fingerprint,
         name: str | None = None,
         metrics: TransferMetrics | None = None,
+        secret: bytes | None = None,
+        max_request_blocks: int | None = None,
     ) -> None:
+        self.secret = auth.check_secret(secret)
         address = f"inproc://{name if name is not None else f'receiver-{next(_names)}'}"
-        self.core = ReceiverCore(kv, fingerprint, address, metrics)
+        self.core = ReceiverCore(
+            kv, fingerprint, address, metrics, max_request_blocks=max_request_blocks
+        )
         with _registry_lock:
             if address in _registry:
                 raise ValueError(f"an in-process receiver is already named {address}")
@@ -60,8 +71,10 @@ class InProcSender(SenderBase):
         fingerprint: Fingerprint,
         metrics: TransferMetrics | None = None,
         fault_hook: FaultHook | None = None,
+        secret: bytes | None = None,
     ) -> None:
         super().__init__(kv, fingerprint, metrics, fault_hook)
+        self.secret = auth.check_secret(secret)
         self._peers: dict[str, ReceiverCore] = {}  # address -> handshaken receiver
 
     def _peer(self, address: str) -> ReceiverCore:
@@ -73,7 +86,9 @@ class InProcSender(SenderBase):
             receiver = _registry.get(address)
         if receiver is None:
             raise TransferError("unreachable", f"no in-process receiver at {address}")
-        problem = receiver.core.handshake(self.fingerprint)
+        problem = receiver.core.handshake(self.fingerprint) or auth.local_problem(
+            self.secret, receiver.secret
+        )
         if problem:
             raise HandshakeError(problem)
         with self._lock:

@@ -5,7 +5,11 @@ A request's path on the decode side:
     engine thread                            transport thread (UCX loop or an in-process sender)
     expect(rid, block_ids, lease_s)
       -> Destination, state WAITING
-                                             handshake(peer fingerprint) -> '' or mismatch text
+                                             handshake(peer fingerprint) -> '' or mismatch text,
+                                             then the shared secret proved (auth.py)
+                                             payload_limit(header): a payload larger than the
+                                             reservation (or than max_request_blocks for an
+                                             unknown request) is refused before staging
                                              payload received into a *staging* buffer
                                              deliver(header, staged, source):
                                                header checked against the reservation
@@ -107,14 +111,22 @@ class ReceiverCore:
         address: str,
         metrics: TransferMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_request_blocks: int | None = None,
     ) -> None:
         if kv.dim() != 6 or kv.shape[1] != 2:
             raise ValueError(f"kv must be [layers, 2, blocks + 1, ...], got {list(kv.shape)}")
+        num_blocks = kv.shape[2] - 1
+        if max_request_blocks is not None and max_request_blocks < 1:
+            raise ValueError(f"max_request_blocks must be >= 1, got {max_request_blocks}")
         self.kv = kv
         self.fingerprint = fingerprint
         self.address = address
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.clock = clock
+        # The largest reservation ``expect`` accepts (more than the pool is meaningless).
+        self.max_request_blocks = min(max_request_blocks or num_blocks, num_blocks)
+        # K and V of one layer of one block, in bytes.
+        self.block_layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()
         self._lock = threading.Lock()  # guards _table and every reservation's fields
         self._table: dict[str, _Reservation] = {}
 
@@ -128,6 +140,10 @@ class ReceiverCore:
             raise ValueError(f"block ids {bad} outside the pool of {num_blocks} blocks")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("block ids repeat")
+        if len(block_ids) > self.max_request_blocks:
+            raise ValueError(
+                f"{len(block_ids)} blocks, more than max_request_blocks {self.max_request_blocks}"
+            )
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         with self._lock:
@@ -204,9 +220,31 @@ class ReceiverCore:
         """'' if a sender with ``peer`` may connect, else the named differences."""
         return peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
 
-    def max_payload_bytes(self) -> int:
-        """The largest payload a valid header can announce (a bound for staging buffers)."""
-        return self.kv.numel() * self.kv.element_size()
+    def payload_limit(self, header: MessageHeader) -> int:
+        """The most payload bytes ``header`` may announce; the transport checks this before
+        it allocates or receives anything.
+
+        A live reservation's own blocks bound it: len(block_ids) blocks x the header's
+        layers (K and V). Data for an unknown or finished request (late data after an
+        abort: common, and it must be drained to keep the stream framed) is bounded by
+        the largest reservation this receiver ever accepts, ``max_request_blocks``.
+        """
+        with self._lock:
+            res = self._table.get(header.request_id)
+            live = res is not None and res.state not in TERMINAL
+            blocks = len(res.block_ids) if live else self.max_request_blocks
+        layers = min(header.num_layers, self.kv.shape[0])
+        return blocks * layers * self.block_layer_bytes
+
+    def reject(self, header: MessageHeader, source: object, detail: str) -> None:
+        """A message broke the protocol (its connection is being dropped): fail its request
+        "bad header", unless another connection feeds that request."""
+        with self._lock:
+            res = self._table.get(header.request_id)
+            if res is None or res.source not in (None, source):
+                return
+            self._fail_locked(res, "bad header", detail)
+        self._drain(res)
 
     def deliver(
         self, header: MessageHeader, payload: torch.Tensor | None, source: object = None

@@ -27,6 +27,7 @@ class PrefillServer(WorkerServer):
         super().__init__(config, engine, credentials)
         self.config: PrefillConfig = config
         self.sender: KVSender | None = None
+        self.kv_secret: bytes | None = None  # the cluster's KV secret (None: unauthenticated)
         self.service = PrefillService(self)
 
     @property
@@ -37,7 +38,7 @@ class PrefillServer(WorkerServer):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)
 
     def _open_transfer(self) -> None:
-        options = {"metrics": self.transfer_metrics}
+        options = {"metrics": self.transfer_metrics, "secret": self.kv_secret}
         if self.config.kv_backend == "ucx":
             options["ack_timeout_s"] = self.config.kv_ack_timeout_s
             options["connect_timeout_s"] = self.config.kv_connect_timeout_s

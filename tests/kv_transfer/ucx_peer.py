@@ -16,7 +16,9 @@ from tandem.kv_transfer import TransferError, make_receiver, make_sender
 from tests.kv_transfer.conftest import fingerprint, make_side
 
 
-def _receiver_main(conn, num_blocks: int, scatter_delay_s: float, fp_overrides: dict) -> None:
+def _receiver_main(
+    conn, num_blocks: int, scatter_delay_s: float, fp_overrides: dict, secret: bytes | None
+) -> None:
     if scatter_delay_s:
         # A slow copy into the blocks keeps a transfer "in flight" long enough to kill it.
         import tandem.kv_transfer.receiver as receiver_mod
@@ -29,7 +31,7 @@ def _receiver_main(conn, num_blocks: int, scatter_delay_s: float, fp_overrides: 
 
         receiver_mod.scatter = slow
     side = make_side(num_blocks)
-    receiver = make_receiver("ucx", side.kv, fingerprint(**fp_overrides))
+    receiver = make_receiver("ucx", side.kv, fingerprint(**fp_overrides), secret=secret)
     commands = {
         "address": lambda: receiver.address,
         "allocate": lambda n: side.pool.allocate(n),
@@ -46,9 +48,9 @@ def _receiver_main(conn, num_blocks: int, scatter_delay_s: float, fp_overrides: 
     receiver.close()
 
 
-def _sender_main(conn, num_blocks: int, seed: int) -> None:
+def _sender_main(conn, num_blocks: int, seed: int, secret: bytes | None) -> None:
     side = make_side(num_blocks, seed=seed)
-    sender = make_sender("ucx", side.kv, fingerprint())
+    sender = make_sender("ucx", side.kv, fingerprint(), secret=secret)
     futures: dict[str, Any] = {}
 
     def send(dest, src_ids, first_token):
@@ -56,6 +58,8 @@ def _sender_main(conn, num_blocks: int, seed: int) -> None:
 
     commands = {
         "allocate": lambda n: side.pool.allocate(n),
+        "connect": sender.connect,
+        "metrics": lambda: sender.metrics,
         "send_layers": sender.send_layers,
         "send": send,
         "result": lambda rid, timeout: futures.pop(rid).result(timeout),
@@ -87,9 +91,9 @@ class PeerProcess:
         self.conn, child = ctx.Pipe()
         target = _receiver_main if role == "receiver" else _sender_main
         defaults = (
-            {"num_blocks": 128, "scatter_delay_s": 0.0, "fp_overrides": {}}
+            {"num_blocks": 128, "scatter_delay_s": 0.0, "fp_overrides": {}, "secret": None}
             if role == "receiver"
-            else {"num_blocks": 128, "seed": 0}
+            else {"num_blocks": 128, "seed": 0, "secret": None}
         )
         defaults.update(kwargs)
         self.process = ctx.Process(target=target, args=(child,), kwargs=defaults, daemon=True)

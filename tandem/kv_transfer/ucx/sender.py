@@ -4,8 +4,10 @@ A request's path (caller thread, then the UCX loop thread):
 
     send_layers / send        gather + checksum in the caller's thread (sender.py),
                               then call_soon -> the peer's queue, in call order
-    first use of an address   a _Peer is created: connect, HELLO/REPLY handshake
-                              (mismatch -> HandshakeError for everything queued), then
+    first use of an address   a _Peer is created: connect, handshake (wire.py, auth.py):
+                              a fingerprint mismatch, a missing secret on either side or
+                              a receiver that cannot prove the secret -> HandshakeError
+                              for everything queued, and not one frame is sent; then
                               its writer drains the queue and its reader takes acks
     writer                    for each message: header frame, then the payload, back to
                               back; the single writer is what keeps pairs unsplit
@@ -26,6 +28,7 @@ import time
 
 import torch
 
+from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import (
     Fingerprint,
     HandshakeError,
@@ -63,8 +66,10 @@ class UcxSender(SenderBase):
         fault_hook: FaultHook | None = None,
         connect_timeout_s: float = 10.0,
         ack_timeout_s: float = 30.0,
+        secret: bytes | None = None,
     ) -> None:
         super().__init__(kv, fingerprint, metrics, fault_hook)
+        self.secret = auth.check_secret(secret)
         self.connect_timeout_s = connect_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self._rt = get_runtime()
@@ -139,10 +144,32 @@ class UcxSender(SenderBase):
         peer.ep = await self._rt.ucxx.create_endpoint(
             host, int(port), endpoint_error_handling=True, connect_timeout=self.connect_timeout_s
         )
-        await peer.ep.send_obj(wire.encode_hello(self.fingerprint))
-        problem = wire.decode_reply(await peer.ep.recv_obj())
-        if problem:
-            raise HandshakeError(problem)
+        try:
+            await self._handshake(peer)
+        except wire.ProtocolError as exc:  # not a Tandem receiver, or another protocol
+            raise HandshakeError(f"the receiver at {peer.address} answered badly: {exc}") from None
+
+    async def _handshake(self, peer: _Peer) -> None:
+        """Returns once the receiver accepted us and, with a secret, proved it has it."""
+        ep, nonce_s = peer.ep, auth.new_nonce()
+        await ep.send_obj(wire.encode_hello(self.fingerprint, nonce_s, self.secret is not None))
+        reply = wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
+        if reply.error:
+            raise HandshakeError(reply.error)
+        if self.secret is None:
+            return  # a receiver with a secret refuses us instead (reply.error)
+        if reply.nonce is None or reply.proof is None:  # it accepted without a secret
+            raise HandshakeError(auth.presence_problem(True, False))
+        t = auth.transcript(self.fingerprint, nonce_s, reply.nonce, peer.address)
+        if not auth.verify(self.secret, auth.RECEIVER, t, reply.proof):
+            raise HandshakeError(
+                f"{auth.FAILED}: the receiver at {peer.address} did not prove the KV secret "
+                "(it has another one, or it is not the decode worker at that address)"
+            )
+        await ep.send_obj(wire.encode_proof(auth.proof(self.secret, auth.SENDER, t)))
+        verdict = wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
+        if verdict.error:
+            raise HandshakeError(verdict.error)
 
     async def _write(self, peer: _Peer) -> None:
         ep = peer.ep
@@ -164,7 +191,7 @@ class UcxSender(SenderBase):
     async def _read_acks(self, peer: _Peer) -> None:
         try:
             while True:
-                rid, status = wire.decode_ack(await peer.ep.recv_obj())
+                rid, status = wire.decode_ack(await wire.recv_msg(peer.ep, wire.ACK_LIMIT))
                 with self._lock:
                     out = self._requests.get(rid)
                 if out is not None and out.destination.address == peer.address:

@@ -28,7 +28,6 @@ class DecodeServer(WorkerServer):
         super().__init__(config, engine, credentials)
         self.config: DecodeConfig = config
         self.receiver: KVReceiver | None = None
-        self.kv_secret: bytes | None = None  # the cluster's KV secret (None: unauthenticated)
         self.admission: KvAdmission | None = None
         self.service = DecodeService(self)
 

@@ -27,7 +27,6 @@ class PrefillServer(WorkerServer):
         super().__init__(config, engine, credentials)
         self.config: PrefillConfig = config
         self.sender: KVSender | None = None
-        self.kv_secret: bytes | None = None  # the cluster's KV secret (None: unauthenticated)
         self.service = PrefillService(self)
 
     @property

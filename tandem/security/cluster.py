@@ -27,11 +27,11 @@ import grpc
 
 from tandem.config import ClusterSecurityConfig
 from tandem.errors import ConfigError
+from tandem.kv_transfer.auth import MIN_SECRET_BYTES
 from tandem.security import pki
 from tandem.security.tls import channel_credentials, read_pem, server_credentials
 
 KV_SECRET_BYTES = 32  # random bytes, kept as 64 hex characters (what the file holds)
-MIN_KV_SECRET_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ class ClusterCredentials:
     server_name: str = pki.CLUSTER_SERVER_NAME  # "": check the dialled address instead
 
     def __post_init__(self) -> None:
-        if len(self.kv_secret) < MIN_KV_SECRET_BYTES:
+        if len(self.kv_secret) < MIN_SECRET_BYTES:
             raise ConfigError(
-                f"the KV secret must be at least {MIN_KV_SECRET_BYTES} bytes, "
+                f"the KV secret must be at least {MIN_SECRET_BYTES} bytes, "
                 f"got {len(self.kv_secret)}"
             )
 

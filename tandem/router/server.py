@@ -52,6 +52,7 @@ class Router:
             queue_timeout_s=config.queue_timeout_s,
         )
         self.port: int | None = None
+        self._owns_frontend = False
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
 
@@ -65,13 +66,21 @@ class Router:
     async def start(self) -> None:
         if self.frontend is None:
             self.frontend = await asyncio.to_thread(Frontend.load, self.config)
+            self._owns_frontend = True
+        else:
+            self.frontend = self.frontend.with_limits(self.config)
         for address in self.config.prefill_workers:
             self.registry.add_worker(Pool.PREFILL, address)
         for address in self.config.decode_workers:
             self.registry.add_worker(Pool.DECODE, address)
         await self.registry.poll_once()  # placement has numbers from the first request on
 
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(
+            options=[
+                *SERVER_OPTIONS,
+                ("grpc.max_receive_message_length", self.config.max_request_bytes),
+            ]
+        )
         tandem_pb2_grpc.add_TandemServicer_to_server(
             TandemService(self.frontend, self.admission, self.relay), server
         )
@@ -125,6 +134,8 @@ class Router:
             await self._server.stop(grace)
             self._server = None
         await self.registry.stop()
+        if self._owns_frontend and self.frontend is not None:
+            self.frontend.close()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

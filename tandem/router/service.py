@@ -1,10 +1,12 @@
 """The public ``tandem.v1.Tandem`` service: the gRPC edge of the router.
 
-Generate: validate and tokenize (INVALID_ARGUMENT, no worker contacted) →
-admission (RESOURCE_EXHAUSTED beyond the bound) → ``Relay.generate``, whose
-responses are streamed as they come. A ``RouterError`` becomes the client's
-status. A client cancel or an expired deadline cancels this handler; the
-relay's ``finally`` then cancels the worker calls.
+Generate: the checks that need no tokenizer (INVALID_ARGUMENT, no worker
+contacted) → admission (RESOURCE_EXHAUSTED beyond the bound) → tokenizing off
+the event loop and the context-length check → ``Relay.generate``, whose
+responses are streamed as they come. Tokenize takes the same path up to its
+token ids. A ``RouterError`` becomes the client's status. A client cancel or an
+expired deadline cancels this handler; the relay's ``finally`` then cancels the
+worker calls.
 """
 
 from __future__ import annotations
@@ -31,18 +33,20 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         self.relay = relay
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        request_id = ""
         try:
-            prepared = self.frontend.prepare(request)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
+            checked = self.frontend.check(request)
+            request_id = checked.request_id
             with self.admission.admit():
+                prepared = await self.frontend.prepare(checked)
                 stream = self.relay.generate(prepared, context.time_remaining())
                 async with aclosing(stream):
                     async for response in stream:
                         yield response
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
-            log.info("request %s failed: %s: %s", prepared.request_id, exc.code.name, exc.message)
+            log.info("request %s failed: %s: %s", request_id or "-", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
@@ -53,7 +57,11 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
 
     async def Tokenize(self, request, context: grpc.aio.ServicerContext):
         try:
-            ids = self.frontend.encode(request)
+            text = self.frontend.check_input(request)
+            with self.admission.admit():
+                ids = await self.frontend.encode(text)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
         return tandem_pb2.TokenizeResponse(token_ids=ids)

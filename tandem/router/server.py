@@ -1,6 +1,8 @@
 """``Router``: the router's gRPC server, in-process (tests) or as a process (``__main__``).
 
-It serves ``tandem.v1.Tandem``, ``grpc.health.v1`` and server reflection. Health:
+It serves ``tandem.v1.Tandem``, ``grpc.health.v1`` and server reflection, over TLS
+and behind API keys when configured (public_port.py: the port's rules; auth.py:
+keys, checked for every call but health). Health:
 the server ("") is SERVING while it accepts requests; ``tandem.v1.Tandem`` is
 SERVING only while both pools have a placeable worker (updated after each
 Status poll). ``stop()`` turns health to NOT_SERVING, stops
@@ -22,8 +24,10 @@ from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS, channel_options
 from tandem.router.admission import Admission
+from tandem.router.auth import AuthInterceptor
 from tandem.router.frontend import Frontend
 from tandem.router.placement import Pool, make_policy
+from tandem.router.public_port import PublicPort
 from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
 from tandem.router.service import TandemService
@@ -64,6 +68,7 @@ class Router:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self) -> None:
+        public = PublicPort.load(self.config)  # first: a bad setting starts nothing
         if self.frontend is None:
             self.frontend = await asyncio.to_thread(Frontend.load, self.config)
             self._owns_frontend = True
@@ -79,7 +84,8 @@ class Router:
             options=[
                 *SERVER_OPTIONS,
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
-            ]
+            ],
+            interceptors=[AuthInterceptor(public.keys)] if public.keys else None,
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(
             TandemService(self.frontend, self.admission, self.relay), server
@@ -91,7 +97,10 @@ class Router:
         )
         bind = f"{self.config.host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(bind)
+            if public.credentials is None:
+                port = server.add_insecure_port(bind)
+            else:
+                port = server.add_secure_port(bind, public.credentials)
         except RuntimeError as exc:
             port, reason = 0, str(exc)
         else:
@@ -105,7 +114,13 @@ class Router:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._update_health()
         self.registry.start(after_poll=self._after_poll)
-        log.info("router serving on %s", self.address)
+        log.info(
+            "router serving on %s (%s, %s)",
+            self.address,
+            "plaintext" if public.credentials is None
+            else "mutual TLS" if public.client_ca else "TLS",
+            f"{len(public.keys)} API keys" if public.keys else "no API keys",
+        )  # fmt: skip
 
     async def _after_poll(self) -> None:
         await self._update_health()

@@ -48,7 +48,9 @@ class Router:
                 config.worker_keepalive_s, config.worker_keepalive_timeout_s
             ),
         )
-        self.admission = Admission(config.max_queue)
+        self.admission = Admission(
+            config.max_queue, config.key_max_streams, config.key_requests_per_s
+        )
         self.relay = Relay(
             self.registry,
             make_policy(config.placement),

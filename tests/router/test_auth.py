@@ -1,5 +1,5 @@
-"""API keys: the keys file, and UNAUTHENTICATED without a valid key (health exempt),
-over real channels."""
+"""API keys: the keys file, UNAUTHENTICATED without a valid key (health exempt), and
+per-key limits on streams and rate, over real channels."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.client import AsyncTandemClient, Unauthenticated
+from tandem.client import AsyncTandemClient, Overloaded, Unauthenticated
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
+from tandem.router.admission import Admission, TokenBucket
 from tandem.router.auth import ApiKeys, bearer_token, digest, parse_line
-from tests.router.fakes import cluster
+from tandem.router.errors import RouterError
+from tests.router.fakes import FakeDecode, cluster, wait_until
 
 ALICE = "alice-" + "a" * 26
 BOB = "bob-" + "b" * 28
@@ -111,6 +113,39 @@ def test_identify_finds_the_key_by_digest_only(keys_file):
     assert keys.identify(()) is None
 
 
+# ---- per-key limits, as units -------------------------------------------------------------
+
+
+def test_the_token_bucket_allows_a_burst_of_the_rate_then_refills():
+    now = [0.0]
+    bucket = TokenBucket(2.0, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(3)] == [True, True, False]
+    now[0] += 0.5  # one token back
+    assert [bucket.take() for _ in range(2)] == [True, False]
+    slow = TokenBucket(0.5, clock=lambda: now[0])  # burst max(1, rate) = 1
+    assert [slow.take(), slow.take()] == [True, False]
+    now[0] += 2.0
+    assert slow.take()
+
+
+def test_admission_bounds_each_key_and_the_router(keys_file):
+    keys = {k.name: k for k in ApiKeys.load(RouterConfig(api_keys_file=keys_file), {}).keys}
+    admission = Admission(3, key_max_streams=2)
+    with admission.admit(keys["alice"]):
+        with pytest.raises(RouterError, match=r"'alice' has 1 requests in flight, its limit "
+                           r"\(max_streams=1\)"):  # fmt: skip
+            with admission.admit(keys["alice"]):
+                pass
+        with admission.admit(keys["bob"]), admission.admit(keys["bob"]):
+            with pytest.raises(RouterError, match=r"\(max_streams=2\)"):
+                with admission.admit(keys["bob"]):
+                    pass
+            with pytest.raises(RouterError, match=r"\(max_queue=3\)"):
+                with admission.admit(None):
+                    pass
+    assert admission.in_flight == 0 and admission.key_in_flight(keys["alice"]) == 0
+
+
 # ---- over real channels -------------------------------------------------------------------
 
 
@@ -193,5 +228,56 @@ def test_the_right_key_streams_and_from_the_environment_too(frontend, monkeypatc
         monkeypatch.setenv("TANDEM_API_KEY", CAROL)  # the client's own variable
         async with cluster(frontend) as c:
             assert (await c.client.model_info()).model_id == "tiny-random"
+
+    run(scenario())
+
+
+def test_a_key_over_its_streams_is_refused_while_another_key_is_served(frontend, keys_file):
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode], connect={"api_key": ALICE},
+                           api_keys_file=keys_file) as c:  # fmt: skip
+            first = asyncio.create_task(c.client.complete("hello"))
+            await wait_until(lambda: decode.calls, what="alice's stream placed")
+            with pytest.raises(Overloaded, match=r"API key 'alice' has 1 requests in flight, "
+                               r"its limit \(max_streams=1\)"):  # fmt: skip
+                await c.client.complete("hello")
+            with pytest.raises(Overloaded, match="'alice'"):  # Tokenize is admitted too
+                await c.client.tokenize("hello")
+            async with AsyncTandemClient(c.router.address, timeout=10, api_key=BOB) as bob:
+                second = asyncio.create_task(bob.complete("hello"))
+                await wait_until(lambda: len(decode.calls) == 2, what="bob's stream placed")
+                decode.gate.set()
+                assert (await second).finish_reason == "length"
+            assert (await first).finish_reason == "length"
+            assert (await c.client.complete("hello")).finish_reason == "length"  # slot back
+
+    run(scenario())
+
+
+def test_a_key_over_its_rate_is_refused_while_another_key_is_served(frontend, keys_file):
+    async def scenario():
+        async with cluster(frontend, connect={"api_key": CAROL}, api_keys_file=keys_file) as c:
+            await c.client.model_info()  # the burst of 1
+            with pytest.raises(Overloaded, match=r"API key 'key-[0-9a-f]{8}' is over its rate "
+                               r"limit \(requests_per_s=1\)"):  # fmt: skip
+                await c.client.complete("hello")
+            async with AsyncTandemClient(c.router.address, timeout=10, api_key=BOB) as bob:
+                for _ in range(5):
+                    await bob.model_info()
+            assert c.worker_calls() == 0
+
+    run(scenario())
+
+
+def test_the_default_key_rate_applies_to_keys_without_their_own(frontend, keys_file):
+    async def scenario():
+        async with cluster(frontend, connect={"api_key": BOB}, api_keys_file=keys_file,
+                           key_requests_per_s=2) as c:  # fmt: skip
+            await c.client.model_info()
+            await c.client.tokenize("a")
+            with pytest.raises(Overloaded, match=r"'bob' is over its rate limit "
+                               r"\(requests_per_s=2\)"):  # fmt: skip
+                await c.client.tokenize("a")
 
     run(scenario())

@@ -94,6 +94,8 @@ class ApiKeys:
             except (OSError, UnicodeDecodeError) as exc:
                 reason = getattr(exc, "strerror", None) or exc
                 raise ConfigError(f"api_keys_file: cannot read {path}: {reason}") from None
+            if os.stat(path).st_mode & 0o077:
+                log.warning("api_keys_file %s can be read by other users: chmod 600 it", path)
             for n, line in enumerate(text.splitlines(), 1):
                 key = parse_line(line, f"api_keys_file {path} line {n}")
                 if key is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 import pytest
@@ -53,6 +54,16 @@ def test_the_keys_file_gives_names_and_per_key_limits(keys_file):
     assert (by_name["alice"].max_streams, by_name["alice"].requests_per_s) == (1, None)
     assert (by_name[carol].max_streams, by_name[carol].requests_per_s) == (None, 1.0)
     assert ALICE not in repr(keys.keys) and by_name["alice"].digest == digest(ALICE)
+
+
+def test_a_keys_file_others_can_read_is_warned_about(keys_file, caplog):
+    os.chmod(keys_file, 0o644)
+    ApiKeys.load(RouterConfig(api_keys_file=keys_file), environ={})
+    assert "can be read by other users: chmod 600 it" in caplog.text
+    caplog.clear()
+    os.chmod(keys_file, 0o600)
+    ApiKeys.load(RouterConfig(api_keys_file=keys_file), environ={})
+    assert "chmod" not in caplog.text
 
 
 def test_the_environment_adds_keys(keys_file):

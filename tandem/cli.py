@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 
+from tandem.client.flags import add_client_flags, client_kwargs
 from tandem.errors import TandemError
 
 EXIT_USAGE = 2
@@ -50,6 +51,34 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
 
 
+# The router's public-port flags (tandem serve, python -m tandem.router): dest is the
+# RouterConfig field, so that mapping them is one loop.
+ROUTER_SECURITY_FLAGS = (
+    ("--tls-cert", "tls_cert_file", "the router's TLS certificate (PEM); with --tls-key"),
+    ("--tls-key", "tls_key_file", "its private key (PEM)"),
+    ("--tls-client-ca", "tls_client_ca_file", "mutual TLS: clients need a certificate it signed"),
+    ("--api-keys-file", "api_keys_file", "API keys, one a line (also: $TANDEM_API_KEYS)"),
+)
+
+
+def add_router_security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the router's public port (see README: Security)")
+    for flag, dest, text in ROUTER_SECURITY_FLAGS:
+        g.add_argument(flag, dest=dest, metavar="FILE", default=None, help=text)
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback --host without TLS or without authentication",
+    )
+
+
+def router_security_settings(args: argparse.Namespace) -> dict:
+    """The RouterConfig fields the public-port flags set (those given only)."""
+    names = [dest for _, dest, _ in ROUTER_SECURITY_FLAGS] + ["insecure"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="Disaggregated prefill/decode LLM serving."
@@ -66,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--router", default=None, metavar="HOST:PORT", help="stream through a router")
     gen.add_argument("--raw", action="store_true", help="send PROMPT as plain text, no template")
+    add_client_flags(gen)
     _add_engine_flags(gen)
     _add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
@@ -84,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="YAML: num_prefill, num_decode, engine:, router:, prefill:, decode: sections",
     )
+    add_router_security_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -100,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                              ("--config", str, "YAML, as for serve")):  # fmt: skip
         demo.add_argument(flag, type=kind, default=None, help=text)
     demo.set_defaults(func=cmd_demo, host=None, port=None)
+    add_client_flags(demo)  # for a --config whose router: section asks for TLS or keys
     _add_sampling_flags(demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -174,7 +206,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidRequestError("prompt", "prompt must not be empty")
     params = sampling_params(args)  # validate flags before any model or connection
     if args.router:
-        return _generate_remote(args.router, args.prompt, args.raw, params)
+        return _generate_remote(args.router, args.prompt, args.raw, params,
+                                connect=client_kwargs(args))  # fmt: skip
     from tandem.engine.engine import LLMEngine
 
     engine = LLMEngine(engine_config(args))
@@ -190,8 +223,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_remote(address: str, prompt: str, raw: bool, params, timeout=None) -> int:
-    """Stream one generation through a router."""
+def _generate_remote(
+    address: str, prompt: str, raw: bool, params, timeout=None, connect: dict | None = None
+) -> int:
+    """Stream one generation through a router (``connect``: client TLS and API key)."""
     import dataclasses
 
     from tandem.client import TandemClient
@@ -199,7 +234,7 @@ def _generate_remote(address: str, prompt: str, raw: bool, params, timeout=None)
     sampling = {k: v for k, v in dataclasses.asdict(params).items() if k != "stop_token_ids"}
     text_input = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
     stats = _Stream()
-    with TandemClient(address, timeout=timeout) as client:
+    with TandemClient(address, timeout=timeout, **(connect or {})) as client:
         for chunk in client.generate(**text_input, **sampling):
             stats.write(chunk.text)
     stats.finish(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.finish_reason)
@@ -245,13 +280,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "the model, ~20 s)", config.engine.model, config.num_prefill, config.num_decode,
     )  # fmt: skip
     params = sampling_params(args)
+    connect = client_kwargs(args)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop in order, as on Ctrl-C
     with LocalCluster(config) as cluster:
         log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
-        _generate_remote(cluster.address, args.prompt, False, params, timeout=300)
+        _generate_remote(cluster.address, args.prompt, False, params, timeout=300,
+                         connect=connect)  # fmt: skip
         from tandem.bench.load.cli import demo_load
 
-        demo_load(cluster.address)
+        demo_load(cluster.address, **connect)
         log.info("demo: stopping the cluster")
     return 0
 
@@ -274,6 +311,7 @@ def serve_config(args: argparse.Namespace):
     if args.model is not None:
         changes["engine"] = dataclasses.replace(cfg.engine, model=args.model)
     router = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    router.update(router_security_settings(args))
     if router:
         changes["router"] = dataclasses.replace(cfg.router, **router)
     return dataclasses.replace(cfg, **changes)
@@ -284,8 +322,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from tandem.deploy.local import LocalCluster
+    from tandem.router.public_port import PublicPort
 
     config = serve_config(args)
+    PublicPort.load(config.router)  # a bad or unsafe setting fails now, not after the workers
     cluster = LocalCluster(config)
     stop = threading.Event()
 

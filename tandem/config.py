@@ -7,6 +7,7 @@ value fails at start-up with the setting named.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -199,6 +200,46 @@ class RouterConfig:
     worker_keepalive_s: float = 10.0
     worker_keepalive_timeout_s: float = 5.0
 
+    # ---- The public port (tandem/router/public_port.py, auth.py, limits.py) ----
+    # TLS for clients (PEM; both or neither). Without them the port speaks plaintext,
+    # which the router allows only on a loopback host unless ``insecure`` is set.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Mutual TLS: every client must present a certificate this CA (PEM) signed. It
+    # authenticates clients by itself, with or without API keys.
+    tls_client_ca_file: str = ""
+    # API keys, one a line (format in tandem/router/auth.py); TANDEM_API_KEYS (comma-
+    # separated) adds more. A key never goes on a command line, where ps shows it.
+    api_keys_file: str = ""
+    # Generate streams and Tokenize calls one key may have open at once (0: no limit;
+    # a keys-file line may set its own). A quarter of max_queue: one runaway or leaked
+    # key cannot take the whole router, and a single-tenant deployment raises it.
+    key_max_streams: int = 64
+    # Calls per second per key, a token bucket with a burst of max(1, rate); 0: no
+    # rate limit. Off by default: a stream's cost is its tokens, which key_max_streams
+    # and max_queue bound, and any fixed rate would throttle legitimate batch clients
+    # (`tandem bench load` tokenizes its whole dataset first). Set it per key for tiers.
+    key_requests_per_s: float = 0.0
+    # Allow a non-loopback host without TLS or without authentication (e.g. TLS ends
+    # at a proxy in front of the router). Off: such a router refuses to start.
+    insecure: bool = False
+    # The largest request message accepted (gRPC answers RESOURCE_EXHAUSTED above it).
+    # 4 MiB, gRPC's own default: room for a prompt at max_prompt_chars for contexts up
+    # to 16k tokens even in 4-byte characters (ASCII: 128k), while no call can make the
+    # router buffer more. Raise it with max_prompt_chars for longer contexts.
+    max_request_bytes: int = 4 * 2**20
+    # Input limits, checked before tokenizing so that no request can hold a tokenizer
+    # thread for long (tandem/router/limits.py). None: 32 characters per token of
+    # context (262,144 for an 8k context). English runs about 4 characters a token and
+    # whitespace-heavy code rarely above 10; 32 refuses nothing that fits the context
+    # while bounding tokenizer time (~0.25 s at the limit for an 8k context). Chat
+    # counts the characters of every message's content.
+    max_prompt_chars: int | None = None
+    max_stop_strings: int = 16  # every stop string is matched against every new token
+    max_stop_chars: int = 256  # per stop string: a delimiter, not a document
+    # OpenAI's bound on a chat's messages; an 8k context holds far fewer turns.
+    max_chat_messages: int = 2048
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))
         object.__setattr__(self, "decode_workers", tuple(self.decode_workers))
@@ -225,6 +266,38 @@ class RouterConfig:
                 "worker_keepalive_s and worker_keepalive_timeout_s must be > 0, got "
                 f"{self.worker_keepalive_s} and {self.worker_keepalive_timeout_s}"
             )
+        self._check_public_port()
+
+    def _check_public_port(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file")
+                if self.tls_cert_file
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ConfigError(f"TLS needs both tls_cert_file and tls_key_file; {given} "
+                              f"given, {missing} missing")  # fmt: skip
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError(
+                "tls_client_ca_file (mutual TLS) needs the router's own tls_cert_file "
+                "and tls_key_file"
+            )
+        if self.key_max_streams < 0:
+            raise ConfigError(
+                f"key_max_streams must be >= 0 (0: no limit), got {self.key_max_streams}"
+            )
+        if not (self.key_requests_per_s >= 0 and math.isfinite(self.key_requests_per_s)):
+            raise ConfigError(
+                f"key_requests_per_s must be finite and >= 0 (0: no limit), "
+                f"got {self.key_requests_per_s}"
+            )
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ConfigError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        for name in ("max_stop_strings", "max_stop_chars", "max_chat_messages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:

@@ -1,12 +1,17 @@
-"""Shared fixtures: engines are expensive, so each model is loaded once per session."""
+"""Shared fixtures: engines are expensive, so each model is loaded once per session;
+test certificates (pki, ~50 ms each) are made once too."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.security import pki
 
 
 def make_engine(model: str = "tiny-random", **overrides) -> LLMEngine:
@@ -47,3 +52,43 @@ def _engines_leak_nothing(request):
             assert not engine.has_unfinished(), "a request was left running"
             engine.kv.pool.check_integrity()
             assert engine.kv.pool.num_used == 0, f"{engine.kv.pool.num_used} KV blocks leaked"
+
+
+@pytest.fixture(autouse=True)
+def _no_api_keys_from_the_environment(monkeypatch):
+    """A developer's own TANDEM_API_KEYS would lock every test router, and TANDEM_API_KEY
+    would be sent by every test client: tests that want keys set them themselves."""
+    monkeypatch.delenv("TANDEM_API_KEYS", raising=False)
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+
+
+@dataclass(frozen=True)
+class Certs:
+    """PEM files: a CA, the router's certificate (127.0.0.1, localhost) and a client's,
+    both signed by it, and a second CA that signed neither."""
+
+    ca: str
+    router_cert: str
+    router_key: str
+    client_cert: str
+    client_key: str
+    other_ca: str
+    other_client_cert: str  # signed by other_ca
+    other_client_key: str
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Certs:
+    d: Path = tmp_path_factory.mktemp("pki")
+    ca, other = pki.make_ca("test CA"), pki.make_ca("another CA")
+    router = pki.issue(ca, "router", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+    client = pki.issue(ca, "client")
+    stranger = pki.issue(other, "stranger")
+    files = {
+        "ca": ca.cert, "router_cert": router.cert, "router_key": router.key,
+        "client_cert": client.cert, "client_key": client.key, "other_ca": other.cert,
+        "other_client_cert": stranger.cert, "other_client_key": stranger.key,
+    }  # fmt: skip
+    for name, data in files.items():
+        (d / f"{name}.pem").write_bytes(data)
+    return Certs(**{name: str(d / f"{name}.pem") for name in files})

@@ -4,6 +4,10 @@
 generation as ``GenerateChunk`` dataclasses (text delta, token ids; the last
 also finish_reason and usage), and raise the exceptions of
 ``tandem.client.errors`` for failed calls. No protobuf type leaves this package.
+Both connect the same way (``_connect.py``): plaintext, TLS (``ca_file``, or the
+system's roots), mutual TLS (``cert_file``, ``key_file``), and an API key sent as
+``authorization: Bearer`` metadata (``api_key=`` or $TANDEM_API_KEY). ``flags.py``
+holds the command-line flags for the same.
 """
 
 from tandem.client.aio import AsyncTandemClient
@@ -13,6 +17,7 @@ from tandem.client.errors import (
     InvalidRequest,
     Overloaded,
     TandemClientError,
+    Unauthenticated,
     Unavailable,
 )
 from tandem.client.sync import TandemClient
@@ -30,6 +35,7 @@ __all__ = [
     "Overloaded",
     "TandemClient",
     "TandemClientError",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
 ]

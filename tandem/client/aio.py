@@ -16,16 +16,33 @@ import grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import _convert
+from tandem.client._connect import Connection
 from tandem.client.errors import from_rpc_error
 from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
 
 
 class AsyncTandemClient:
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        """``timeout``: the default per-call deadline in seconds (None: no deadline)."""
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        tls: bool | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """``timeout``: the default per-call deadline in seconds (None: no deadline); TLS
+        and the API key as for ``TandemClient``."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        connection = Connection.make(
+            address, tls_on=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
+            api_key=api_key,
+        )  # fmt: skip
+        self._metadata = connection.metadata
+        self._channel = connection.aio_channel()
         self._stub = tandem_pb2_grpc.TandemStub(self._channel)
 
     def generate(
@@ -64,7 +81,9 @@ class AsyncTandemClient:
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
             info = await self._stub.GetModelInfo(
-                tandem_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout)
+                tandem_pb2.GetModelInfoRequest(),
+                timeout=self._timeout(timeout),
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
@@ -79,7 +98,9 @@ class AsyncTandemClient:
     ) -> list[int]:
         request = _convert.tokenize_request(prompt, messages)
         try:
-            response = await self._stub.Tokenize(request, timeout=self._timeout(timeout))
+            response = await self._stub.Tokenize(
+                request, timeout=self._timeout(timeout), metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return list(response.token_ids)
@@ -99,7 +120,7 @@ class AsyncTandemClient:
     async def _stream(
         self, request: tandem_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield _convert.chunk(response)

@@ -2,7 +2,9 @@
 
 - ``InvalidRequest``   (INVALID_ARGUMENT) fix the request; the message names the field
   and the limit, e.g. "max_tokens must be >= 1, got 0";
-- ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff;
+- ``Unauthenticated``  (UNAUTHENTICATED) no API key, or one the router does not know;
+- ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff (the router's
+  bound, or the API key's own: its streams or its rate);
 - ``Unavailable``      (UNAVAILABLE) no worker of a pool can serve, or one died mid-request;
 - ``DeadlineExceeded`` (DEADLINE_EXCEEDED) the timeout passed; every stage stopped;
 - ``Cancelled``        (CANCELLED) the call was cancelled;
@@ -29,6 +31,10 @@ class InvalidRequest(TandemClientError, ValueError):
     pass
 
 
+class Unauthenticated(TandemClientError):
+    pass
+
+
 class Overloaded(TandemClientError):
     pass
 
@@ -47,6 +53,7 @@ class Cancelled(TandemClientError):
 
 _BY_CODE: dict[grpc.StatusCode, type[TandemClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

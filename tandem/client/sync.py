@@ -18,16 +18,39 @@ import grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import _convert
+from tandem.client._connect import Connection
 from tandem.client.errors import from_rpc_error
 from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
 
 
 class TandemClient:
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        """``timeout``: the default per-call deadline in seconds (None: no deadline)."""
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        tls: bool | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """``timeout``: the default per-call deadline in seconds (None: no deadline).
+
+        ``tls``: None speaks TLS when any of the files is given; ``ca_file`` verifies
+        the router (None: the system's root certificates); ``cert_file`` and
+        ``key_file`` are presented to a router that requires client certificates.
+        ``api_key`` (None: $TANDEM_API_KEY) is sent with every call; it is refused
+        without TLS unless the router is on loopback.
+        """
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        connection = Connection.make(
+            address, tls_on=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
+            api_key=api_key,
+        )  # fmt: skip
+        self._metadata = connection.metadata
+        self._channel = connection.sync_channel()
         self._stub = tandem_pb2_grpc.TandemStub(self._channel)
 
     def generate(
@@ -66,7 +89,9 @@ class TandemClient:
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
             info = self._stub.GetModelInfo(
-                tandem_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout)
+                tandem_pb2.GetModelInfoRequest(),
+                timeout=self._timeout(timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
@@ -81,7 +106,9 @@ class TandemClient:
     ) -> list[int]:
         request = _convert.tokenize_request(prompt, messages)
         try:
-            response = self._stub.Tokenize(request, timeout=self._timeout(timeout))
+            response = self._stub.Tokenize(
+                request, timeout=self._timeout(timeout), metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return list(response.token_ids)
@@ -101,7 +128,7 @@ class TandemClient:
     def _stream(
         self, request: tandem_pb2.GenerateRequest, timeout: float | None
     ) -> Iterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield _convert.chunk(response)

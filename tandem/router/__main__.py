@@ -3,11 +3,15 @@
     python -m tandem.router --config router.yaml
     python -m tandem.router --model tiny-random --port 50051 \\
         --prefill 127.0.0.1:50061 --decode 127.0.0.1:50071
+    python -m tandem.router --config router.yaml --host 0.0.0.0 \\
+        --tls-cert router.pem --tls-key router-key.pem --api-keys-file keys.txt
 
 Flags override the YAML (a mapping of ``RouterConfig`` fields). Prints
 ``READY router grpc=HOST:PORT`` on stdout once it serves; on SIGTERM or SIGINT
 it stops accepting, drains in-flight requests for up to ``drain_timeout_s`` and
-exits 0. A bad setting exits 2 with the setting named.
+exits 0. A bad setting exits 2 with the setting named, and so does a host that
+is not loopback without TLS and authentication (API keys or a client CA) unless
+``--insecure`` is given (tandem/router/public_port.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import signal
 import sys
 
+from tandem.cli import add_router_security_flags, router_security_settings
 from tandem.config import RouterConfig, load_yaml, role_config
 from tandem.errors import ConfigError
 from tandem.router.server import Router
@@ -36,6 +41,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--decode", action="append", help="decode worker host:port (repeat)")
     parser.add_argument("--placement", help="least-loaded or round-robin")
     parser.add_argument("--max-queue", type=int, help="in-flight bound (then RESOURCE_EXHAUSTED)")
+    add_router_security_flags(parser)
     args = parser.parse_args(argv)
     values = dict(load_yaml(args.config)) if args.config else {}
     config = role_config(RouterConfig, values, where=args.config or "")
@@ -47,6 +53,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         "decode_workers": tuple(args.decode) if args.decode else None,
         "placement": args.placement,
         "max_queue": args.max_queue,
+        **router_security_settings(args),
     }
     return dataclasses.replace(config, **{k: v for k, v in flags.items() if v is not None})
 

@@ -2,15 +2,25 @@
 
 It loads the model's tokenizer and ``config.json`` only, never weights. A
 ``GenerateRequest`` becomes a ``PreparedRequest`` (request id, prompt token ids,
-sampling) or an ``InvalidRequestError`` naming the field and the limit, in this
-order: sampling fields, the input (prompt or chat, roles), then the tokenized
-prompt against the context length. All of it happens before any worker is
-contacted, so a bad request never allocates a KV block anywhere.
+sampling) or an ``InvalidRequestError`` naming the field and the limit, in two
+steps:
+
+- ``check`` (on the event loop, lengths and counts only): request id, stop
+  strings, sampling fields, then the input (prompt or chat: limits, roles);
+- ``prepare`` (awaited after admission): tokenizes in a small thread pool, off
+  the event loop, then checks the token count against the context length.
+
+So a huge request is refused before any tokenizer sees it, one that is merely
+big never stalls other streams while it tokenizes, and all of it happens before
+any worker is contacted: a bad request never allocates a KV block anywhere.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tandem import wire
@@ -22,9 +32,23 @@ from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import ConfigError, InvalidRequestError
+from tandem.router.limits import InputLimits
 
-# Workers take ids of up to 256 characters; a migrated attempt appends "/<n>".
-MAX_REQUEST_ID_CHARS = 200
+# Threads that tokenize (HF tokenizers encode without the GIL and is thread-safe).
+# Two keep one long prompt from delaying every other request's first token, and
+# admission bounds what waits for them.
+TOKENIZER_THREADS = 2
+
+TextInput = str | list[dict[str, str]]  # a raw prompt, or chat messages for the template
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed every check that needs no tokenizer."""
+
+    request_id: str
+    text: TextInput
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -36,12 +60,19 @@ class PreparedRequest:
 
 class Frontend:
     def __init__(
-        self, model_id: str, tokenizer: Tokenizer, context_length: int, vocab_size: int
+        self,
+        model_id: str,
+        tokenizer: Tokenizer,
+        context_length: int,
+        vocab_size: int,
+        limits: InputLimits | None = None,
     ) -> None:
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size
+        self.limits = limits or InputLimits.from_config(RouterConfig(), context_length)
+        self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     @classmethod
     def load(cls, config: RouterConfig) -> Frontend:
@@ -51,31 +82,57 @@ class Frontend:
         context = model.max_position_embeddings
         if config.max_model_len is not None:
             context = min(config.max_model_len, context)  # as the engine does
-        return cls(config.model, Tokenizer.from_pretrained(model_dir), context, model.vocab_size)
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        limits = InputLimits.from_config(config, context)
+        return cls(config.model, tokenizer, context, model.vocab_size, limits)
 
-    def prepare(self, request: tandem_pb2.GenerateRequest) -> PreparedRequest:
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequestError(
-                "request_id",
-                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
-                f"got {len(request.request_id)}",
-            )
+    def with_limits(self, config: RouterConfig) -> Frontend:
+        """The same tokenizer and threads under ``config``'s input limits."""
+        other = copy.copy(self)
+        other.limits = InputLimits.from_config(config, self.context_length)
+        return other
+
+    def check(self, request: tandem_pb2.GenerateRequest) -> CheckedRequest:
+        self.limits.check_request_id(request.request_id)
+        self.limits.check_stop(request.sampling.stop)
         params = wire.sampling_from_proto(request.sampling)
-        prompt_ids = self.encode(request)
-        check_request(prompt_ids, params, self.context_length, self.vocab_size)
-        return PreparedRequest(request.request_id or uuid.uuid4().hex, prompt_ids, params)
+        text = self.check_input(request)
+        return CheckedRequest(request.request_id or uuid.uuid4().hex, text, params)
 
-    def encode(self, request: tandem_pb2.GenerateRequest | tandem_pb2.TokenizeRequest) -> list[int]:
-        """The prompt's token ids: raw text as is, chat through the chat template."""
+    def check_input(
+        self, request: tandem_pb2.GenerateRequest | tandem_pb2.TokenizeRequest
+    ) -> TextInput:
+        """The prompt or chat messages, within the limits; nothing tokenized yet."""
         kind = request.WhichOneof("input")
         if kind == "prompt":
             if not request.prompt:
                 raise InvalidRequestError("prompt", "prompt must not be empty")
-            return self.tokenizer.encode(request.prompt)
+            self.limits.check_prompt(request.prompt)
+            return request.prompt
         if kind == "chat":
-            messages = wire.chat_from_proto(request.chat)
-            try:
-                return self.tokenizer.encode_chat(messages)
-            except ConfigError as exc:  # the model has no chat template
-                raise InvalidRequestError("chat", str(exc)) from exc
+            self.limits.check_chat(request.chat)
+            return wire.chat_from_proto(request.chat)
         raise InvalidRequestError("input", "one of prompt or chat must be set")
+
+    async def prepare(self, checked: CheckedRequest) -> PreparedRequest:
+        prompt_ids = await self.encode(checked.text)
+        check_request(prompt_ids, checked.params, self.context_length, self.vocab_size)
+        return PreparedRequest(checked.request_id, prompt_ids, checked.params)
+
+    async def encode(self, text: TextInput) -> list[int]:
+        """The prompt's token ids (raw text as is, chat through the chat template),
+        computed in the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode, text)
+
+    def _encode(self, text: TextInput) -> list[int]:
+        if isinstance(text, str):
+            return self.tokenizer.encode(text)
+        try:
+            return self.tokenizer.encode_chat(text)
+        except ConfigError as exc:  # the model has no chat template
+            raise InvalidRequestError("chat", str(exc)) from exc
+
+    def close(self) -> None:
+        """Stops the tokenizer threads (after the job in hand); shared by ``with_limits`` copies."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

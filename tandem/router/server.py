@@ -1,6 +1,8 @@
 """``Router``: the router's gRPC server, in-process (tests) or as a process (``__main__``).
 
-It serves ``tandem.v1.Tandem``, ``grpc.health.v1`` and server reflection. Health:
+It serves ``tandem.v1.Tandem``, ``grpc.health.v1`` and server reflection, over TLS
+and behind API keys when configured (public_port.py: the port's rules; auth.py:
+keys, checked for every call but health). Health:
 the server ("") is SERVING while it accepts requests; ``tandem.v1.Tandem`` is
 SERVING only while both pools have a placeable worker (updated after each
 Status poll). ``stop()`` turns health to NOT_SERVING, stops
@@ -22,8 +24,10 @@ from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS, channel_options
 from tandem.router.admission import Admission
+from tandem.router.auth import AuthInterceptor
 from tandem.router.frontend import Frontend
 from tandem.router.placement import Pool, make_policy
+from tandem.router.public_port import PublicPort
 from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
 from tandem.router.service import TandemService
@@ -53,7 +57,9 @@ class Router:
             ),
             credentials=credentials or ClusterCredentials.load(config.cluster),
         )
-        self.admission = Admission(config.max_queue)
+        self.admission = Admission(
+            config.max_queue, config.key_max_streams, config.key_requests_per_s
+        )
         self.relay = Relay(
             self.registry,
             make_policy(config.placement),
@@ -61,6 +67,7 @@ class Router:
             queue_timeout_s=config.queue_timeout_s,
         )
         self.port: int | None = None
+        self._owns_frontend = False
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
 
@@ -72,15 +79,25 @@ class Router:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self) -> None:
+        public = PublicPort.load(self.config)  # first: a bad setting starts nothing
         if self.frontend is None:
             self.frontend = await asyncio.to_thread(Frontend.load, self.config)
+            self._owns_frontend = True
+        else:
+            self.frontend = self.frontend.with_limits(self.config)
         for address in self.config.prefill_workers:
             self.registry.add_worker(Pool.PREFILL, address)
         for address in self.config.decode_workers:
             self.registry.add_worker(Pool.DECODE, address)
         await self.registry.poll_once()  # placement has numbers from the first request on
 
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(
+            options=[
+                *SERVER_OPTIONS,
+                ("grpc.max_receive_message_length", self.config.max_request_bytes),
+            ],
+            interceptors=[AuthInterceptor(public.keys)] if public.keys else None,
+        )
         tandem_pb2_grpc.add_TandemServicer_to_server(
             TandemService(self.frontend, self.admission, self.relay), server
         )
@@ -91,7 +108,10 @@ class Router:
         )
         bind = f"{self.config.host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(bind)
+            if public.credentials is None:
+                port = server.add_insecure_port(bind)
+            else:
+                port = server.add_secure_port(bind, public.credentials)
         except RuntimeError as exc:
             port, reason = 0, str(exc)
         else:
@@ -105,7 +125,13 @@ class Router:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._update_health()
         self.registry.start(after_poll=self._after_poll)
-        log.info("router serving on %s", self.address)
+        log.info(
+            "router serving on %s (%s, %s)",
+            self.address,
+            "plaintext" if public.credentials is None
+            else "mutual TLS" if public.client_ca else "TLS",
+            f"{len(public.keys)} API keys" if public.keys else "no API keys",
+        )  # fmt: skip
 
     async def _after_poll(self) -> None:
         await self._update_health()
@@ -134,6 +160,8 @@ class Router:
             await self._server.stop(grace)
             self._server = None
         await self.registry.stop()
+        if self._owns_frontend and self.frontend is not None:
+            self.frontend.close()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

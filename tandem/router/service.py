@@ -1,10 +1,13 @@
 """The public ``tandem.v1.Tandem`` service: the gRPC edge of the router.
 
-Generate: validate and tokenize (INVALID_ARGUMENT, no worker contacted) →
-admission (RESOURCE_EXHAUSTED beyond the bound) → ``Relay.generate``, whose
-responses are streamed as they come. A ``RouterError`` becomes the client's
-status. A client cancel or an expired deadline cancels this handler; the
-relay's ``finally`` then cancels the worker calls.
+Generate: (the API key, checked by auth.py's interceptor) → the key's rate →
+the checks that need no tokenizer (INVALID_ARGUMENT, no worker contacted) →
+admission, per key and for the router (RESOURCE_EXHAUSTED beyond a bound) →
+tokenizing off the event loop and the context-length check → ``Relay.generate``,
+whose responses are streamed as they come. Tokenize takes the same path up to
+its token ids; GetModelInfo only the key and its rate. A ``RouterError`` becomes
+the client's status. A client cancel or an expired deadline cancels this
+handler; the relay's ``finally`` then cancels the worker calls.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import grpc
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.router.admission import Admission
+from tandem.router.auth import current_key
 from tandem.router.errors import RouterError
 from tandem.router.frontend import Frontend
 from tandem.router.relay import Relay
@@ -31,29 +35,45 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         self.relay = relay
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        key = current_key.get()
+        request_id = ""
         try:
-            prepared = self.frontend.prepare(request)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            with self.admission.admit():
+            self.admission.check_rate(key)
+            checked = self.frontend.check(request)
+            request_id = checked.request_id
+            with self.admission.admit(key):
+                prepared = await self.frontend.prepare(checked)
                 stream = self.relay.generate(prepared, context.time_remaining())
                 async with aclosing(stream):
                     async for response in stream:
                         yield response
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
-            log.info("request %s failed: %s: %s", prepared.request_id, exc.code.name, exc.message)
+            who = f" (key {key.name})" if key is not None else ""
+            log.info("request %s%s failed: %s: %s", request_id or "-", who, exc.code.name,
+                     exc.message)  # fmt: skip
             await context.abort(exc.code, exc.message)
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
+        try:
+            self.admission.check_rate(current_key.get())
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
         f = self.frontend
         return tandem_pb2.ModelInfo(
             model_id=f.model_id, context_length=f.context_length, vocab_size=f.vocab_size
         )
 
     async def Tokenize(self, request, context: grpc.aio.ServicerContext):
+        key = current_key.get()
         try:
-            ids = self.frontend.encode(request)
+            self.admission.check_rate(key)
+            text = self.frontend.check_input(request)
+            with self.admission.admit(key):
+                ids = await self.frontend.encode(text)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
         return tandem_pb2.TokenizeResponse(token_ids=ids)

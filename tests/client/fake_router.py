@@ -16,6 +16,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
 
     def __init__(self) -> None:
         self.requests: list = []
+        self.metadata: list[dict[str, str]] = []  # each call's invocation metadata
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.hang = False
         self.time_remaining: float | None = None
@@ -23,6 +24,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
 
     def Generate(self, request, context):
         self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         self.time_remaining = context.time_remaining()
         if self.abort is not None:
             context.abort(*self.abort)
@@ -42,21 +44,27 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         )
 
     def GetModelInfo(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
         return tandem_pb2.ModelInfo(model_id="m", context_length=2048, vocab_size=100)
 
     def Tokenize(self, request, context):
         self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         if self.abort is not None:
             context.abort(*self.abort)
         return tandem_pb2.TokenizeResponse(token_ids=[5, 6])
 
 
 class FakeServer:
-    def __init__(self) -> None:
+    def __init__(self, credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicer = FakeTandem()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         tandem_pb2_grpc.add_TandemServicer_to_server(self.servicer, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        if credentials is None:
+            port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = self.server.add_secure_port("127.0.0.1:0", credentials)
+        self.address = f"127.0.0.1:{port}"
         self.server.start()
 
     def stop(self) -> None:

@@ -197,8 +197,10 @@ async def cluster(
     frontend: Frontend,
     prefill: list[FakePrefill] | None = None,
     decode: list[FakeDecode] | None = None,
+    connect: dict | None = None,
     **router_settings,
 ) -> AsyncIterator[Cluster]:
+    """``connect``: the client's TLS and API key (AsyncTandemClient keyword arguments)."""
     prefill = [FakePrefill()] if prefill is None else prefill
     decode = [FakeDecode()] if decode is None else decode
     for w in [*prefill, *decode]:
@@ -214,7 +216,7 @@ async def cluster(
     )
     router = Router(config, frontend=frontend)
     await router.start()
-    client = AsyncTandemClient(router.address, timeout=10)
+    client = AsyncTandemClient(router.address, timeout=10, **(connect or {}))
     try:
         yield Cluster(router, client, prefill, decode)
     finally:

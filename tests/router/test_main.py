@@ -59,3 +59,30 @@ def test_bad_setting_exits_2_naming_it():
     )
     assert result.returncode == 2
     assert "placement must be one of least-loaded, round-robin, got 'x'" in result.stderr
+
+
+def test_security_flags_set_the_public_port_fields(tmp_path):
+    path = tmp_path / "router.yaml"
+    save_yaml(path, RouterConfig(model="tiny-random", insecure=True, api_keys_file="y.txt"))
+    config = parse_config(
+        ["--config", str(path), "--tls-cert", "c.pem", "--tls-key", "k.pem",
+         "--tls-client-ca", "ca.pem", "--api-keys-file", "keys.txt"]
+    )  # fmt: skip
+    assert (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) == (
+        "c.pem", "k.pem", "ca.pem"
+    )  # fmt: skip
+    assert config.api_keys_file == "keys.txt" and config.insecure  # the YAML's, kept
+    assert parse_config(["--insecure"]).insecure and not parse_config([]).insecure
+
+
+def test_an_exposed_host_without_tls_exits_2_naming_what_is_missing():
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.router", "--model", "tiny-random", "--host", "0.0.0.0",
+         "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "the router's host '0.0.0.0' is not loopback and it has no TLS (tls_cert_file" in (
+        result.stderr
+    )
+    assert "set insecure: true (--insecure) to allow this" in result.stderr

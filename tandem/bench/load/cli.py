@@ -61,7 +61,10 @@ def add_bench_parsers(bench_sub) -> None:
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    from tandem.client.flags import add_client_flags
+
     p.add_argument("--target", required=True, metavar="HOST:PORT", help="a Tandem router")
+    add_client_flags(p)
     g = p.add_argument_group("arrivals")
     g.add_argument(
         "--burstiness",
@@ -172,6 +175,7 @@ def load_config(args: argparse.Namespace, **overrides):
     from tandem.bench.load.datasets import LengthDist
     from tandem.bench.load.metrics import SLO
     from tandem.bench.load.runner import DatasetConfig, LoadConfig
+    from tandem.client.flags import client_kwargs
 
     output = LengthDist.parse(args.output_len or "128", "--output-len")
     file_output = None
@@ -206,6 +210,7 @@ def load_config(args: argparse.Namespace, **overrides):
         slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
         dataset=dataset,
         progress=not args.quiet,
+        connect=client_kwargs(args),
     )
     values.update(overrides)
     return LoadConfig(**values)
@@ -291,8 +296,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_load(address: str) -> None:
-    """The short load that ends ``tandem demo``: 16 requests, 4 at a time."""
+def demo_load(address: str, **connect) -> None:
+    """The short load that ends ``tandem demo``: 16 requests, 4 at a time; ``connect``:
+    the client's TLS and API key."""
     from tandem.bench.load import report
     from tandem.bench.load.datasets import LengthDist
     from tandem.bench.load.runner import DatasetConfig, LoadConfig, run
@@ -305,6 +311,7 @@ def demo_load(address: str) -> None:
         timeout_s=120,
         dataset=DatasetConfig(input_len=LengthDist("uniform", 32, 96),
                               output_len=LengthDist("fixed", 32)),
+        connect=connect,
     )  # fmt: skip
     log.info("demo: load test, %s; %s", config.describe(), config.dataset.describe())
     print(report.table(run(config)), flush=True)

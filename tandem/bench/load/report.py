@@ -56,6 +56,7 @@ def slo_text(s: Summary) -> str:
 
 def to_json(result: LoadResult) -> dict:
     cfg = dataclasses.asdict(result.config)
+    del cfg["connect"]  # how it connected is no result, and it may hold the API key
     cfg["dataset"]["input_len"] = result.config.dataset.input_len.describe()
     cfg["dataset"]["output_len"] = result.config.dataset.output_len.describe()
     return _finite({

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.bench.load import arrivals, datasets
 from tandem.bench.load.datasets import LengthDist, RequestSpec
@@ -74,6 +75,9 @@ class LoadConfig:
     slo: SLO = field(default_factory=SLO)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     progress: bool = True
+    # The client's TLS and API key: AsyncTandemClient keyword arguments
+    # (tandem.client.flags.client_kwargs); never written to the results.
+    connect: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         arrivals.validate(self.request_rate, self.burstiness)
@@ -127,7 +131,9 @@ def run(config: LoadConfig) -> LoadResult:
 
 
 async def run_async(config: LoadConfig) -> LoadResult:
-    async with AsyncTandemClient(config.target, timeout=config.timeout_s) as client:
+    async with AsyncTandemClient(
+        config.target, timeout=config.timeout_s, **config.connect
+    ) as client:
         try:
             model = await client.model_info(timeout=min(config.timeout_s, 30.0))
         except TandemClientError as exc:

@@ -1,0 +1,100 @@
+"""How both clients reach a router: TLS, client certificates and the API key.
+
+``Connection.make`` turns the clients' keyword arguments into channel
+credentials and the metadata sent with every call; ``sync_channel`` and
+``aio_channel`` open the channel. An API key goes in ``authorization: Bearer``
+metadata. It is never sent in clear off this machine: a key without TLS to an
+address that is not loopback is refused before any connection is made.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.errors import ConfigError
+from tandem.security import tls
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+@dataclass(frozen=True)
+class Connection:
+    address: str
+    credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)  # None: plaintext
+    metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    @classmethod
+    def make(
+        cls,
+        address: str,
+        *,
+        tls_on: bool | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        api_key: str | None = None,
+        environ: Mapping[str, str] = os.environ,
+    ) -> Connection:
+        """``tls_on`` None: TLS when any of the files is given. ``ca_file`` None with
+        TLS: the system's root certificates. ``api_key`` None: $TANDEM_API_KEY."""
+        files = ca_file or cert_file or key_file
+        if tls_on is False and files:
+            raise ConfigError("ca_file, cert_file and key_file are for TLS, but tls=False")
+        if bool(cert_file) != bool(key_file):
+            raise ConfigError("a client certificate needs both cert_file and key_file")
+        credentials = None
+        if tls_on or files:
+            credentials = tls.channel_credentials(
+                tls.read_pem(ca_file, "ca_file") if ca_file else None,
+                tls.read_pem(cert_file, "cert_file") if cert_file else None,
+                tls.read_pem(key_file, "key_file") if key_file else None,
+            )
+        key = api_key if api_key is not None else environ.get(API_KEY_ENV, "")
+        key = key.strip()
+        metadata: tuple[tuple[str, str], ...] = ()
+        if key:
+            if credentials is None and not tls.is_loopback(_host(address)):
+                raise ConfigError(
+                    f"refusing to send an API key in clear to {address}: connect with TLS "
+                    "(tls=True or ca_file; --tls-ca on the command line) or over loopback"
+                )
+            metadata = (("authorization", f"Bearer {key}"),)
+        return cls(address, credentials, metadata)
+
+    def sync_channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, self.credentials)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(self.address)
+        return grpc.aio.secure_channel(self.address, self.credentials)
+
+
+def read_api_key_file(path: str) -> str:
+    """The key in a file of its own (surrounding whitespace ignored)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"--api-key-file: cannot read {path}: {reason}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ConfigError(f"--api-key-file: {path} must hold one API key and nothing else")
+    return key
+
+
+def _host(address: str) -> str:
+    """The host of "host:port", "[v6]:port" or a gRPC target such as "dns:///host:port"."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return "localhost"  # a socket file: this machine only
+    target = address.split("///", 1)[-1] if "///" in address else address
+    if target.startswith("["):
+        return target[1 : target.find("]")]
+    host, sep, port = target.rpartition(":")
+    return host if sep and port.isdigit() else target

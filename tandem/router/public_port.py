@@ -1,0 +1,71 @@
+"""What the router's public port requires, read once at start-up.
+
+    tls_cert_file, tls_key_file   the port speaks TLS (PEM files)
+    tls_client_ca_file            mutual TLS: clients present a certificate it signed
+    api_keys_file, TANDEM_API_KEYS  every call but health needs a key (auth.py)
+
+Secure by default: a router whose ``host`` is not loopback refuses to start unless
+it has TLS *and* authentication (API keys or a client CA), because keys without
+TLS would travel in clear and a port without either serves anyone who reaches it.
+``insecure: true`` (``--insecure``) allows it, for example behind a proxy that
+ends TLS. On loopback, where only this machine can connect, both stay optional.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.config import RouterConfig
+from tandem.errors import ConfigError
+from tandem.router.auth import ENV_VAR, ApiKeys
+from tandem.security import tls
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublicPort:
+    credentials: grpc.ServerCredentials | None  # None: plaintext
+    keys: ApiKeys | None  # None: no API keys
+    client_ca: bool  # clients must present a certificate
+
+    @classmethod
+    def load(cls, config: RouterConfig, environ: Mapping[str, str] = os.environ) -> PublicPort:
+        """Reads the files and keys; a missing file, a bad key or an exposed port fails
+        with the setting named."""
+        credentials = None
+        if config.tls_cert_file:
+            cert = tls.read_pem(config.tls_cert_file, "tls_cert_file")
+            key = tls.read_pem(config.tls_key_file, "tls_key_file")
+            ca = None
+            if config.tls_client_ca_file:
+                ca = tls.read_pem(config.tls_client_ca_file, "tls_client_ca_file")
+            credentials = tls.server_credentials(cert, key, client_ca=ca)
+        port = cls(credentials, ApiKeys.load(config, environ), bool(config.tls_client_ca_file))
+        port.check_exposure(config)
+        return port
+
+    def check_exposure(self, config: RouterConfig) -> None:
+        if tls.is_loopback(config.host):
+            return
+        missing = []
+        if self.credentials is None:
+            missing.append("TLS (tls_cert_file and tls_key_file; API keys would travel in clear)")
+        if self.keys is None and not self.client_ca:
+            missing.append(f"authentication (api_keys_file or {ENV_VAR}, or tls_client_ca_file)")
+        if not missing:
+            return
+        if config.insecure:
+            what = " and without ".join(m.split(" (")[0] for m in missing)
+            log.warning("the router listens on %s without %s (insecure: true)", config.host, what)
+            return
+        raise ConfigError(
+            f"the router's host {config.host!r} is not loopback and it has no "
+            f"{' and no '.join(missing)}: anyone who reaches the port could use it. "
+            "Configure them, or set insecure: true (--insecure) to allow this"
+        )

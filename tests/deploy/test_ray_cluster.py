@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tandem.client import TandemClient
@@ -91,7 +92,14 @@ def dep(tmp_path_factory):
     d = Deployment(tmp_path_factory.mktemp("ray"))
     started = time.monotonic()
     up = _tandem(
-        "ray", "up", "--config", str(d.config_file), "--state-file", str(d.state_file), home=d.home
+        "ray",
+        "up",
+        "--config",
+        str(d.config_file),
+        "--state-file",
+        str(d.state_file),
+        "--insecure",
+        home=d.home,
     )
     assert up.returncode == 0, up.stderr[-3000:]
     d.router = re.search(r"serving tiny-random on (\S+)", up.stdout).group(1)
@@ -148,6 +156,23 @@ def test_up_serves_a_generation_through_the_router_with_pools_placed_by_resource
     assert {(w["pool"], w["address"]) for w in st["router_workers"]} == {
         (w["pool"], w["address"]) for w in st["workers"]
     }
+    # `up` handed the actors the cluster's credentials: the router reaches the workers
+    # over mutual TLS (it just did), and a caller without them is refused.
+    for w in st["workers"]:
+        assert _plaintext_status(w["pool"], w["address"]) == grpc.StatusCode.UNAVAILABLE
+
+
+def _plaintext_status(pool: str, address: str) -> grpc.StatusCode:
+    from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    stubs = {"prefill": worker_pb2_grpc.PrefillWorkerStub,
+             "decode": worker_pb2_grpc.DecodeWorkerStub}  # fmt: skip
+    with grpc.insecure_channel(address) as channel:
+        try:
+            stubs[pool](channel).Status(worker_pb2.StatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
 
 
 def test_scale_decode_up_under_load_loses_no_request_and_the_new_worker_serves(dep):

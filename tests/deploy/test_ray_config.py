@@ -158,6 +158,8 @@ def test_ray_subcommands_parse_and_flags_override_the_file(tmp_path):
     cfg = load_config(args)
     assert (cfg.decode_pool.replicas, cfg.prefill_pool.replicas) == (5, 2)
     assert cfg.decode_pool.num_gpus == 2 and cfg.engine.model == "m" and cfg.router.port == 7000
+    assert not cfg.router.insecure
+    assert load_config(build_parser().parse_args(["ray", "up", "--insecure"])).router.insecure
     args = build_parser().parse_args(["ray", "scale", "--prefill", "3", "--address", "h:1"])
     assert (args.prefill, args.decode, args.address) == (3, None, "h:1")
 

@@ -61,3 +61,15 @@ def test_a_local_head_keeps_its_token_beside_the_state_file(tmp_path):
     env = auth_env(state, {"RAY_AUTH_TOKEN": "another cluster's", "PATH": "/bin"})
     assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path), "PATH": "/bin"}
     assert auth_env({"address": "10.0.0.1:6379"}, {"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_up_refuses_an_open_router_before_it_starts_anything(tmp_path, monkeypatch):
+    from tandem.deploy.ray_cluster.config import RayDeployConfig
+    from tandem.deploy.ray_cluster.head import RayDeployError
+
+    started = []
+    monkeypatch.setattr(launch, "start_head", lambda *a: started.append(a))
+    with pytest.raises(RayDeployError, match=r"without TLS: .* or pass --insecure"):
+        launch.up(RayDeployConfig(), None, tmp_path / "state.json")
+    assert not started and not (tmp_path / "state.json").exists()

@@ -187,7 +187,8 @@ def cluster():
             _wait_for(lambda: len(c.node_ids()) == 4, "four alive nodes", 90)
             (c.root / "ray.yaml").write_text(CONFIG)
             up = c.tandem("ray", "up", "--address", c.address, "--token-file", str(c.token),
-                          "--config", str(c.root / "ray.yaml"), "--decode", "2")  # fmt: skip
+                          "--config", str(c.root / "ray.yaml"), "--decode", "2",
+                          "--insecure")  # fmt: skip
             assert up.returncode == 0, up.stderr[-3000:]
             c.router = re.search(r"serving tiny-random on (\S+)", up.stdout).group(1)
             yield c

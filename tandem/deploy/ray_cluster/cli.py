@@ -34,6 +34,12 @@ def add_parser(sub) -> None:
     up.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     up.add_argument("--config", default=None, help="YAML: engine, router, prefill, decode, ray")
     up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="let the router serve on its non-loopback host without TLS and API keys "
+        "(router.insecure; only behind a proxy that does both)",
+    )
+    up.add_argument(
         "--local-cpus", type=int, default=8, help="logical CPUs of a local head (default 8)"
     )
     up.add_argument(
@@ -70,8 +76,10 @@ def load_config(args: argparse.Namespace):
     changes: dict[str, Any] = {}
     if args.model is not None:
         changes["engine"] = dataclasses.replace(cfg.engine, model=args.model)
-    if args.port is not None:
-        changes["router"] = dataclasses.replace(cfg.router, port=args.port)
+    router = {k: v for k, v in (("port", args.port), ("insecure", args.insecure or None))
+              if v is not None}  # fmt: skip
+    if router:
+        changes["router"] = dataclasses.replace(cfg.router, **router)
     for flag, name in (("prefill", "prefill_pool"), ("decode", "decode_pool")):
         if getattr(args, flag) is not None:
             changes[name] = dataclasses.replace(getattr(cfg, name), replicas=getattr(args, flag))

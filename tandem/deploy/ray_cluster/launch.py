@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tandem.config import RouterConfig
 from tandem.deploy.ray_cluster.config import HEAD_NODE, RayDeployConfig
 from tandem.deploy.ray_cluster.controller import Controller
 from tandem.deploy.ray_cluster.head import (
@@ -30,6 +31,7 @@ from tandem.deploy.ray_cluster.head import (
 from tandem.deploy.ray_cluster.state import CONTROLLER_NAME
 from tandem.errors import TandemError
 from tandem.security.cluster import ClusterCredentials
+from tandem.security.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,8 @@ def up(
             "(or pass --state-file)"
         )
     require_ray()
-    credentials = cluster_credentials(config)  # bad files fail before a head starts
+    _check_exposure(config.router)  # before a head starts
+    credentials = cluster_credentials(config)
     state: dict[str, Any] = {"namespace": config.namespace}
     if token_file is not None:
         if address is None:
@@ -166,6 +169,19 @@ def up(
         raise
     write_state(state_file, state)
     return state
+
+
+def _check_exposure(router: RouterConfig) -> None:
+    """The router's own check at start (tandem/router/public_port.py), as far as it can
+    be made here: its files are read on its node, not on this machine."""
+    if is_loopback(router.host) or router.insecure or router.tls_cert_file:
+        return
+    raise RayDeployError(
+        f"the router would serve on {router.host!r}, every interface of its node, without "
+        "TLS: give router.tls_cert_file, router.tls_key_file and router.api_keys_file "
+        "(files on the router's node; see deploy/README.md), or pass --insecure "
+        "(router.insecure: true) if a proxy in front does TLS and authentication"
+    )
 
 
 def cluster_credentials(config: RayDeployConfig) -> ClusterCredentials | None:

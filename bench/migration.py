@@ -77,14 +77,12 @@ def _stream(address: str, max_tokens: int, kill_after: int | None = None, cluste
 
 
 def _serving_decode_worker(cluster) -> int:
-    import grpc
-
     from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 
     for proc in cluster.processes:
         if not proc.name.startswith("decode"):
             continue
-        with grpc.insecure_channel(proc.ready["grpc"]) as channel:
+        with cluster.dial(proc.ready["grpc"]) as channel:
             status = worker_pb2_grpc.DecodeWorkerStub(channel).Status(
                 worker_pb2.StatusRequest(), timeout=10
             )

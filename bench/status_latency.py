@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    import grpc
 
     from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
     from tandem.client import TandemClient
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for proc in c.processes:
             if proc.name == "router":
                 continue
-            channel = grpc.insecure_channel(proc.ready["grpc"])
+            channel = c.dial(proc.ready["grpc"])
             cls = (worker_pb2_grpc.PrefillWorkerStub if proc.name.startswith("prefill")
                    else worker_pb2_grpc.DecodeWorkerStub)  # fmt: skip
             stubs[proc.name] = cls(channel)

@@ -43,13 +43,13 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _status(worker) -> worker_pb2.WorkerStatus:
+def _status(c: LocalCluster, worker) -> worker_pb2.WorkerStatus:
     stub = (
         worker_pb2_grpc.PrefillWorkerStub
         if worker.name.startswith("prefill")
         else worker_pb2_grpc.DecodeWorkerStub
     )
-    with grpc.insecure_channel(worker.ready["grpc"]) as ch:
+    with c.dial(worker.ready["grpc"]) as ch:  # as a member: workers speak mutual TLS
         return stub(ch).Status(worker_pb2.StatusRequest(), timeout=5)
 
 
@@ -61,7 +61,7 @@ def _assert_no_blocks_used(c: LocalCluster, within_s: float = 30.0) -> None:
     """Every worker's blocks are back within ``within_s`` (a ceiling against a hang; 0: now)."""
     deadline = time.monotonic() + within_s
     while True:
-        used = {w.name: _status(w).kv_blocks_used for w in _workers(c)}
+        used = {w.name: _status(c, w).kv_blocks_used for w in _workers(c)}
         if not any(used.values()):
             return
         if time.monotonic() > deadline:
@@ -99,7 +99,7 @@ def test_seeded_sampling_through_the_cluster_equals_colocated(cluster, tiny_engi
 
 
 def test_concurrent_streams_complete_and_every_worker_gets_work(cluster, tiny_engine):
-    before = {w.name: _status(w).served for w in _workers(cluster)}
+    before = {w.name: _status(cluster, w).served for w in _workers(cluster)}
     texts = [f"request number {i}: " + "words " * (i % 5) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(
@@ -110,7 +110,7 @@ def test_concurrent_streams_complete_and_every_worker_gets_work(cluster, tiny_en
     for text, (tokens, out, _) in zip(texts, results, strict=True):
         assert (tokens, out) == _colocated(tiny_engine, text, params)
     # Work reached all four workers: each one's served counter moved.
-    served = {w.name: _status(w).served - before[w.name] for w in _workers(cluster)}
+    served = {w.name: _status(cluster, w).served - before[w.name] for w in _workers(cluster)}
     assert all(v > 0 for v in served.values()), served
     _assert_no_blocks_used(cluster)
 
@@ -155,10 +155,12 @@ def test_cancel_and_deadline_free_every_block(cluster):
 
 
 def test_every_process_reports_serving_to_the_standard_health_client(cluster):
-    for address in [cluster.address, *(w.ready["grpc"] for w in _workers(cluster))]:
-        with grpc.insecure_channel(address) as ch:
+    channels = [grpc.insecure_channel(cluster.address)]  # the router's port: plaintext on loopback
+    channels += [cluster.dial(w.ready["grpc"]) for w in _workers(cluster)]  # mutual TLS
+    for ch in channels:
+        with ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING, address
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.mark.slow

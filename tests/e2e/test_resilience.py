@@ -77,7 +77,7 @@ class Streams:
 
 
 def _serving(c, name: str) -> int:
-    return _status(next(w for w in _workers(c) if w.name == name)).running
+    return _status(c, next(w for w in _workers(c) if w.name == name)).running
 
 
 def _router_log(c) -> str:
@@ -173,11 +173,11 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_and_it_leaves(
         assert re.search(rf"decode worker {victim.ready['grpc']} is down", _router_log(c))
         # New requests all go to the worker that is left.
         other = next(w for w in _workers(c) if w.name == "decode-1")
-        before = _status(other).served
+        before = _status(c, other).served
         after = Streams(c.address, 4, max_tokens=16)
         after.join()
         assert after.errors == [None] * 4
-        assert _status(other).served == before + 4
+        assert _status(c, other).served == before + 4
         c.processes.remove(victim)
         _assert_no_blocks_used(c, within_s=30)
 

@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-
     from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
     from tandem.client import TandemClient
     from tandem.config import EngineConfig

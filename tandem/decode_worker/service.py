@@ -83,16 +83,23 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     grpc.StatusCode.ABORTED, f"KV of request {rid} did not arrive: {exc}"
                 )
             if out.finished:  # the first token ended it (the prefill side normally says so)
+                self._count(out)
                 yield _chunk(out, first_token_sent=True)
             while not out.finished:
                 out = await outputs.get()
+                if out.finished:
+                    self._count(out)
                 yield _chunk(out)
-            if out.finish_reason is not FinishReason.ERROR:
-                server.served += 1
         finally:
             loop.unsubscribe(rid)
             loop.submit(lambda e: admission.end(e, rid))
             self._active.discard(rid)
+
+    def _count(self, out: RequestOutput) -> None:
+        """A request served, counted before its last chunk is sent: the router cancels
+        the stream as soon as it has that chunk, which may end this handler at the yield."""
+        if out.finish_reason is not FinishReason.ERROR:
+            self.server.served += 1
 
     async def RenewLease(self, request, context) -> worker_pb2.RenewLeaseResponse:
         server = self.server

@@ -3,7 +3,7 @@
     Prefill   over ``max_queue`` calls in this worker -> RESOURCE_EXHAUSTED at once
               request and destination checked (INVALID_ARGUMENT) -> engine queue
               -> prefill step -> first token -> KV pushed to the destination
-              -> the decode side's ack -> response (first token, KV bytes)
+              -> the decode side's ack -> blocks freed -> response (first token, KV bytes)
 
 Who may name a destination: only callers with the cluster's certificate reach
 this service (mutual TLS, see tandem/worker/server.py), and the KV sender
@@ -137,9 +137,14 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             loop.unsubscribe(rid)
-            # Queued behind a send still in flight on the engine thread, so it sees it.
-            loop.submit(lambda e: self._end(e, rid))
             self._active.discard(rid)
+            # Queued behind a send still in flight on the engine thread, so it sees it; and
+            # awaited, so the caller hears how the call ended only once its blocks are free.
+            ended = loop.submit(lambda e: self._end(e, rid))
+            try:
+                await asyncio.shield(asyncio.wrap_future(ended))
+            except Exception:  # the call's own outcome stands
+                log.exception("freeing the blocks of %s failed", rid)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
         return self.server.status()

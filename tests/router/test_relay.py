@@ -148,8 +148,12 @@ def test_a_request_waits_for_decode_room_then_runs(frontend):
         full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED)
         async with cluster(frontend, decode=[full]) as c:
             task = asyncio.ensure_future(c.client.complete("hello"))
-            await wait_until(lambda: len(full.calls) >= 3, what="retries while queued")
-            assert not task.done() and c.router.relay.capacity.waiting == 1
+            # Between two tries the request waits in line; during a try it is not in it.
+            await wait_until(
+                lambda: len(full.calls) >= 3 and c.router.relay.capacity.waiting == 1,
+                what="retries while queued",
+            )
+            assert not task.done()
             full.open_error = None  # a slot frees up
             done = await asyncio.wait_for(task, 10)
             assert done.token_ids == (10, 11, 12, 13, 14)

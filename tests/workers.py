@@ -128,14 +128,25 @@ class Result:
     chunks: list[worker_pb2.TokenChunk]
 
 
+def prefill(
+    worker, req: worker_pb2.WorkerRequest, dest: worker_pb2.KvDestination, timeout=TIMEOUT
+) -> worker_pb2.PrefillResponse:
+    """A whole Prefill call: its two responses (first token, KV outcome) merged into one."""
+    merged = worker_pb2.PrefillResponse()
+    call = worker.stub.Prefill(
+        worker_pb2.PrefillRequest(request=req, destination=dest), timeout=timeout
+    )
+    for response in call:
+        merged.MergeFrom(response)
+    return merged
+
+
 def drive(pair: Pair, req: worker_pb2.WorkerRequest) -> Result:
     """One request by hand, as the router does: Decode first, then Prefill to its destination."""
     stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
     first = next(stream)
     assert first.WhichOneof("kind") == "destination"
-    pre = pair.prefill.stub.Prefill(
-        worker_pb2.PrefillRequest(request=req, destination=first.destination), timeout=TIMEOUT
-    )
+    pre = prefill(pair.prefill, req, first.destination)
     tokens, text = [pre.first_token_id], pre.text
     if pre.finish_reason:  # the first token ended it: nothing was sent to the decode side
         stream.cancel()

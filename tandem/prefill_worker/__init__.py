@@ -10,15 +10,18 @@ tandem/engine/loop.py):
       first token sampled               the request is HELD: its prompt KV stays in its
                                         blocks (a request continuing after earlier output,
                                         output_token_ids, computes and holds their KV too)
-        ends the request? (EOS, max_tokens=1)  reply with finish_reason; no transfer
+      response 1: first token, text     streamed at once, before any KV moves (TTFT)
+        ends the request? (EOS, max_tokens=1)  with finish_reason; no transfer, call over
       sender.send(destination, held blocks, first token)
                                         gathered on the engine thread (a consistent copy),
-                                        pushed over the worker's one connection per peer
+                                        then the blocks are freed; pushed over the worker's
+                                        one connection per peer, off the engine thread
       await the decode side's ack       bounded by kv_ack_timeout_s
-        DONE                            reply first token, text, bytes and seconds
-        failed / timed out              UNAVAILABLE naming the reason
+        DONE                            response 2: bytes and seconds; the call ends OK
+        failed / timed out              ABORTED naming the reason (UNAVAILABLE if this
+                                        worker's own sender closed: it is stopping)
       always, last                      transfer aborted if unfinished, engine.abort(id)
-                                        frees the held blocks (also on cancel/deadline)
+                                        frees blocks still held (also on cancel/deadline)
 
 server.py   PrefillServer: engine + KV sender + gRPC server
 __main__    ``python -m tandem.prefill_worker``

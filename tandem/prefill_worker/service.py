@@ -2,8 +2,16 @@
 
     Prefill   over ``max_queue`` calls in this worker -> RESOURCE_EXHAUSTED at once
               request and destination checked (INVALID_ARGUMENT) -> engine queue
-              -> prefill step -> first token -> KV pushed to the destination
-              -> the decode side's ack -> blocks freed -> response (first token, KV bytes)
+              -> prefill step -> first token -> response 1 (the first token, at once:
+                 the client's time to first token includes no KV transfer)
+              -> gather of the KV into a payload (engine thread, between steps)
+                 -> blocks freed (the payload is a copy) -> KV pushed to the destination
+              -> the decode side's ack -> response 2 (KV bytes, seconds); the call ends
+
+The engine thread only gathers and checksums; the transfer itself runs on the
+sender's thread, so the engine computes the next batch while the KV is on the
+wire. A transfer that fails ends the call ABORTED after response 1: the router
+then moves the request to another decode worker (it owns it until the last token).
 
 Who may name a destination: only callers with the cluster's certificate reach
 this service (mutual TLS, see tandem/worker/server.py), and the KV sender
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -72,7 +81,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context
-    ) -> worker_pb2.PrefillResponse:
+    ) -> AsyncIterator[worker_pb2.PrefillResponse]:
         loop, engine = self.server.loop, self.server.engine
         limit = self.server.config.max_queue
         if len(self._active) >= limit:
@@ -108,9 +117,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 )
             if first.held_block_ids is None:  # the first token ended the request
                 self.server.served += 1
-                return self._response(first)
+                yield self._first(first)
+                return
+            yield self._first(first)
             try:
-                fut = await loop.call(lambda e: self._send(dest, first))
+                fut = await loop.call(lambda e: self._send(e, dest, first))
             except ValueError as exc:  # the destination cannot take these blocks
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {exc}")
             try:
@@ -132,7 +143,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                     f"KV transfer of {rid} to {dest.address} failed: {exc.reason} ({exc})",
                 )
             self.server.served += 1
-            return self._response(first, status)
+            yield worker_pb2.PrefillResponse(
+                kv_bytes=status.bytes, kv_transfer_seconds=status.seconds
+            )
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
@@ -151,10 +164,14 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     # ---- engine thread --------------------------------------------------------------
 
-    def _send(self, dest: Destination, first: RequestOutput) -> Future[TransferStatus]:
-        # The gather copies the held blocks here, between steps: a consistent snapshot.
+    def _send(
+        self, engine: LLMEngine, dest: Destination, first: RequestOutput
+    ) -> Future[TransferStatus]:
+        # The gather copies the held blocks here, between steps: a consistent snapshot,
+        # and the only thing the transfer reads, so the blocks go back at once.
         fut = self.server.sender.send(dest, first.held_block_ids, first.token_ids[0])
         self._transfers[first.request_id] = fut
+        engine.release(first.request_id)
         return fut
 
     def _end(self, engine: LLMEngine, rid: str) -> None:
@@ -170,11 +187,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         engine.abort_all()
 
     @staticmethod
-    def _response(first: RequestOutput, status: TransferStatus | None = None):
+    def _first(first: RequestOutput) -> worker_pb2.PrefillResponse:
         return worker_pb2.PrefillResponse(
             first_token_id=first.token_ids[0],
             text=first.text,
             finish_reason=finish_to_proto(first.finish_reason),
-            kv_bytes=status.bytes if status else 0,
-            kv_transfer_seconds=status.seconds if status else 0.0,
         )

@@ -7,20 +7,24 @@ An *attempt* is one decode reservation plus one prefill:
    other; nothing was computed yet, so that is safe. When no decode worker has
    room, the request waits for one (``DecodeCapacity``), up to its deadline or
    ``queue_timeout_s``: overload is RESOURCE_EXHAUSTED, never UNAVAILABLE.
-2. Pick a prefill worker and call ``Prefill(request, destination)``; while it
-   runs (or waits in the worker's queue), the router renews the reservation's
-   lease on the decode worker (``RenewLease``), so a busy prefill pool never lets
-   a lease run out under a request that is still wanted. Prefill returns
-   the next token, which goes to the client at once (time to first token). If
-   that token ends the request, the response carries finish_reason and usage and
-   the decode stream is cancelled. A prefill worker that is gone or busy
+2. Pick a prefill worker and call ``Prefill(request, destination)``; while the
+   call is open (the request waits in the worker's queue, is prefilled, its KV
+   is on the wire), the router renews the reservation's lease on the decode
+   worker (``RenewLease``), so a busy prefill pool never lets a lease run out
+   under a request that is still wanted. The call's first response is the next
+   token, sent the moment it is sampled; it goes to the client at once (time to
+   first token, with no KV transfer in it). If that token ends the request, the
+   response carries finish_reason and usage and the decode stream is cancelled.
+   A prefill worker that is gone or busy before its first response
    (UNAVAILABLE, RESOURCE_EXHAUSTED) is replaced by one other. That is safe even
    if the first one got some KV out before it failed: a decode worker takes a
    reservation's KV from one sender only and answers any other "another
    sender", so the retry then fails (ABORTED) instead of delivering twice.
-3. Relay the decode stream's chunks in order. The decode worker never resends
-   the token that prefill returned, so nothing is duplicated; its last chunk has
-   finish_reason.
+3. Relay the decode stream's chunks in order. Until its first chunk (which
+   comes once the KV has arrived), the end of the Prefill call is watched too:
+   a transfer that fails there (ABORTED) or a prefill worker that dies with the
+   KV unsent loses the attempt. The decode worker never resends the token that
+   prefill returned, so nothing is duplicated; its last chunk has finish_reason.
 
 **Migration.** The router owns the request until its last token. When an
 attempt is lost after its reservation was made (the decode worker dies or its
@@ -197,18 +201,16 @@ class Relay:
         """One decode reservation and one prefill; appends each relayed token to
         ``streamed``. Raises AttemptLost once the reservation exists."""
         decode, stream, destination = await self._open_decode(worker_req, deadline)
+        renewing = asyncio.ensure_future(self._renew_lease(decode, destination))
+        shipped: asyncio.Future[None] | None = None
         try:
             prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
-            renewing = asyncio.ensure_future(self._renew_lease(decode, destination))
             try:
-                result = await self._prefill(prefill, deadline)
+                worker, call, result = await self._prefill(prefill, deadline)
             except RouterError as exc:
-                # Not when no prefill worker is left: another attempt would fail the same.
-                if exc.code in _LOST and await self._any_placeable(Pool.PREFILL, deadline):
-                    raise AttemptLost(exc) from None
-                raise
-            finally:
-                renewing.cancel()
+                raise await self._lost_or(exc, deadline) from None
+            # The rest of the call: the KV's way to the decode worker, then the call's end.
+            shipped = asyncio.ensure_future(self._shipped(worker, call, prefill, renewing))
             streamed.append(result.first_token_id)
             first = _response(req, [result.first_token_id], result.text, result.finish_reason)
             if result.finish_reason:
@@ -216,13 +218,28 @@ class Relay:
             yield first
             if result.finish_reason:
                 return
-            async with aclosing(self._relay_decode(req, decode, stream, streamed)) as responses:
+            responses = self._relay_decode(req, decode, stream, streamed, shipped, deadline)
+            async with aclosing(responses):
                 async for response in responses:
                     yield response
+            # Served: the decode worker had the KV, so the Prefill call only has its ack
+            # left; let it end by itself rather than have the worker drop a sent transfer.
+            shipped.add_done_callback(_log_late_failure)
+            shipped = None
         finally:
+            renewing.cancel()
+            if shipped is not None and not shipped.done():
+                shipped.cancel()  # cancels the Prefill call: the worker drops the transfer
             stream.cancel()  # no-op once finished; otherwise the worker frees its blocks
             self.registry.release(decode)
             self.capacity.notify()
+
+    async def _lost_or(self, exc: RouterError, deadline: float | None) -> Exception:
+        """``exc`` as AttemptLost when another attempt may recover (not when no prefill
+        worker is left: another attempt would fail the same), else ``exc`` itself."""
+        if exc.code in _LOST and await self._any_placeable(Pool.PREFILL, deadline):
+            return AttemptLost(exc)
+        return exc
 
     async def _open_decode(
         self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
@@ -324,7 +341,9 @@ class Relay:
 
     async def _prefill(
         self, request: worker_pb2.PrefillRequest, deadline: float | None
-    ) -> worker_pb2.PrefillResponse:
+    ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.PrefillResponse]:
+        """The prefill worker, its still open call and the call's first response (the
+        first token). The worker stays acquired until ``_shipped`` ends the call."""
         tried: list[Worker] = []
         error: RouterError | None = None
         while True:
@@ -337,23 +356,57 @@ class Relay:
             self.registry.acquire(worker)
             call = worker.stub.Prefill(request, timeout=timeout)
             try:
-                return await call
+                first = await call.read()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() is Code.ABORTED:  # the KV never reached the decode worker
-                    raise RouterError.unavailable(
-                        f"KV transfer from prefill worker {worker.address} to decode worker "
-                        f"{request.destination.address} failed: {exc.details()}"
-                    ) from None
-                error = self._failed(worker, exc)
+                self.registry.release(worker)
+                error = self._prefill_failed(worker, request, exc)
                 # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
                     log.info("request %s: %s", request.request.request_id, error.message)
                     continue
                 raise error from None
-            finally:
-                if not call.done():
-                    call.cancel()
+            except BaseException:
+                call.cancel()
                 self.registry.release(worker)
+                raise
+            if first is grpc.aio.EOF:
+                call.cancel()
+                self.registry.release(worker)
+                raise RouterError(
+                    Code.INTERNAL, f"prefill worker {worker.address} ended Prefill with no token"
+                )
+            return worker, call, first
+
+    async def _shipped(
+        self,
+        worker: Worker,
+        call: grpc.aio.UnaryStreamCall,
+        request: worker_pb2.PrefillRequest,
+        renewing: asyncio.Future[None],
+    ) -> None:
+        """Wait for the Prefill call's end: the decode side has the KV (or the first token
+        ended the request). Raises the RouterError of a call that fails; cancelled, it
+        cancels the call."""
+        try:
+            while await call.read() is not grpc.aio.EOF:  # the KV's outcome: not needed here
+                pass
+        except grpc.aio.AioRpcError as exc:
+            raise self._prefill_failed(worker, request, exc) from None
+        finally:
+            renewing.cancel()  # the KV is there or never will be: nothing to keep alive
+            if not call.done():
+                call.cancel()
+            self.registry.release(worker)
+
+    def _prefill_failed(
+        self, worker: Worker, request: worker_pb2.PrefillRequest, exc: grpc.aio.AioRpcError
+    ) -> RouterError:
+        if exc.code() is Code.ABORTED:  # the KV never reached the decode worker
+            return RouterError.unavailable(
+                f"KV transfer from prefill worker {worker.address} to decode worker "
+                f"{request.destination.address} failed: {exc.details()}"
+            )
+        return self._failed(worker, exc)
 
     async def _relay_decode(
         self,
@@ -361,10 +414,25 @@ class Relay:
         worker: Worker,
         stream: grpc.aio.UnaryStreamCall,
         streamed: list[int],
+        shipped: asyncio.Future[None],
+        deadline: float | None,
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        # The first chunk comes once the KV has arrived: until then, a Prefill call
+        # that fails means it never will (the decode worker would only see its lease
+        # run out).
+        first: asyncio.Future | None = asyncio.ensure_future(stream.read())
+        try:
+            await asyncio.wait((first, shipped), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            first.cancel()
+            raise
+        if not first.done() and shipped.exception() is not None:
+            first.cancel()
+            raise await self._lost_or(shipped.exception(), deadline)
         while True:
             try:
-                message = await stream.read()
+                message = await (first or stream.read())
+                first = None
             except grpc.aio.AioRpcError as exc:
                 error = self._failed(worker, exc)
                 if exc.code() in _LOST:
@@ -441,6 +509,11 @@ def _set_usage(
     held back, a stop string), else by what was streamed."""
     response.usage.prompt_tokens = len(req.prompt_ids)
     response.usage.completion_tokens = reported or streamed
+
+
+def _log_late_failure(shipped: asyncio.Future[None]) -> None:
+    if not shipped.cancelled() and shipped.exception() is not None:
+        log.info("after its request was served: %s", shipped.exception())
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -11,7 +11,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import DecodeConfig
 from tandem.engine.sampling_params import SamplingParams
-from tests.workers import TIMEOUT, engine_config, request, start_worker, stop_worker, wait_until
+from tests.workers import (
+    TIMEOUT,
+    engine_config,
+    prefill,
+    request,
+    start_worker,
+    stop_worker,
+    wait_until,
+)
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -46,9 +54,7 @@ def test_cancel_while_decoding_frees_blocks(pair):
     params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)  # 59 of 64 blocks
     req = request([5] * 30, params)
     stream, dest = _open(pair.decode, req)
-    pair.prefill.stub.Prefill(
-        worker_pb2.PrefillRequest(request=req, destination=dest), timeout=TIMEOUT
-    )
+    prefill(pair.prefill, req, dest)
     chunk = next(stream).chunk
     assert chunk.token_ids and not chunk.finish_reason
     stream.cancel()

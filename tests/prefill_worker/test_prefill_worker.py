@@ -11,15 +11,17 @@ import pytest
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.sampling_params import SamplingParams
-from tests.workers import TIMEOUT, engine_config, request, start_worker, stop_worker, wait_until
+from tests.workers import (
+    TIMEOUT,
+    engine_config,
+    prefill,
+    request,
+    start_worker,
+    stop_worker,
+    wait_until,
+)
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-def _prefill(worker, req, dest, timeout=TIMEOUT):
-    return worker.stub.Prefill(
-        worker_pb2.PrefillRequest(request=req, destination=dest), timeout=timeout
-    )
 
 
 def _dest(rid="r1", blocks=(0, 1, 2), address="127.0.0.1:1"):
@@ -64,7 +66,7 @@ def _dest(rid="r1", blocks=(0, 1, 2), address="127.0.0.1:1"):
 )
 def test_bad_input_is_invalid_argument_and_takes_nothing(pair, req, dest, message):
     with pytest.raises(grpc.RpcError) as err:
-        _prefill(pair.prefill, req, dest)
+        prefill(pair.prefill, req, dest)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     assert pair.prefill.used_blocks() == 0 and pair.decode.used_blocks() == 0
@@ -73,7 +75,7 @@ def test_bad_input_is_invalid_argument_and_takes_nothing(pair, req, dest, messag
 @pytest.mark.parametrize("address", ["nohost", "127.0.0.1:0", "127.0.0.1:65536", ":80", "h:x"])
 def test_a_destination_that_is_not_host_and_port_is_refused(pair, address):
     with pytest.raises(grpc.RpcError) as err:
-        _prefill(pair.prefill, request([5] * 20, PARAMS), _dest(address=address))
+        prefill(pair.prefill, request([5] * 20, PARAMS), _dest(address=address))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "destination.address must be HOST:PORT with a port in [1, 65535]" in err.value.details()
 
@@ -91,17 +93,17 @@ def test_calls_beyond_max_queue_are_resource_exhausted_at_once(bg):
 
     engine.step = slow_step
     try:
-        first = worker.stub.Prefill.future(
+        first = worker.stub.Prefill(  # a streaming call starts here, not when read
             worker_pb2.PrefillRequest(request=request([5] * 20, PARAMS), destination=_dest()),
             timeout=TIMEOUT,
         )
         assert in_step.wait(TIMEOUT)
         with pytest.raises(grpc.RpcError) as err:
-            _prefill(worker, request([5] * 20, PARAMS, rid="r2"), _dest(rid="r2"))
+            prefill(worker, request([5] * 20, PARAMS, rid="r2"), _dest(rid="r2"))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "limit (max_queue=1)" in err.value.details()
         with pytest.raises(grpc.RpcError):  # the first goes on: its destination is dead
-            first.result()
+            list(first)
         wait_until(lambda: worker.used_blocks() == 0, what="blocks freed")
     finally:
         engine.step = real_step
@@ -110,7 +112,7 @@ def test_calls_beyond_max_queue_are_resource_exhausted_at_once(bg):
 
 def test_unreachable_decode_worker_is_aborted_and_frees_blocks(pair):
     with pytest.raises(grpc.RpcError) as err:
-        _prefill(pair.prefill, request([5] * 40, PARAMS), _dest(address="127.0.0.1:9"))
+        prefill(pair.prefill, request([5] * 40, PARAMS), _dest(address="127.0.0.1:9"))
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
     assert "unreachable" in err.value.details()
     assert pair.prefill.used_blocks() == 0
@@ -123,7 +125,7 @@ def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
     stream.cancel()  # the router gave up: the decode side forgets the request
     wait_until(lambda: pair.decode.used_blocks() == 0, what="decode blocks freed")
     with pytest.raises(grpc.RpcError) as err:
-        _prefill(pair.prefill, req, dest)
+        prefill(pair.prefill, req, dest)
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
     assert "unknown request" in err.value.details()
     assert pair.prefill.used_blocks() == 0
@@ -136,7 +138,7 @@ def test_mismatched_decode_worker_is_named_at_once(bg, pair):
         stream = other.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
         dest = next(stream).destination
         with pytest.raises(grpc.RpcError) as err:
-            _prefill(pair.prefill, req, dest)
+            prefill(pair.prefill, req, dest)
         assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
         assert "block_size: prefill 16, decode 32" in err.value.details()
         stream.cancel()
@@ -164,7 +166,7 @@ def test_prefill_deadline_frees_blocks_on_both_sides(pair):
     stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
     dest = next(stream).destination
     with pytest.raises(grpc.RpcError) as err:
-        _prefill(pair.prefill, req, dest, timeout=0.005)
+        prefill(pair.prefill, req, dest, timeout=0.005)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
     stream.cancel()

@@ -1,9 +1,9 @@
 """Scripted prefill and decode workers (in-process grpc.aio servers) and a cluster harness.
 
 The fakes speak the real worker protocol: Decode answers a KvDestination first,
-then TokenChunks; Prefill returns the first token. Each call is recorded, and a
-call that ends by cancellation is noted with its time, so tests can see what the
-router sent and when it cancelled.
+then TokenChunks; Prefill streams the first token, then the KV's outcome. Each
+call is recorded, and a call that ends by cancellation is noted with its time, so
+tests can see what the router sent and when it cancelled.
 """
 
 from __future__ import annotations
@@ -143,12 +143,17 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
 
 @dataclass
 class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
+    """``error``/``hang``: before the first token. ``kv_error``/``kv_delay_s``: after it,
+    while the KV would be on its way (then the call ends with the KV's outcome)."""
+
     role: int = worker_pb2.ROLE_PREFILL
     first_token: int = 10
     finish_reason: int = 0
     error: grpc.StatusCode | None = None
     hang: bool = False
     delay_s: float = 0.0  # queued behind other work this long
+    kv_error: grpc.StatusCode | None = None
+    kv_delay_s: float = 0.0
 
     async def Prefill(self, request, context):
         call = self._record(request, context)
@@ -161,11 +166,17 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
             # The script is first_token, first_token + 1, ...: a migrated request
             # (output_token_ids) gets the next one.
             token = self.first_token + len(request.request.output_token_ids)
-            return worker_pb2.PrefillResponse(
+            yield worker_pb2.PrefillResponse(
                 first_token_id=token,
                 text=f"<{token}>",
                 finish_reason=self.finish_reason,
             )
+            if self.finish_reason:
+                return
+            await asyncio.sleep(self.kv_delay_s)
+            if self.kv_error is not None:
+                await context.abort(self.kv_error, "scripted KV transfer failure")
+            yield worker_pb2.PrefillResponse(kv_bytes=1000, kv_transfer_seconds=self.kv_delay_s)
 
 
 async def serve(worker: FakeWorker) -> FakeWorker:

@@ -304,13 +304,54 @@ def test_no_prefill_worker_alive_is_unavailable_without_touching_decode(frontend
 
 def test_a_failed_kv_transfer_is_retried_then_unavailable_and_blames_no_one(frontend):
     async def scenario():
-        prefill = FakePrefill(error=grpc.StatusCode.ABORTED)
-        async with cluster(frontend, [prefill], max_migrations=1) as c:
+        # The KV never arrives, so the decode worker never streams (its gate stays shut).
+        prefill = FakePrefill(kv_error=grpc.StatusCode.ABORTED)
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, [prefill], [decode], max_migrations=1) as c:
             with pytest.raises(Unavailable, match="KV transfer from prefill worker .* failed"):
                 await c.client.complete("hello")
             assert len(prefill.calls) == 2  # one new attempt, on a new reservation
-            assert len(c.decode[0].calls) == 2
+            # The new attempt carries the first token, which the client already had.
+            assert list(prefill.calls[1].request.request.output_token_ids) == [10]
+            assert len(decode.calls) == 2
+            await wait_until(lambda: all(x.cancelled_at for x in decode.calls), what="cancel")
             assert all(w.healthy for w in c.router.registry.workers())  # still trusted
+            decode.gate.set()
+
+    run(scenario())
+
+
+def test_the_first_token_reaches_the_client_before_the_kv_does(frontend):
+    async def scenario():
+        prefill = FakePrefill(kv_delay_s=1.0)
+        async with cluster(frontend, [prefill]) as c:
+            start = time.monotonic()
+            stream = c.client.generate("hello")
+            assert (await anext(stream)).token_ids == (10,)
+            assert time.monotonic() - start < 0.9  # not held back for the KV transfer
+            assert [t for ch in [ch async for ch in stream] for t in ch.token_ids] == [
+                11, 12, 13, 14
+            ]  # fmt: skip
+            await wait_until(lambda: prefill.calls[0].finished, what="prefill call ended")
+
+    run(scenario())
+
+
+def test_a_kv_transfer_failing_after_the_first_token_is_migrated_without_a_gap(frontend):
+    async def scenario():
+        lost = FakePrefill(kv_error=grpc.StatusCode.ABORTED, kv_delay_s=0.2)
+        starved = FakeDecode(gate=asyncio.Event(), kv_blocks_free=5000)  # never gets the KV
+        async with cluster(frontend, [lost, FakePrefill()], [starved, FakeDecode()],
+                           placement="round-robin") as c:  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello", request_id="kv-1")]
+            assert [t for ch in chunks for t in ch.token_ids] == [10, 11, 12, 13, 14]
+            assert chunks[-1].usage.completion_tokens == 5
+            moved = c.decode[1].calls[0].request.request
+            assert list(moved.output_token_ids) == [10] and moved.request_id == "kv-1/1"
+            await wait_until(lambda: starved.calls[0].cancelled_at, what="reservation freed")
+            assert c.router.relay.migrations == 1
+            assert all(w.healthy for w in c.router.registry.workers())
+            starved.gate.set()
 
     run(scenario())
 
@@ -394,15 +435,18 @@ def test_completion_tokens_are_counted_when_the_worker_leaves_them_out(frontend)
     run(scenario())
 
 
-def test_the_router_renews_the_decode_lease_while_prefill_is_slow(frontend):
+@pytest.mark.parametrize("slow", [dict(delay_s=1.0), dict(kv_delay_s=1.0)], ids=["queue", "kv"])
+def test_the_router_renews_the_decode_lease_while_prefill_is_slow(frontend, slow):
     async def scenario():
-        decode = FakeDecode(lease_seconds=0.3)
-        async with cluster(frontend, [FakePrefill(delay_s=1.0)], [decode]) as c:
+        decode = FakeDecode(lease_seconds=0.3, gate=asyncio.Event())
+        async with cluster(frontend, [FakePrefill(**slow)], [decode]) as c:
+            asyncio.get_running_loop().call_later(1.0, decode.gate.set)  # the KV is there
             done = await c.client.complete("hello", request_id="slow-1")
             assert done.token_ids == (10, 11, 12, 13, 14)
             assert len(decode.renewals) >= 2 and set(decode.renewals) == {"slow-1"}
+            await wait_until(lambda: c.prefill[0].calls[0].finished, what="prefill call ended")
             count = len(decode.renewals)
             await asyncio.sleep(0.5)
-            assert len(decode.renewals) == count  # no renewal once the prefill returned
+            assert len(decode.renewals) == count  # no renewal once the prefill call ended
 
     run(scenario())

@@ -34,7 +34,7 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/tandem.v1.PrefillWorker/Prefill',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
@@ -50,10 +50,15 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Errors: INVALID_ARGUMENT (the request or destination does not fit this worker),
-        INTERNAL (the engine failed the prefill), ABORTED (the KV transfer to the
-        destination failed or was not acknowledged: the decode side's fault, so the
-        router must not blame this worker), UNAVAILABLE (this worker is going away).
+        """Two responses: the first token (``first_token_id``, ``text``, ``finish_reason``)
+        the moment it is sampled, before any KV moves; then, unless that token ended the
+        request, the transfer's outcome (``kv_bytes``, ``kv_transfer_seconds``) once the
+        decode side acknowledged the KV. Errors: INVALID_ARGUMENT (the request or
+        destination does not fit this worker), INTERNAL (the engine failed the
+        prefill), RESOURCE_EXHAUSTED (over max_queue), ABORTED (after the first token:
+        the KV transfer to the destination failed or was not acknowledged, the decode
+        side's fault, so the router must not blame this worker), UNAVAILABLE (this
+        worker is going away).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,7 +73,7 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
@@ -100,7 +105,7 @@ class PrefillWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/tandem.v1.PrefillWorker/Prefill',

@@ -21,7 +21,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # cuda if available, else cpu
     block_size: int = 16
     num_blocks: int | None = None  # wins over kv_cache_bytes when set

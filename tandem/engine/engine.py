@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.device import resolve_device, resolve_dtype
 from tandem.engine.kv_cache import KVCache, bytes_per_block
 from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
@@ -51,8 +52,6 @@ from tandem.kernels import get_backend, resolve_backend
 from tandem.kv_transfer.base import Fingerprint
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -82,8 +81,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         # Before the weights load: a backend that cannot run here fails at once.
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
 
@@ -422,21 +421,3 @@ def check_request(
         raise InvalidRequestError(
             "output_token_ids", f"output token id {bad} is outside [0, {vocab_size})"
         )
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(f"device {name!r} is not a torch device: {exc}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]

@@ -28,6 +28,7 @@ PROMPTS = ["Hello there, how are you?", "你好，请介绍一下你自己。", 
 def _cluster(
     tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, router=None, **engine
 ):
+    engine.setdefault("dtype", "float32")  # as the colocated engines compared with it
     engine_cfg = EngineConfig(model=model, num_blocks=engine.pop("num_blocks", 256), **engine)
     config = ClusterConfig(
         num_prefill=prefill, num_decode=decode, engine=engine_cfg, threads_per_worker=1,

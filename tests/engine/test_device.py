@@ -1,0 +1,53 @@
+"""dtype: auto picks bfloat16 where the CPU computes in it natively, float32 elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine import device
+from tandem.engine.device import native_bf16_in, resolve_dtype
+
+# Abridged /proc/cpuinfo texts: the flags lines are those of the named CPUs.
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse sse2 avx avx2 fma bmi2 sha_ni vaes vpclmulqdq
+"""
+SAPPHIRE_RAPIDS = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+"""
+ICE_LAKE = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8375C
+flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni avx512_bitalg
+"""
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"),
+    [
+        (ZEN3, False),
+        (SAPPHIRE_RAPIDS, True),
+        (ICE_LAKE, False),
+        ("", False),
+        ("flags: avx512_bf16x\n", False),
+    ],  # fmt: skip
+)
+def test_native_bf16_is_read_from_the_flags(cpuinfo, native):
+    assert native_bf16_in(cpuinfo) is native
+
+
+@pytest.mark.parametrize(("native", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_follows_the_cpu_and_explicit_dtypes_win(monkeypatch, native, dtype):
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) is dtype
+    assert resolve_dtype("float32", cpu) is torch.float32
+    assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
+
+
+def test_no_cpuinfo_means_float32(tmp_path):
+    assert device.cpu_has_native_bf16.__wrapped__(tmp_path / "missing") is False
+    (tmp_path / "cpuinfo").write_text(SAPPHIRE_RAPIDS)
+    assert device.cpu_has_native_bf16.__wrapped__(tmp_path / "cpuinfo") is True

@@ -118,14 +118,14 @@ def test_prefill_and_decode_refuse_a_caller_without_a_certificate(served, role):
     _, run_dir, workers = served
     ca = (run_dir / "cluster" / "ca.pem").read_bytes()
     with grpc.secure_channel(workers[role], channel_credentials(ca), options=[NAME]) as channel:
+        if role == "prefill":
+            call = worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+                worker_pb2.PrefillRequest(), timeout=10
+            )
+        else:
+            call = worker_pb2_grpc.DecodeWorkerStub(channel).Decode(
+                worker_pb2.DecodeRequest(), timeout=10
+            )
         with pytest.raises(grpc.RpcError) as err:
-            if role == "prefill":
-                worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(
-                    worker_pb2.PrefillRequest(), timeout=10
-                )
-            else:
-                for _ in worker_pb2_grpc.DecodeWorkerStub(channel).Decode(
-                    worker_pb2.DecodeRequest(), timeout=10
-                ):
-                    pass
+            list(call)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from tandem.kv_transfer import payload as payload_module
 from tandem.kv_transfer.payload import (
     HeaderError,
     PayloadBuffers,
@@ -30,6 +31,29 @@ def test_gather_scatter_moves_unordered_blocks_to_other_ids() -> None:
         assert torch.equal(dst.kv[:, :, d], src.kv[:, :, s])
     untouched = [b for b in range(17) if b not in dst_ids]
     assert not dst.kv[:, :, untouched].any()
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [
+        (list(range(3, 11)), list(range(20, 28))),  # one run each: slice copies
+        ([9, 10, 11, 2, 3, 30, 5], [1, 2, 3, 12, 13, 0, 31]),  # a few runs
+        (list(range(0, 40, 2)), list(range(39, -1, -2))),  # more runs than MAX_SLICE_RUNS
+    ],
+    ids=["runs", "few-runs", "scattered"],
+)
+def test_gather_and_scatter_equal_the_indexed_copies(monkeypatch, src_ids, dst_ids) -> None:
+    monkeypatch.setattr(payload_module, "MAX_SLICE_RUNS", 8)
+    src, dst = make_side(48, seed=7), make_side(48, seed=8)
+    want_payload = src.kv[1:4].index_select(2, torch.tensor(src_ids))
+    payload = gather(src.kv, src_ids, (1, 4))
+    assert torch.equal(payload, want_payload) and payload.is_contiguous()
+    out = torch.empty_like(payload)
+    assert gather(src.kv, src_ids, (1, 4), out=out) is out and torch.equal(out, want_payload)
+    want = dst.kv.clone()
+    want[1:4].index_copy_(2, torch.tensor(dst_ids), payload)
+    scatter(dst.kv, dst_ids, (1, 4), payload)
+    assert torch.equal(dst.kv, want)
 
 
 def test_layer_range_touches_only_those_layers() -> None:

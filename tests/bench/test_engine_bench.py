@@ -1,0 +1,37 @@
+"""``tandem bench engine`` run for real on tiny-random: every row measured, HF at its best."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SMALL = (
+    "--model tiny-random --batch 2 --batch1-tokens 6 --prompt-len 8 --output-len 4 "
+    "--mixed-prompt 4,12 --mixed-output 2,6 --repeat 1"
+).split()
+
+
+def _bench(*flags: str) -> dict:
+    run = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "bench", "engine", *SMALL, "--json", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_each_row_is_against_the_fastest_hf_dtype_timed():
+    result = _bench("--dtype", "float32", "--hf-dtypes", "float32,bfloat16")
+    assert result["dtype"] == "float32"
+    for row in ("batch1", "batch16", "mixed"):
+        assert result[f"{row}_tandem"] > 0 and result[f"{row}_hf"] > 0
+        assert result[f"{row}_hf_dtype"] in ("float32", "bfloat16")
+        assert result[f"{row}_ratio"] == round(result[f"{row}_tandem"] / result[f"{row}_hf"], 3)
+
+
+def test_one_hf_dtype_is_the_one_reported():
+    result = _bench("--hf-dtypes", "bfloat16")
+    assert {result[f"{row}_hf_dtype"] for row in ("batch1", "batch16", "mixed")} == {"bfloat16"}

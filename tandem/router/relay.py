@@ -228,8 +228,9 @@ class Relay:
             shipped = None
         finally:
             renewing.cancel()
-            if shipped is not None and not shipped.done():
-                shipped.cancel()  # cancels the Prefill call: the worker drops the transfer
+            if shipped is not None:
+                shipped.cancel()  # if still open, the worker drops the transfer
+                shipped.add_done_callback(_retrieved)  # its error, if any, is moot now
             stream.cancel()  # no-op once finished; otherwise the worker frees its blocks
             self.registry.release(decode)
             self.capacity.notify()
@@ -509,6 +510,11 @@ def _set_usage(
     held back, a stop string), else by what was streamed."""
     response.usage.prompt_tokens = len(req.prompt_ids)
     response.usage.completion_tokens = reported or streamed
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _log_late_failure(shipped: asyncio.Future[None]) -> None:

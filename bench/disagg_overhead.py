@@ -17,12 +17,14 @@ for the second token. The script reports that wait (first gap) next to the
 stream's median inter-token latency: their difference is the exposed part of
 the transfer, and its share of TTFT is the figure to keep small.
 
-Two clusters run side by side: one as `tandem serve` starts it (mutual TLS
-between the router and the workers, authenticated KV connections) and one with
-``cluster: {insecure: true}`` (plaintext inside). Requests alternate between
-them, one at a time (the idle cluster takes no CPU to speak of), so that both
-see the same machine; the last column is what security inside costs
-(secure / plaintext).
+Three clusters run side by side: one as `tandem serve` starts it (mutual TLS
+between the router and the workers, authenticated KV connections, the KV
+shipped layer by layer as the prefill computes it), one with ``cluster:
+{insecure: true}`` (plaintext inside) and one with ``prefill: {kv_layerwise:
+false}`` (the KV shipped whole after the prompt). Requests alternate between
+them, one at a time (an idle cluster takes no CPU to speak of), so that all see
+the same machine; the TLS column is what security inside costs (secure /
+plaintext), the last line what layer-wise shipping hides.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from tandem.config import ClusterSecurityConfig, EngineConfig, RouterConfig
+    from tandem.config import ClusterSecurityConfig, EngineConfig, PrefillConfig, RouterConfig
     from tandem.deploy.local import ClusterConfig, LocalCluster
     from tandem.engine.engine import LLMEngine
 
@@ -104,15 +106,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from tandem.client import TandemClient
 
-    print("clusters (secure and plaintext inside): 1 prefill + 1 decode worker each ...",
+    print("clusters (secure, plaintext inside, KV whole): 1 prefill + 1 decode worker each ...",
           file=sys.stderr)  # fmt: skip
     clusters, clients, samples, before = {}, {}, {}, {}
     with contextlib.ExitStack() as stack:
-        for name, security in (("secure", ClusterSecurityConfig()),
-                               ("plaintext", ClusterSecurityConfig(insecure=True))):  # fmt: skip
+        secure, plaintext = ClusterSecurityConfig(), ClusterSecurityConfig(insecure=True)
+        for name, security, layerwise in (("secure", secure, True),
+                                          ("plaintext", plaintext, True),
+                                          ("whole", secure, False)):  # fmt: skip
             cfg = ClusterConfig(
                 engine=EngineConfig(model=args.model, enable_prefix_caching=False),
                 router=RouterConfig(port=0),
+                prefill=PrefillConfig(kv_layerwise=layerwise),
                 cluster=security,
             )
             clusters[name] = stack.enter_context(LocalCluster(cfg))
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 (after[0] - before[name][0]) / n * 1e3 if n else float("nan"),
                 (after[1] - before[name][1]) / n / 2**20 if n else float("nan"),
             )
-    remote, plain = samples["secure"], samples["plaintext"]
+    remote, plain, whole = samples["secure"], samples["plaintext"], samples["whole"]
     transfer_ms, kv_mib = transfer["secure"]
 
     def med(samples, i):
@@ -160,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "kv_exposed_share_of_ttft": round(
             max(0.0, med(remote, 2) - med(remote, 3)) / med(remote, 0), 4
         ),
+        # The same cluster shipping the KV whole, after the prompt (kv_layerwise: false).
+        "whole_ttft_ms": round(med(whole, 0), 1),
+        "whole_first_gap_ms": round(med(whole, 2), 1),
+        "whole_kv_exposed_ms": round(max(0.0, med(whole, 2) - med(whole, 3)), 1),
+        "whole_kv_transfer_ms": round(transfer["whole"][0], 2),
         "kv_transfer_ms": round(transfer_ms, 2),
         "plaintext_kv_transfer_ms": round(transfer["plaintext"][0], 2),
         "kv_mib_per_request": round(kv_mib, 2),
@@ -183,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"KV transfer in TTFT: none (the first token leaves before the KV); exposed on "
-            f"the second token: {result['kv_exposed_ms']:.1f} ms, "
-            f"{100 * result['kv_exposed_share_of_ttft']:.1f}% of TTFT"
+            f"the second token: {result['kv_exposed_ms']:.1f} ms layer by layer, "
+            f"{100 * result['kv_exposed_share_of_ttft']:.1f}% of TTFT; "
+            f"{result['whole_kv_exposed_ms']:.1f} ms shipped whole after the prompt "
+            f"(TTFT {result['whole_ttft_ms']:.1f} ms, 1st -> 2nd {result['whole_first_gap_ms']:.1f}"
+            f" ms, transfer {result['whole_kv_transfer_ms']:.2f} ms)"
         )
     return 0
 

@@ -125,6 +125,9 @@ class PrefillConfig:
     kv_backend: str = "ucx"  # ucx or inproc
     kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
     kv_connect_timeout_s: float = 10.0  # connecting to a decode worker's KV receiver
+    # Ship each layer's KV as soon as the prefill has computed it, so that the transfer
+    # overlaps the layers after it; False: all layers in one message after the prompt.
+    kv_layerwise: bool = True
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
     # Prefill calls in this worker (queued, computing or shipping KV); beyond it a call
     # gets RESOURCE_EXHAUSTED and the router tries another worker. Bounds the memory a

@@ -10,7 +10,9 @@ sequence that ended.
 The prefill and decode workers run this same engine, split in two:
 - prefill side: ``add_request(..., prefill_only=True)`` stops after the first
   token and keeps the prompt's KV blocks (``RequestOutput.held_block_ids``)
-  until ``release`` once they have been shipped;
+  until ``release`` once they have been shipped; ``on_prefill_layer``, when set,
+  hears of each layer of the step that completes such a prompt as soon as that
+  layer's KV is in the cache, so shipping can overlap the layers after it;
 - decode side: ``reserve`` takes blocks for prompt + max_tokens (nothing runs
   yet), the KV transfer fills them, and ``admit(request_id, first_token)`` joins
   the request to the running batch as if it had prefilled here.
@@ -29,7 +31,7 @@ import hashlib
 import itertools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -132,6 +134,9 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}  # prefill side: KV kept for transfer
         self._ids = itertools.count()
+        # Prefill side: on_prefill_layer(layer, [(request_id, block_ids)]) for the
+        # prefill_only prompts that complete in the current step, after each layer.
+        self.on_prefill_layer: Callable[[int, list[tuple[str, list[int]]]], None] | None = None
 
     def kv_fingerprint(self) -> Fingerprint:
         """What a KV transfer peer must match: model identity, dtype and KV geometry."""
@@ -302,7 +307,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        seqs, logits = self.runner.run(batch.work)
+        seqs, logits = self.runner.run(batch.work, self._layer_hook(batch.work))
         for seq, _ in batch.work:
             self.kv.commit(seq)
         tokens = self.sampler(
@@ -315,6 +320,21 @@ class LLMEngine:
             self._postprocess(self._requests[s.request_id], t)
             for s, t in zip(seqs, tokens, strict=True)
         ]
+
+    def _layer_hook(self, work: list[tuple[Sequence, int]]) -> Callable[[int], None] | None:
+        """``on_prefill_layer`` bound to this step's completing prefill_only prompts (not
+        those whose first token is their last by max_tokens: nothing will read their KV)."""
+        hook = self.on_prefill_layer
+        done = [
+            (s.request_id, list(s.block_table))
+            for s, n in work
+            if s.prefill_only
+            and s.num_computed + n == len(s.token_ids)
+            and s.num_output_tokens + 1 < s.params.max_tokens
+        ]
+        if hook is None or not done:
+            return None
+        return lambda layer: hook(layer, done)
 
     def _postprocess(self, req: _Request, token: int) -> RequestOutput:
         seq = req.seq

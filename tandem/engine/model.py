@@ -9,6 +9,7 @@ and gate/up are fused at load time to halve the matmul launches per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -156,8 +157,10 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         ops,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm: [tokens, hidden]."""
+        """Hidden states after the final norm: [tokens, hidden]. ``after_layer(i)`` runs
+        once layer i's KV for these tokens is in ``kv_cache`` (layer-wise KV shipping)."""
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype)
         sin = self.rope_sin[positions].to(h.dtype)
@@ -165,6 +168,8 @@ class LlamaModel(nn.Module):
             h = h + layer.self_attn(
                 layer.input_layernorm(h), cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta, ops
             )
+            if after_layer is not None:
+                after_layer(i)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

@@ -6,6 +6,8 @@ requests beyond token ids, positions and block tables.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.engine.kv_cache import KVCache
@@ -20,11 +22,16 @@ class ModelRunner:
         self.ops = ops
         self.device = kv.tensor.device
 
-    def run(self, work: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def run(
+        self,
+        work: list[tuple[Sequence, int]],
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the scheduled tokens (single-token work first, as the scheduler orders it).
 
         Returns the sequences that reached their last token and so need a new one
-        sampled, with their logits [n, vocab] float32.
+        sampled, with their logits [n, vocab] float32. ``after_layer``: see
+        ``LlamaModel.forward``.
         """
         bs = self.kv.block_size
         input_ids: list[int] = []
@@ -69,7 +76,12 @@ class ModelRunner:
             prefills=prefills,
         )
         hidden = self.model(
-            self._tensor(input_ids), self._tensor(positions), self.kv.tensor, meta, self.ops
+            self._tensor(input_ids),
+            self._tensor(positions),
+            self.kv.tensor,
+            meta,
+            self.ops,
+            after_layer,
         )
         logits = self.model.logits(hidden[self._tensor(sample_rows)])
         for seq, n in work:

@@ -45,8 +45,11 @@ class PrefillServer(WorkerServer):
         self.sender = make_sender(
             self.config.kv_backend, engine.kv.tensor, engine.kv_fingerprint(), **options
         )
+        if self.config.kv_layerwise:
+            engine.on_prefill_layer = self.service.ship_layer
 
     def _close_transfer(self) -> None:
+        self.engine.on_prefill_layer = None
         if self.sender is not None:
             self.sender.close()
             self.sender = None

@@ -2,16 +2,19 @@
 
     Prefill   over ``max_queue`` calls in this worker -> RESOURCE_EXHAUSTED at once
               request and destination checked (INVALID_ARGUMENT) -> engine queue
-              -> prefill step -> first token -> response 1 (the first token, at once:
-                 the client's time to first token includes no KV transfer)
-              -> gather of the KV into a payload (engine thread, between steps)
-                 -> blocks freed (the payload is a copy) -> KV pushed to the destination
+              -> prefill step: after each layer, that layer's KV is gathered and handed
+                 to the sender (kv_layerwise), which pushes it while later layers compute
+              -> first token -> response 1 (the first token, at once: the client's
+                 time to first token includes no KV transfer)
+              -> the final message (the first token, and any layer not yet sent)
+                 -> blocks freed (what was sent is a copy) -> pushed to the destination
               -> the decode side's ack -> response 2 (KV bytes, seconds); the call ends
 
 The engine thread only gathers and checksums; the transfer itself runs on the
-sender's thread, so the engine computes the next batch while the KV is on the
-wire. A transfer that fails ends the call ABORTED after response 1: the router
-then moves the request to another decode worker (it owns it until the last token).
+sender's thread, so the engine computes the next layers, and the next batch,
+while the KV is on the wire. A transfer that fails ends the call ABORTED after
+response 1: the router then moves the request to another decode worker (it owns
+it until the last token).
 
 Who may name a destination: only callers with the cluster's certificate reach
 this service (mutual TLS, see tandem/worker/server.py), and the KV sender
@@ -78,6 +81,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.server = server
         self._active: set[str] = set()  # request ids in this worker (event loop thread)
         self._transfers: dict[str, Future[TransferStatus]] = {}  # engine thread only
+        self._destinations: dict[str, Destination] = {}  # engine thread only
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context
@@ -105,11 +109,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self._active.add(rid)
         outputs = loop.subscribe(rid)
         try:
-            await loop.call(
-                lambda e: e.add_request(
-                    req.prompt_ids, req.params, rid, prefill_only=True, output_ids=req.output_ids
-                )
-            )
+            await loop.call(lambda e: self._add(e, req, dest))
             first = await outputs.get()
             if not first.token_ids:  # the engine failed the step that held this request
                 await context.abort(
@@ -164,6 +164,25 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     # ---- engine thread --------------------------------------------------------------
 
+    def _add(self, engine: LLMEngine, req: WorkRequest, dest: Destination) -> None:
+        engine.add_request(
+            req.prompt_ids, req.params, req.request_id, prefill_only=True, output_ids=req.output_ids
+        )
+        self._destinations[req.request_id] = dest  # for ship_layer
+
+    def ship_layer(self, layer: int, done: list[tuple[str, list[int]]]) -> None:
+        """Inside a step (``LLMEngine.on_prefill_layer``): layer ``layer`` of these prompts
+        is computed; its KV goes out now, while the layers after it compute."""
+        for rid, blocks in done:
+            dest = self._destinations.get(rid)
+            if dest is None:
+                continue
+            try:
+                self.server.sender.send_layers(dest, blocks, (layer, layer + 1))
+            except ValueError as exc:  # the final send reports it to the caller
+                log.warning("layer-wise KV of %s: %s", rid, exc)
+                del self._destinations[rid]
+
     def _send(
         self, engine: LLMEngine, dest: Destination, first: RequestOutput
     ) -> Future[TransferStatus]:
@@ -177,12 +196,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def _end(self, engine: LLMEngine, rid: str) -> None:
         """Abort an unfinished transfer (nothing more is read from the blocks), then free them."""
         fut = self._transfers.pop(rid, None)
-        if fut is not None and not fut.done():
-            self.server.sender.abort(rid)
+        shipping = self._destinations.pop(rid, None) is not None and self.server.config.kv_layerwise
+        if (fut is not None and not fut.done()) or (fut is None and shipping):
+            self.server.sender.abort(rid)  # also layers sent before the call ended
         engine.abort(rid)  # releases held KV, or stops a prefill still in the batch
 
     def end_all(self, engine: LLMEngine) -> None:
-        for rid in list(self._transfers):
+        for rid in {*self._transfers, *self._destinations}:
             self._end(engine, rid)
         engine.abort_all()
 

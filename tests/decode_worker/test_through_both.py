@@ -7,8 +7,10 @@ import concurrent.futures
 import pytest
 
 from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.config import PrefillConfig
+from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.sampling_params import SamplingParams
-from tests.workers import drive, request
+from tests.workers import Pair, drive, engine_config, request, start_worker, stop_worker
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
@@ -76,3 +78,29 @@ def test_a_request_moved_with_its_earlier_output_continues_the_same_stream(
         last = got.chunks[-1]
         assert last.finish_reason == tandem_pb2.FINISH_REASON_LENGTH
         assert last.completion_tokens == params.max_tokens  # the earlier output counts
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layer-wise", "whole"])
+def test_kv_goes_layer_by_layer_or_whole_and_decodes_the_same(tiny_engine, bg, pair, layerwise):
+    config = PrefillConfig(engine=engine_config(), kv_layerwise=layerwise, kv_connect_timeout_s=5)
+    prefill = start_worker(bg, config)
+    sender, sent = prefill.server.sender, []
+    real = sender.send_layers
+
+    def spy(dest, blocks, layers):
+        sent.append(layers)
+        real(dest, blocks, layers)
+
+    sender.send_layers = spy
+    try:
+        prompt = tiny_engine.tokenizer.encode("long prompt " * 30)
+        got = drive(Pair(prefill, pair.decode), request(prompt, GREEDY, rid=f"lw-{layerwise}"))
+        assert (got.tokens, got.text) == _colocated(tiny_engine, prompt, GREEDY)
+        layers = tiny_engine.model_config.num_layers
+        assert sent == ([(i, i + 1) for i in range(layers)] if layerwise else [])
+        # Either way all the KV is counted, and acknowledged once.
+        kv = tiny_engine.kv
+        per_block = bytes_per_block(tiny_engine.model_config, kv.block_size, kv.tensor.dtype)
+        assert got.prefill.kv_bytes == kv.blocks_for(len(prompt)) * per_block
+    finally:
+        stop_worker(bg, prefill)

@@ -96,3 +96,44 @@ def test_release_and_abort_of_held_kv(pair):
     assert prefill.kv.pool.num_used == 3 and not prefill.has_unfinished()
     assert prefill.abort("held") and prefill.kv.pool.num_used == 0
     assert not prefill.release("held")
+
+
+def test_layer_by_layer_kv_taken_during_the_step_equals_the_whole(pair):
+    """What ``on_prefill_layer`` sees after each layer is that layer's final KV: copied
+    out layer by layer during the step, it decodes as the colocated engine does."""
+    prefill, decode = make_engine(max_num_batched_tokens=16), pair[1]  # prompt in 3 chunks
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 45))
+    calls, copies = [], {}
+
+    def on_layer(layer, done):
+        calls.append((layer, [rid for rid, _ in done]))
+        for rid, blocks in done:
+            copies.setdefault(rid, prefill.kv.tensor[:, :, blocks].clone())[layer] = (
+                prefill.kv.tensor[layer, :, blocks]
+            )
+
+    prefill.on_prefill_layer = on_layer
+    prefill.add_request(prompt, params, "lw", prefill_only=True)
+    prefill.add_request([7, 8, 9], SamplingParams(max_tokens=1), "one", prefill_only=True)
+    outs = []
+    while not any(o.request_id == "lw" for o in outs):
+        outs += prefill.step()
+    layers = prefill.model_config.num_layers
+    # Once per layer, in the step that completes the prompt; never for a request whose
+    # first token is its last (max_tokens=1).
+    assert calls == [(i, ["lw"]) for i in range(layers)]
+    first = next(o for o in outs if o.request_id == "lw")
+    dst = decode.reserve(prompt, params, "lw")
+    src = first.held_block_ids
+    decode.kv.tensor[:, :, dst[: len(src)]] = copies["lw"]  # the layer-wise copy, not the end
+    prefill.release("lw")
+    tokens = list(first.token_ids)
+    out = decode.admit("lw", tokens[0])
+    while not out.finished:
+        for out in decode.step():
+            tokens += out.token_ids
+    want = [t for o in pair[0].stream(prompt, params) for t in o.token_ids]
+    assert tokens == want
+    prefill.kv.pool.check_integrity()
+    assert prefill.kv.pool.num_used == 0

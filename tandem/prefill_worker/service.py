@@ -186,8 +186,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def _send(
         self, engine: LLMEngine, dest: Destination, first: RequestOutput
     ) -> Future[TransferStatus]:
-        # The gather copies the held blocks here, between steps: a consistent snapshot,
-        # and the only thing the transfer reads, so the blocks go back at once.
+        # Layers that ship_layer did not send are gathered here, between steps (a
+        # consistent snapshot); what went out is copies only, so the blocks go back now.
         fut = self.server.sender.send(dest, first.held_block_ids, first.token_ids[0])
         self._transfers[first.request_id] = fut
         engine.release(first.request_id)

@@ -188,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
               f"   (cluster ITL after it: {result['cluster_itl_ms']:.1f} ms)")  # fmt: skip
         plain_ms = result["plaintext_kv_transfer_ms"]
         print(
-            f"{'KV transfer ms':<16} {'':>10} {transfer_ms:>12.2f} {'':>6} {plain_ms:>14.2f}"
-            f"   ({kv_mib:.1f} MiB/request)"
+            f"{'KV send->ack ms':<16} {'':>10} {transfer_ms:>12.2f} {'':>6} {plain_ms:>14.2f}"
+            f"   ({kv_mib:.1f} MiB/request; layer by layer the first layer leaves as the"
+            f" prefill begins, so this spans the prefill)"
         )
         print(
             f"KV transfer in TTFT: none (the first token leaves before the KV); exposed on "

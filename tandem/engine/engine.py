@@ -325,6 +325,8 @@ class LLMEngine:
         """``on_prefill_layer`` bound to this step's completing prefill_only prompts (not
         those whose first token is their last by max_tokens: nothing will read their KV)."""
         hook = self.on_prefill_layer
+        if hook is None:  # decode workers and colocated engines: nothing per layer
+            return None
         done = [
             (s.request_id, list(s.block_table))
             for s, n in work
@@ -332,9 +334,7 @@ class LLMEngine:
             and s.num_computed + n == len(s.token_ids)
             and s.num_output_tokens + 1 < s.params.max_tokens
         ]
-        if hook is None or not done:
-            return None
-        return lambda layer: hook(layer, done)
+        return (lambda layer: hook(layer, done)) if done else None
 
     def _postprocess(self, req: _Request, token: int) -> RequestOutput:
         seq = req.seq

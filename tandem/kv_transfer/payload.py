@@ -172,7 +172,8 @@ def _index(block_ids: tuple[int, ...] | list[int], kv: torch.Tensor) -> torch.Te
     return torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
 
 
-# Past this many runs one indexed copy beats a slice copy per run.
+# A bound on the per-run loop: bench/kv_copies.py found slices no slower even at one
+# block per run (46 runs), but a request of hundreds of scattered blocks is one call.
 MAX_SLICE_RUNS = 32
 
 

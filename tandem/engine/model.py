@@ -42,6 +42,28 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
 
 
+# Up to this many rows (tokens in the step), float32 CPU projections run as (W @ x.T).T.
+TRANSPOSED_MAX_ROWS = 128
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed as ``(W @ x.T).T`` for small float32 batches on CPU.
+
+    MKL's sgemm is up to twice as fast in that orientation for the skinny inputs a
+    decode step feeds it (a few to a few dozen rows against hundreds or thousands
+    of weight rows); for prefill-sized inputs ``F.linear`` is as fast or faster
+    (``bench/linear_forms.py``). The result is made contiguous again: a transposed
+    activation fed to the next projection takes a much slower sgemm path. Other
+    dtypes and devices keep ``F.linear``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] > TRANSPOSED_MAX_ROWS:
+            return super().forward(x)
+        out = torch.mm(self.weight, x.t()).t().contiguous()
+        return out if self.bias is None else out + self.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -67,10 +89,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -118,8 +138,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -142,7 +162,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_cache(cfg, max_positions)

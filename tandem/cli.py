@@ -106,6 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
     serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     serve.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    serve.add_argument(
+        "--colocated",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N workers that prefill and decode, no prefill pool (no KV transfer)",
+    )
+    serve.add_argument(
+        "--disaggregation",
+        choices=("always", "conditional", "never"),
+        default=None,
+        help="where prompts are prefilled (default always: on the prefill pool)",
+    )
     serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
@@ -299,22 +312,37 @@ def serve_config(args: argparse.Namespace):
 
     from tandem.config import load_yaml
     from tandem.deploy.local import cluster_config
+    from tandem.errors import ConfigError
 
-    cfg = cluster_config(load_yaml(args.config) if args.config else {}, where=args.config or "")
+    values = load_yaml(args.config) if args.config else {}
     changes = {}
+    mode = getattr(args, "disaggregation", None)
+    colocated = getattr(args, "colocated", None)
+    if colocated is not None:
+        if args.prefill or args.decode is not None or mode not in (None, "never"):
+            raise ConfigError("--colocated N replaces --prefill, --decode and --disaggregation")
+        args.prefill, args.decode, mode = 0, colocated, "never"
     if args.prefill is not None:
         changes["num_prefill"] = args.prefill
     if args.decode is not None:
         changes["num_decode"] = args.decode
     if args.threads is not None:
         changes["threads_per_worker"] = args.threads
-    if args.model is not None:
-        changes["engine"] = dataclasses.replace(cfg.engine, model=args.model)
     router = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     router.update(router_security_settings(args))
+    if mode is not None:
+        # Before the ClusterConfig is built: it checks the mode against the pools.
+        values = dict(values, router=dict(values.get("router") or {}))
+        values["router"]["disaggregation"] = dict(
+            values["router"].get("disaggregation") or {}, mode=mode
+        )
+    values.update(changes)
+    cfg = cluster_config(values, where=args.config or "")
+    if args.model is not None:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=args.model))
     if router:
-        changes["router"] = dataclasses.replace(cfg.router, **router)
-    return dataclasses.replace(cfg, **changes)
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, **router))
+    return cfg
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -340,12 +368,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     log = logging.getLogger("tandem")
     log.info(
-        "starting %d prefill + %d decode workers (%d torch threads each), logs in %s",
+        "starting %d prefill + %d decode workers (%d torch threads each; prefill: %s), "
+        "logs in %s",
         config.num_prefill,
         config.num_decode,
         config.worker_threads(),
+        {"always": "on the prefill pool", "never": "on the decode workers (colocated)",
+         "conditional": "per request"}[config.router.disaggregation.mode],
         cluster.run_dir,
-    )
+    )  # fmt: skip
     try:
         address = cluster.start()
         print(f"tandem: serving {config.engine.model} on {address}", flush=True)

@@ -168,6 +168,40 @@ class DecodeConfig:
 
 
 PLACEMENT_POLICIES = ("least-loaded", "round-robin")
+DISAGGREGATION_MODES = ("always", "conditional", "never")
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Where each request's prompt is prefilled (tandem/router/disaggregation.py).
+
+    ``always``: on the prefill pool, its KV shipped to the decode worker (a pool with no
+    live worker is UNAVAILABLE). ``never``: on the decode worker itself, no KV moved (a
+    colocated deployment; no prefill pool needed). ``conditional``: per request, on
+    the decode worker when the prompt is short, when the prefill pool is busy or has
+    no live worker, and on the prefill pool otherwise.
+    """
+
+    mode: str = "always"
+    # conditional: prompts (plus tokens a migrated request already has) of at most this
+    # many tokens are prefilled on the decode worker: their transfer and the extra hop
+    # cost more than the prefill they would take off it.
+    local_max_tokens: int = 128
+    # conditional: when every live prefill worker has at least this many requests
+    # waiting, a prompt is prefilled on the decode worker instead (if that worker runs
+    # at most local_max_running streams, whose tokens the prefill would delay).
+    prefill_queue_max: int = 4
+    local_max_running: int = 8
+
+    def __post_init__(self) -> None:
+        if self.mode not in DISAGGREGATION_MODES:
+            raise ConfigError(
+                f"disaggregation.mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                f"got {self.mode!r}"
+            )
+        for name in ("local_max_tokens", "prefill_queue_max", "local_max_running"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +217,7 @@ class RouterConfig:
     # The router's credentials as a cluster member: mutual TLS to the workers.
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
     placement: str = "least-loaded"
+    disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
     max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
     # An admitted request that finds every decode worker full waits this long for room
     # (or until its deadline), then gets RESOURCE_EXHAUSTED.
@@ -313,10 +348,15 @@ def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:
 
 
 def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:
-    """A PrefillConfig / DecodeConfig / RouterConfig from a mapping; ``engine:`` and
-    ``cluster:`` nest."""
+    """A PrefillConfig / DecodeConfig / RouterConfig from a mapping; ``engine:``,
+    ``cluster:`` and ``disaggregation:`` nest."""
     values = dict(values)
-    for key, nested in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
+    nesting = (
+        ("engine", EngineConfig),
+        ("cluster", ClusterSecurityConfig),
+        ("disaggregation", DisaggregationConfig),
+    )
+    for key, nested in nesting:
         if key in values and isinstance(values[key], dict):
             values[key] = from_dict(nested, values[key], where=where)
     return from_dict(cls, values, where=where)

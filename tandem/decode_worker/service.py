@@ -55,6 +55,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = req.request_id
+        if request.prefill_here:
+            async for response in self._prefill_here(req, context):
+                yield response
+            return
         self._active.add(rid)
         outputs = loop.subscribe(rid)  # before admission, so no step output is missed
         admitted: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
@@ -93,6 +97,40 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             loop.unsubscribe(rid)
             loop.submit(lambda e: admission.end(e, rid))
+            self._active.discard(rid)
+
+    async def _prefill_here(self, req, context) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        """The request runs here from its prefill on: no KV to wait for, no lease. The
+        first chunk carries the first token, sampled here."""
+        server = self.server
+        loop, rid = server.loop, req.request_id
+        self._active.add(rid)
+        outputs = loop.subscribe(rid)
+        try:
+            try:
+                blocks = await loop.call(
+                    lambda e: e.prefill_here(req.prompt_ids, req.params, rid, req.output_ids)
+                )
+            except OutOfBlocksError as exc:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {server.worker_id}: {exc}"
+                )
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            server.prefilled_here += 1
+            yield worker_pb2.DecodeResponse(
+                destination=worker_pb2.KvDestination(request_id=rid, block_ids=blocks)
+            )
+            while True:
+                out = await outputs.get()
+                if out.finished:
+                    self._count(out)
+                yield _chunk(out)
+                if out.finished:
+                    return
+        finally:
+            loop.unsubscribe(rid)
+            loop.submit(lambda e: e.abort(rid))
             self._active.discard(rid)
 
     def _count(self, out: RequestOutput) -> None:

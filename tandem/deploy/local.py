@@ -1,5 +1,9 @@
 """Local launcher: a router and N prefill + M decode workers as processes on loopback.
 
+With no prefill worker (``num_prefill: 0``, router ``disaggregation.mode`` never or
+conditional; ``tandem serve --colocated M``) the decode workers prefill every
+prompt themselves: a colocated deployment behind the same router and API.
+
 Start-up: every worker is started with its own YAML config (an engine thread
 budget so the processes share the cores, port 0 so the OS picks free ports)
 and prints ``READY <role> grpc=HOST:PORT ...`` once it serves; the router is
@@ -75,10 +79,21 @@ class ClusterConfig:
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
+        if self.num_decode < 1 or self.num_prefill < 0:
             raise ConfigError(
-                f"a cluster needs >= 1 prefill and >= 1 decode worker, "
+                f"a cluster needs >= 1 decode worker and >= 0 prefill workers, "
                 f"got prefill={self.num_prefill}, decode={self.num_decode}"
+            )
+        mode = self.router.disaggregation.mode
+        if self.num_prefill == 0 and mode == "always":
+            raise ConfigError(
+                "a cluster with no prefill worker needs router.disaggregation.mode "
+                "'never' (colocated: tandem serve --colocated N) or 'conditional'"
+            )
+        if self.num_prefill > 0 and mode == "never":
+            raise ConfigError(
+                f"router.disaggregation.mode 'never' sends nothing to the {self.num_prefill} "
+                "prefill workers: set num_prefill 0, or mode 'conditional'"
             )
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")

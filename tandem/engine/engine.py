@@ -203,18 +203,49 @@ class LLMEngine:
         count towards max_tokens. Raises OutOfBlocksError when the blocks do not fit
         now (the caller answers RESOURCE_EXHAUSTED); the request runs only after ``admit``.
         """
+        seq = self._reserve(prompt_ids, params, request_id, output_ids)
+        seq.status = Status.RESERVED
+        self._register(seq)
+        return list(seq.block_table)
+
+    def prefill_here(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        request_id: str,
+        output_ids: Seq[int] = (),
+    ) -> list[int]:
+        """Decode side, no KV transfer: reserve as ``reserve`` does (the prompt's cached
+        prefix blocks shared, not copied) and run the request from its prefill on, in
+        this engine's batch. Returns its blocks. Raises OutOfBlocksError when it does
+        not fit now."""
+        seq = self._reserve(prompt_ids, params, request_id, output_ids, match_prefix=True)
+        self.kv.count_admission(seq)
+        self._register(seq)
+        self.scheduler.add_running(seq)
+        return list(seq.block_table)
+
+    def _reserve(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        request_id: str,
+        output_ids: Seq[int],
+        match_prefix: bool = False,
+    ) -> Sequence:
+        """A sequence with blocks for prompt + max_tokens, not yet registered."""
         reserved = sum(r.seq.status is Status.RESERVED for r in self._requests.values())
         if len(self.scheduler.running) + reserved >= self.config.max_num_seqs:
             raise OutOfBlocksError(f"max_num_seqs ({self.config.max_num_seqs}) reached")
         seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
-        if not self.kv.ensure(seq, len(prompt_ids) + params.max_tokens):
-            raise OutOfBlocksError(
-                f"request needs {self.kv.blocks_for(len(prompt_ids) + params.max_tokens)} "
-                f"KV blocks, {self.kv.pool.num_free} free"
-            )
-        seq.status = Status.RESERVED
-        self._register(seq)
-        return list(seq.block_table)
+        if match_prefix:
+            self.kv.match_prefix(seq)
+        total = len(prompt_ids) + params.max_tokens
+        if not self.kv.ensure(seq, total):
+            need = self.kv.blocks_for(total) - len(seq.block_table)
+            self.kv.free(seq)  # the shared prefix blocks, if any
+            raise OutOfBlocksError(f"request needs {need} KV blocks, {self.kv.pool.num_free} free")
+        return seq
 
     def admit(self, request_id: str, first_token: int) -> RequestOutput:
         """Decode side: the KV of every token so far (prompt and any earlier output) is

@@ -39,6 +39,13 @@ then the client gets the last attempt's error (UNAVAILABLE). Each attempt has it
 own worker-side request id (``<id>/<attempt>``): a worker still cleaning up the
 lost attempt never sees the next one as a duplicate.
 
+**Prefilled on the decode worker.** Where the prompt is prefilled is decided per
+request once the decode worker is picked (disaggregation.py: always on the
+prefill pool, never, or by prompt length and the pools' loads). When it is the
+decode worker, ``Decode`` asks it to (``prefill_here``): its KvDestination has
+no address, there is no Prefill call and no lease, and its first chunk carries
+the first token. Failures and migration are those of the decode stream above.
+
 Every worker call carries the client's remaining deadline. However the stream
 ends (finished, failed, client cancel or deadline), the worker calls are
 cancelled in ``finally``, so the workers free their blocks. A call that fails as
@@ -60,6 +67,8 @@ import grpc
 
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
+from tandem.config import DisaggregationConfig
+from tandem.router.disaggregation import PrefillRouting
 from tandem.router.errors import RouterError
 from tandem.router.frontend import PreparedRequest
 from tandem.router.placement import PlacementPolicy, Pool
@@ -137,9 +146,11 @@ class Relay:
         policy: PlacementPolicy,
         max_migrations: int = 2,
         queue_timeout_s: float = 120.0,
+        routing: PrefillRouting | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
+        self.routing = routing or PrefillRouting(DisaggregationConfig())
         self.max_migrations = max_migrations
         self.queue_timeout_s = queue_timeout_s
         self.capacity = DecodeCapacity()
@@ -156,7 +167,9 @@ class Relay:
             raise RouterError(
                 Code.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
             )
-        if not await self._any_placeable(Pool.PREFILL, deadline):
+        if self.routing.needs_prefill_pool and not await self._any_placeable(
+            Pool.PREFILL, deadline
+        ):
             raise self._none_available(Pool.PREFILL)
         self._active.add(req.request_id)
         try:
@@ -201,33 +214,38 @@ class Relay:
         """One decode reservation and one prefill; appends each relayed token to
         ``streamed``. Raises AttemptLost once the reservation exists."""
         decode, stream, destination = await self._open_decode(worker_req, deadline)
-        renewing = asyncio.ensure_future(self._renew_lease(decode, destination))
+        here = not destination.address  # the decode worker prefills: no KV to ship
+        renewing = None if here else asyncio.ensure_future(self._renew_lease(decode, destination))
         shipped: asyncio.Future[None] | None = None
         try:
-            prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
-            try:
-                worker, call, result = await self._prefill(prefill, deadline)
-            except RouterError as exc:
-                raise await self._lost_or(exc, deadline) from None
-            # The rest of the call: the KV's way to the decode worker, then the call's end.
-            shipped = asyncio.ensure_future(self._shipped(worker, call, prefill, renewing))
-            streamed.append(result.first_token_id)
-            first = _response(req, [result.first_token_id], result.text, result.finish_reason)
-            if result.finish_reason:
-                _set_usage(first, req, len(streamed), len(streamed))
-            yield first
-            if result.finish_reason:
-                return
+            if not here:
+                prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
+                try:
+                    worker, call, result = await self._prefill(prefill, deadline)
+                except RouterError as exc:
+                    raise await self._lost_or(exc, deadline) from None
+                # The rest of the call: the KV's way to the decode worker, then its end.
+                shipped = asyncio.ensure_future(self._shipped(worker, call, prefill, renewing))
+                streamed.append(result.first_token_id)
+                first = _response(req, [result.first_token_id], result.text, result.finish_reason)
+                if result.finish_reason:
+                    _set_usage(first, req, len(streamed), len(streamed))
+                yield first
+                if result.finish_reason:
+                    return
             responses = self._relay_decode(req, decode, stream, streamed, shipped, deadline)
             async with aclosing(responses):
                 async for response in responses:
                     yield response
-            # Served: the decode worker had the KV, so the Prefill call only has its ack
-            # left; let it end by itself rather than have the worker drop a sent transfer.
-            shipped.add_done_callback(_log_late_failure)
-            shipped = None
+            if shipped is not None:
+                # Served: the decode worker had the KV, so the Prefill call only has its
+                # ack left; let it end by itself rather than have the worker drop a sent
+                # transfer.
+                shipped.add_done_callback(_log_late_failure)
+                shipped = None
         finally:
-            renewing.cancel()
+            if renewing is not None:
+                renewing.cancel()
             if shipped is not None:
                 shipped.cancel()  # if still open, the worker drops the transfer
                 shipped.add_done_callback(_retrieved)  # its error, if any, is moot now
@@ -238,7 +256,9 @@ class Relay:
     async def _lost_or(self, exc: RouterError, deadline: float | None) -> Exception:
         """``exc`` as AttemptLost when another attempt may recover (not when no prefill
         worker is left: another attempt would fail the same), else ``exc`` itself."""
-        if exc.code in _LOST and await self._any_placeable(Pool.PREFILL, deadline):
+        if exc.code in _LOST and (
+            not self.routing.needs_prefill_pool or await self._any_placeable(Pool.PREFILL, deadline)
+        ):
             return AttemptLost(exc)
         return exc
 
@@ -288,9 +308,11 @@ class Relay:
         self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
     ) -> tuple[tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination] | None,
                RouterError | None]:  # fmt: skip
-        """Up to two decode workers; (opened, None) or (None, the last error)."""
+        """Up to two decode workers; (opened, None) or (None, the last error). Where the
+        prompt is prefilled is decided for the worker picked (disaggregation.py)."""
         tried: list[Worker] = []
         error: RouterError | None = None
+        tokens = len(worker_req.prompt_token_ids) + len(worker_req.output_token_ids)
         for _ in range(2):
             candidates = self.registry.placeable(Pool.DECODE, exclude=tried)
             if not candidates:
@@ -298,8 +320,10 @@ class Relay:
             worker = self._pick(Pool.DECODE, candidates)
             tried.append(worker)
             timeout = _remaining(deadline)
+            prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
+            decision = self.routing.decide(tokens, prefill, worker.load())
             self.registry.acquire(worker)
-            request = worker_pb2.DecodeRequest(request=worker_req)
+            request = worker_pb2.DecodeRequest(request=worker_req, prefill_here=decision.here)
             stream = worker.stub.Decode(request, timeout=timeout)
             try:
                 first = await stream.read()
@@ -314,12 +338,17 @@ class Relay:
                 stream.cancel()
                 self.registry.release(worker)
                 raise
-            if first is grpc.aio.EOF or not first.HasField("destination"):
+            if (
+                first is grpc.aio.EOF
+                or not first.HasField("destination")
+                or decision.here != (not first.destination.address)
+            ):
                 stream.cancel()
                 self.registry.release(worker)
                 raise RouterError(
                     Code.INTERNAL,
-                    f"decode worker {worker.address} did not open its stream with a KvDestination",
+                    f"decode worker {worker.address} did not open its stream with a "
+                    f"KvDestination {'without' if decision.here else 'with'} an address",
                 )
             self.registry.reserved(worker, len(first.destination.block_ids))
             return (worker, stream, first.destination), None
@@ -415,21 +444,23 @@ class Relay:
         worker: Worker,
         stream: grpc.aio.UnaryStreamCall,
         streamed: list[int],
-        shipped: asyncio.Future[None],
+        shipped: asyncio.Future[None] | None,
         deadline: float | None,
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        """``shipped``: the Prefill call's end (None: the decode worker prefills)."""
         # The first chunk comes once the KV has arrived: until then, a Prefill call
         # that fails means it never will (the decode worker would only see its lease
         # run out).
         first: asyncio.Future | None = asyncio.ensure_future(stream.read())
-        try:
-            await asyncio.wait((first, shipped), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            first.cancel()
-            raise
-        if not first.done() and shipped.exception() is not None:
-            first.cancel()
-            raise await self._lost_or(shipped.exception(), deadline)
+        if shipped is not None:
+            try:
+                await asyncio.wait((first, shipped), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                first.cancel()
+                raise
+            if not first.done() and shipped.exception() is not None:
+                first.cancel()
+                raise await self._lost_or(shipped.exception(), deadline)
         while True:
             try:
                 message = await (first or stream.read())

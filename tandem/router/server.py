@@ -4,8 +4,8 @@ It serves ``tandem.v1.Tandem``, ``grpc.health.v1`` and server reflection, over T
 and behind API keys when configured (public_port.py: the port's rules; auth.py:
 keys, checked for every call but health). Health:
 the server ("") is SERVING while it accepts requests; ``tandem.v1.Tandem`` is
-SERVING only while both pools have a placeable worker (updated after each
-Status poll). ``stop()`` turns health to NOT_SERVING, stops
+SERVING only while the pools it needs have a placeable worker (updated after
+each Status poll). ``stop()`` turns health to NOT_SERVING, stops
 accepting, lets in-flight streams finish for up to ``grace`` seconds, cancels
 the rest (which cancels their worker calls), then closes the worker channels.
 """
@@ -25,6 +25,7 @@ from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS, channel_options
 from tandem.router.admission import Admission
 from tandem.router.auth import AuthInterceptor
+from tandem.router.disaggregation import PrefillRouting
 from tandem.router.frontend import Frontend
 from tandem.router.placement import Pool, make_policy
 from tandem.router.public_port import PublicPort
@@ -65,6 +66,7 @@ class Router:
             make_policy(config.placement),
             max_migrations=config.max_migrations,
             queue_timeout_s=config.queue_timeout_s,
+            routing=PrefillRouting(config.disaggregation),
         )
         self.port: int | None = None
         self._owns_frontend = False
@@ -138,9 +140,11 @@ class Router:
         self.relay.capacity.notify()  # a worker may have room now (freed by another router)
 
     async def _update_health(self) -> None:
-        """The process is SERVING while it runs; the Tandem service only while both
-        pools have a placeable worker (a load balancer can then route elsewhere)."""
-        ready = all(self.registry.placeable(pool) for pool in Pool)
+        """The process is SERVING while it runs; the Tandem service only while every
+        pool it needs has a placeable worker (a load balancer can then route elsewhere):
+        the decode pool, and the prefill pool unless decode workers may prefill."""
+        pools = [Pool.DECODE] + [Pool.PREFILL] * self.relay.routing.needs_prefill_pool
+        ready = all(self.registry.placeable(pool) for pool in pools)
         status = health_pb2.HealthCheckResponse
         if self._health is not None and self._server is not None:
             await self._health.set(SERVICE_NAME, status.SERVING if ready else status.NOT_SERVING)

@@ -55,6 +55,8 @@ class EngineLoad(NamedTuple):
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class WorkerServer(abc.ABC):
@@ -77,6 +79,7 @@ class WorkerServer(abc.ABC):
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self.served = 0  # requests completed successfully (event loop thread writes)
+        self.prefilled_here = 0  # decode: requests prefilled here (event loop thread writes)
         self.transfer_metrics = TransferMetrics()  # filled by the KV sender or receiver
         # Replaced whole by the engine thread (one reference assignment: atomic).
         self.engine_load = EngineLoad()
@@ -173,6 +176,7 @@ class WorkerServer(abc.ABC):
             **self.engine_load._asdict(),
             kv_address=self.kv_address,
             served=self.served,
+            prefilled_here=self.prefilled_here,
             kv_transfers_total=m.transfers_done,
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,
@@ -187,6 +191,8 @@ class WorkerServer(abc.ABC):
             kv_blocks_used=pool.num_used,
             kv_blocks_free=pool.num_free,
             kv_blocks_total=pool.num_blocks,
+            prefix_query_tokens=engine.kv.prefix_query_tokens,
+            prefix_hit_tokens=engine.kv.prefix_hit_tokens,
         )
 
     def _waiting_outside_engine(self) -> int:

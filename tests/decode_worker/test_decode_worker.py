@@ -177,3 +177,62 @@ def test_stop_drains_then_cancels_and_frees_everything(bg):
     engine.kv.pool.check_integrity()
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
     worker.channel.close()
+
+
+def _here(worker, req, timeout=TIMEOUT):
+    """Decode with prefill_here: (the first response's destination, the chunks)."""
+    stream = worker.stub.Decode(
+        worker_pb2.DecodeRequest(request=req, prefill_here=True), timeout=timeout
+    )
+    dest = next(stream).destination
+    return dest, [r.chunk for r in stream]
+
+
+def test_prefill_here_streams_every_token_itself_and_counts_it(tiny_engine, pair):
+    decode = pair.decode
+    before = decode.status()
+    prompt = tiny_engine.tokenizer.encode("long prompt " * 30)
+    dest, chunks = _here(decode, request(prompt, PARAMS, rid="here"))
+    assert dest.address == "" and dest.lease_seconds == 0 and dest.request_id == "here"
+    assert len(dest.block_ids) == -(-(len(prompt) + PARAMS.max_tokens) // 16)
+    outs = list(tiny_engine.stream(prompt, PARAMS))
+    assert [t for c in chunks for t in c.token_ids] == [t for o in outs for t in o.token_ids]
+    assert "".join(c.text for c in chunks) == "".join(o.text for o in outs)
+    assert chunks[-1].completion_tokens == PARAMS.max_tokens
+    after = decode.status()
+    assert after.prefilled_here == before.prefilled_here + 1
+    assert after.served == before.served + 1
+    assert after.kv_transfers_total == before.kv_transfers_total  # nothing was received
+    assert after.prefix_query_tokens == before.prefix_query_tokens + len(prompt)
+
+
+def test_prefill_here_reuses_what_the_decode_worker_has_cached(tiny_engine, pair):
+    decode = pair.decode
+    system = tiny_engine.tokenizer.encode("you are a helpful assistant " * 8)
+    _here(decode, request(system + [7, 8], PARAMS, rid="a"))
+    before = decode.status().prefix_hit_tokens
+    _here(decode, request(system + [9, 10], PARAMS, rid="b"))
+    assert decode.status().prefix_hit_tokens - before == len(system) // 16 * 16
+
+
+def test_prefill_here_that_does_not_fit_now_is_resource_exhausted(pair):
+    params = SamplingParams(max_tokens=600, temperature=0)  # 100 + 600 tokens: 44 blocks
+    held, _ = _open(pair.decode, request([5] * 100, params, rid="big"))
+    with pytest.raises(grpc.RpcError) as err:
+        _here(pair.decode, request([6] * 100, params, rid="big2"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs 44 KV blocks, 20 free" in err.value.details()
+    held.cancel()
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
+
+
+def test_prefill_here_cancelled_mid_stream_frees_its_blocks(pair):
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    stream = pair.decode.stub.Decode(
+        worker_pb2.DecodeRequest(request=request([5] * 30, params), prefill_here=True),
+        timeout=TIMEOUT,
+    )
+    next(stream)  # the destination
+    assert next(stream).chunk.token_ids  # the first token, sampled here
+    stream.cancel()
+    wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")

@@ -6,7 +6,6 @@ leaves each worker with zero used KV blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.client import TandemClient
 from tandem.client.errors import DeadlineExceeded, InvalidRequest
-from tandem.config import EngineConfig
+from tandem.config import DisaggregationConfig, EngineConfig, RouterConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster
 from tandem.engine.sampling_params import SamplingParams
+from tandem.errors import ConfigError
 
 PROMPTS = ["Hello there, how are you?", "你好，请介绍一下你自己。", "long prompt " * 60]
 
@@ -32,9 +32,8 @@ def _cluster(
     engine_cfg = EngineConfig(model=model, num_blocks=engine.pop("num_blocks", 256), **engine)
     config = ClusterConfig(
         num_prefill=prefill, num_decode=decode, engine=engine_cfg, threads_per_worker=1,
+        router=RouterConfig(port=0, **(router or {})),
     )  # fmt: skip
-    router_cfg = dataclasses.replace(config.router, port=0, **(router or {}))
-    config = dataclasses.replace(config, router=router_cfg)
     return LocalCluster(config, tmp_path_factory.mktemp(name))
 
 
@@ -181,3 +180,47 @@ def test_default_model_through_the_cluster_equals_colocated_and_hf(
             assert_parity(
                 smol_hf, ids, tokens, hf_greedy(smol_hf, ids, 24, smol_engine.eos_token_ids)
             )
+
+
+def test_conditional_cluster_prefills_short_prompts_on_decode_and_long_ones_remotely(
+    tmp_path_factory, tiny_engine
+):
+    """Real processes, 1 + 1, conditional: both paths give the colocated engine's tokens."""
+    disagg = {"mode": "conditional", "local_max_tokens": 64}
+    router = {"disaggregation": DisaggregationConfig(**disagg)}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with _cluster(tmp_path_factory, "cond", router=router) as c:
+        prefill_w, decode_w = _workers(c)
+        before = _status(c, prefill_w), _status(c, decode_w)
+        short, long = PROMPTS[0], PROMPTS[2]  # 20-odd and 180-odd chat tokens
+        for text in (short, long):
+            tokens, out, _ = _remote(c.address, text, max_tokens=12, temperature=0,
+                                     ignore_eos=True)  # fmt: skip
+            assert (tokens, out) == _colocated(tiny_engine, text, params)
+        after = _status(c, prefill_w), _status(c, decode_w)
+        assert after[1].prefilled_here - before[1].prefilled_here == 1  # the short one
+        assert after[0].served - before[0].served == 1  # the long one
+        assert after[1].kv_transfers_total - before[1].kv_transfers_total == 1
+        assert after[1].served - before[1].served == 2
+        _assert_no_blocks_used(c)
+
+
+def test_colocated_cluster_has_no_prefill_pool_and_moves_no_kv(tmp_path_factory, tiny_engine):
+    router = {"disaggregation": DisaggregationConfig(mode="never")}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with _cluster(tmp_path_factory, "coloc", prefill=0, decode=1, router=router) as c:
+        (decode_w,) = _workers(c)
+        for text in PROMPTS:
+            tokens, out, _ = _remote(c.address, text, max_tokens=12, temperature=0,
+                                     ignore_eos=True)  # fmt: skip
+            assert (tokens, out) == _colocated(tiny_engine, text, params)
+        status = _status(c, decode_w)
+        assert status.prefilled_here == status.served == len(PROMPTS)
+        assert status.kv_transfers_total == 0
+        assert status.prefix_query_tokens > 0
+        _assert_no_blocks_used(c)
+
+
+def test_a_cluster_without_prefill_workers_must_say_where_prompts_go():
+    with pytest.raises(ConfigError, match="no prefill worker needs router.disaggregation.mode"):
+        ClusterConfig(num_prefill=0)

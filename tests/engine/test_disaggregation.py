@@ -137,3 +137,61 @@ def test_layer_by_layer_kv_taken_during_the_step_equals_the_whole(pair):
     assert tokens == want
     prefill.kv.pool.check_integrity()
     assert prefill.kv.pool.num_used == 0
+
+
+def _here(decode, prompt, params, rid="h1"):
+    """Run one request prefilled on the decode engine itself (no KV transfer); returns
+    (prompt tokens found in its prefix cache, (token ids, text))."""
+    before = decode.kv.prefix_hit_tokens
+    decode.prefill_here(prompt, params, rid)
+    hit = decode.kv.prefix_hit_tokens - before
+    tokens, text, finished = [], "", False
+    while not finished:
+        for out in decode.step():
+            tokens += out.token_ids
+            text += out.text
+            finished = out.finished
+    return hit, (tokens, text)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0),
+    ],
+    ids=["greedy", "seeded", "one-token"],
+)
+def test_prefill_here_equals_colocated(tiny_engine, pair, params):
+    _, decode = pair
+    prompt = tiny_engine.tokenizer.encode("long prompt " * 20)
+    assert _here(decode, prompt, params)[1] == _colocated(tiny_engine, prompt, params)
+    assert decode.kv.pool.num_used == 0 or decode.kv.enable_prefix_caching
+    decode.kv.pool.check_integrity()
+
+
+def test_prefill_here_reuses_the_decode_workers_prefix_cache(tiny_engine):
+    decode = make_engine(num_blocks=64)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    system = tiny_engine.tokenizer.encode("you are a helpful assistant " * 8)
+    first = system + tiny_engine.tokenizer.encode(" first question")
+    second = system + tiny_engine.tokenizer.encode(" another one")
+    assert _here(decode, first, params, "a")[0] == 0
+    hit, got = _here(decode, second, params, "b")
+    assert hit == len(system) // 16 * 16 > 0  # whole blocks of the shared system prompt
+    assert got == _colocated(tiny_engine, second, params)
+
+
+def test_prefill_here_that_does_not_fit_keeps_no_block(tiny_engine):
+    decode = make_engine(num_blocks=12)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = [9] * 40
+    _here(decode, prompt, params, "warm")  # its 2 full prompt blocks stay cached
+    decode.reserve([1] * 100, SamplingParams(max_tokens=28, temperature=0), "hold")  # 8 blocks
+    used = decode.kv.pool.num_used
+    with pytest.raises(OutOfBlocksError, match="KV blocks"):
+        decode.prefill_here(prompt, SamplingParams(max_tokens=40, temperature=0), "big")
+    assert decode.kv.pool.num_used == used
+    assert decode.abort("hold") and not decode.has_unfinished()
+    decode.kv.pool.check_integrity()

@@ -1,9 +1,10 @@
 """Scripted prefill and decode workers (in-process grpc.aio servers) and a cluster harness.
 
 The fakes speak the real worker protocol: Decode answers a KvDestination first,
-then TokenChunks; Prefill streams the first token, then the KV's outcome. Each
-call is recorded, and a call that ends by cancellation is noted with its time, so
-tests can see what the router sent and when it cancelled.
+then TokenChunks (the first token too, when asked to prefill here); Prefill
+streams the first token, then the KV's outcome. Each call is recorded, and a
+call that ends by cancellation is noted with its time, so tests can see what the
+router sent and when it cancelled.
 """
 
 from __future__ import annotations
@@ -108,16 +109,22 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
             if self.open_error is not None:
                 await context.abort(self.open_error, "scripted open failure")
             rid = request.request.request_id
+            here = request.prefill_here  # no KV to receive: the first token comes from here
             yield worker_pb2.DecodeResponse(
                 destination=worker_pb2.KvDestination(
-                    address="127.0.0.1:1",
+                    address="" if here else "127.0.0.1:1",
                     request_id=rid,
                     block_ids=[1, 2, 3],
-                    lease_seconds=self.lease_seconds,
+                    lease_seconds=0 if here else self.lease_seconds,
                 )
             )
             if self.gate is not None:
                 await self.gate.wait()
+            if here:  # FakePrefill's first token
+                token = FakePrefill.first_token + len(request.request.output_token_ids)
+                yield worker_pb2.DecodeResponse(
+                    chunk=worker_pb2.TokenChunk(token_ids=[token], text=f"<{token}>")
+                )
             # A migrated request continues the script: skip what the client has and
             # the token its prefill returned.
             skip = len(request.request.output_token_ids) + 1

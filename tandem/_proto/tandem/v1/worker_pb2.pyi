@@ -76,10 +76,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "prefill_here")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request: WorkerRequest
-    def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("destination", "chunk")
@@ -106,7 +108,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served", "kv_transfers_total", "kv_bytes_total", "kv_transfer_seconds_total")
+    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served", "kv_transfers_total", "kv_bytes_total", "kv_transfer_seconds_total", "prefix_query_tokens", "prefix_hit_tokens", "prefilled_here")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,9 @@ class WorkerStatus(_message.Message):
     KV_TRANSFERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_HERE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     queue_depth: int
@@ -131,4 +136,7 @@ class WorkerStatus(_message.Message):
     kv_transfers_total: int
     kv_bytes_total: int
     kv_transfer_seconds_total: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ..., kv_transfers_total: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ...) -> None: ...
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefilled_here: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ..., kv_transfers_total: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefilled_here: _Optional[int] = ...) -> None: ...

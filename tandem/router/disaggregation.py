@@ -1,0 +1,80 @@
+"""Conditional disaggregation: whether a request's prompt is prefilled on the prefill
+pool (its KV shipped to the decode worker) or on the decode worker itself.
+
+Shipping a prompt's KV pays when its prefill is long enough to stall the decode
+worker's running streams for longer than the transfer and the extra hop cost; a
+short prompt, or one the prefill pool would only queue, is cheaper where it will
+be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
+
+1. no live prefill worker: here (the decode pool serves on its own);
+2. prompt + already generated tokens <= ``local_max_tokens``: here ("short");
+3. every live prefill worker has >= ``prefill_queue_max`` requests waiting and the
+   decode worker runs <= ``local_max_running`` streams: here ("prefill busy");
+4. otherwise on the prefill pool ("long").
+
+The router decides after it has picked the decode worker, from the loads of the
+last Status poll (see placement.py), and counts each decision by its reason
+(``counts``; the decode workers' Status counts ``prefilled_here`` too). The
+prompt length is the router's own count: prefix-cache hits on the decode worker
+are not known here, so a long prompt it has cached still goes to the prefill pool.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.config import DisaggregationConfig
+from tandem.router.placement import WorkerLoad
+
+
+@dataclass(frozen=True)
+class Decision:
+    here: bool  # prefill on the decode worker
+    reason: str
+
+
+ALWAYS = Decision(False, "always")
+COLOCATED = Decision(True, "colocated")
+NO_PREFILL_WORKER = Decision(True, "no prefill worker")
+SHORT = Decision(True, "short")
+PREFILL_BUSY = Decision(True, "prefill busy")
+LONG = Decision(False, "long")
+
+
+class PrefillRouting:
+    def __init__(self, config: DisaggregationConfig) -> None:
+        self.config = config
+        self.counts: collections.Counter[str] = collections.Counter()  # by reason
+
+    @property
+    def needs_prefill_pool(self) -> bool:
+        """Whether a request cannot be served without a live prefill worker."""
+        return self.config.mode == "always"
+
+    @property
+    def uses_prefill_pool(self) -> bool:
+        return self.config.mode != "never"
+
+    def decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
+        """``tokens``: to prefill (prompt + output of a migrated request); ``prefill``: the
+        live prefill workers' loads; ``decode``: the chosen decode worker's."""
+        decision = self._decide(tokens, prefill, decode)
+        self.counts[decision.reason] += 1
+        return decision
+
+    def _decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
+        c = self.config
+        if c.mode == "always":
+            return ALWAYS
+        if c.mode == "never":
+            return COLOCATED
+        if not prefill:
+            return NO_PREFILL_WORKER
+        if tokens <= c.local_max_tokens:
+            return SHORT
+        busy = min(w.queue_depth for w in prefill) >= c.prefill_queue_max
+        if busy and decode.running <= c.local_max_running:
+            return PREFILL_BUSY
+        return LONG

@@ -1,0 +1,149 @@
+"""Where the router has a prompt prefilled: the policy's rule, and the relay that follows it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.config import DisaggregationConfig, RouterConfig
+from tandem.errors import ConfigError
+from tandem.router.disaggregation import PrefillRouting
+from tandem.router.placement import WorkerLoad
+from tandem.router.server import SERVICE_NAME
+from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
+
+IDLE = WorkerLoad("p")
+DECODE = WorkerLoad("d")
+CONDITIONAL = {"mode": "conditional", "local_max_tokens": 8}
+
+
+def _decide(tokens, prefill=(IDLE,), decode=DECODE, **config):
+    return PrefillRouting(DisaggregationConfig(**{**CONDITIONAL, **config})).decide(
+        tokens, list(prefill), decode
+    )
+
+
+def test_conditional_rule_step_by_step():
+    assert _decide(8).reason == "short" and _decide(8).here
+    assert _decide(9).reason == "long" and not _decide(9).here
+    assert _decide(9, prefill=()).reason == "no prefill worker"
+    busy = [WorkerLoad("p1", queue_depth=4), WorkerLoad("p2", queue_depth=5)]
+    assert _decide(100, prefill=busy).reason == "prefill busy"
+    # One prefill worker with room left is enough to send it there.
+    assert _decide(100, prefill=[*busy, WorkerLoad("p3", queue_depth=3)]).reason == "long"
+    # A decode worker running many streams would stall them all: keep the prefill away.
+    assert _decide(100, prefill=busy, decode=WorkerLoad("d", running=9)).reason == "long"
+    assert _decide(100, prefill=busy, decode=WorkerLoad("d", running=8)).here
+
+
+def test_modes_always_and_never_ignore_the_numbers():
+    assert _decide(1, mode="always").reason == "always"
+    assert not _decide(1, prefill=(), mode="always").here
+    assert _decide(10_000, mode="never").here
+
+
+def test_decisions_are_counted_by_reason():
+    routing = PrefillRouting(DisaggregationConfig(**CONDITIONAL))
+    for tokens in (1, 2, 100):
+        routing.decide(tokens, [IDLE], WorkerLoad("d"))
+    assert routing.counts == {"short": 2, "long": 1}
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ConfigError, match="disaggregation.mode must be one of"):
+        DisaggregationConfig(mode="sometimes")
+    with pytest.raises(ConfigError, match="disaggregation.local_max_tokens must be >= 0"):
+        DisaggregationConfig(local_max_tokens=-1)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _tokens(chunks):
+    return [t for ch in chunks for t in ch.token_ids]
+
+
+def test_colocated_router_serves_with_no_prefill_pool_and_is_healthy(frontend):
+    async def scenario():
+        async with cluster(frontend, prefill=[], disaggregation=DisaggregationConfig(
+                mode="never")) as c:  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello", max_tokens=5)]
+            assert [ch.token_ids for ch in chunks] == [(10,), (11,), (12, 13), (14,)]
+            assert "".join(ch.text for ch in chunks) == "<10><11><12><13><14>"
+            assert chunks[-1].finish_reason == "length"
+            assert chunks[-1].usage.completion_tokens == 5
+            (call,) = c.decode[0].calls
+            assert call.request.prefill_here
+            assert c.router.relay.routing.counts == {"colocated": 1}
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(scenario())
+
+
+def test_conditional_sends_short_prompts_to_decode_and_long_ones_to_prefill(frontend):
+    async def scenario():
+        config = DisaggregationConfig(mode="conditional", local_max_tokens=4)
+        async with cluster(frontend, disaggregation=config) as c:
+            short = [ch async for ch in c.client.generate("hi", max_tokens=5)]
+            long = [ch async for ch in c.client.generate("a much longer prompt " * 4,
+                                                          max_tokens=5)]  # fmt: skip
+            assert _tokens(short) == _tokens(long) == [10, 11, 12, 13, 14]
+            here = [call.request.prefill_here for call in c.decode[0].calls]
+            assert here == [True, False]
+            assert len(c.prefill[0].calls) == 1  # only the long one
+            assert c.router.relay.routing.counts == {"short": 1, "long": 1}
+
+    run(scenario())
+
+
+def test_conditional_prefills_on_decode_when_the_prefill_pool_is_busy_or_gone(frontend):
+    async def scenario():
+        config = DisaggregationConfig(mode="conditional", local_max_tokens=0,
+                                      prefill_queue_max=2)  # fmt: skip
+        prefill = FakePrefill(queue_depth=2)
+        async with cluster(frontend, prefill=[prefill], disaggregation=config) as c:
+            await wait_until(lambda: c.router.registry.workers()[0].queue_depth == 2,
+                             what="the busy prefill worker polled")  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello", max_tokens=5)]
+            assert _tokens(chunks) == [10, 11, 12, 13, 14] and not prefill.calls
+            await prefill.stop()
+            await wait_until(lambda: not c.router.registry.placeable(c.router.registry
+                             .workers()[0].pool), what="the prefill worker down")  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello", max_tokens=5)]
+            assert _tokens(chunks) == [10, 11, 12, 13, 14]
+            assert c.router.relay.routing.counts == {"prefill busy": 1, "no prefill worker": 1}
+
+    run(scenario())
+
+
+def test_a_request_prefilled_on_decode_migrates_when_that_worker_dies(frontend):
+    async def scenario():
+        dying = FakeDecode(chunks=[([11], 0)], fail_with=grpc.StatusCode.UNAVAILABLE)
+        decode = [dying, FakeDecode()]
+        async with cluster(frontend, prefill=[], decode=decode,
+                           disaggregation=DisaggregationConfig(mode="never")) as c:  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello", max_tokens=5)]
+            assert _tokens(chunks) == [10, 11, 12, 13, 14]  # none lost, none twice
+            (second,) = decode[1].calls
+            assert list(second.request.request.output_token_ids) == [10, 11]
+            assert second.request.prefill_here
+
+    run(scenario())
+
+
+def test_always_keeps_every_prompt_on_the_prefill_pool(frontend):
+    async def scenario():
+        async with cluster(frontend) as c:
+            [ch async for ch in c.client.generate("hi", max_tokens=5)]
+            assert not c.decode[0].calls[0].request.prefill_here
+            assert len(c.prefill[0].calls) == 1
+            assert RouterConfig().disaggregation.mode == "always"
+
+    run(scenario())

@@ -1,0 +1,47 @@
+"""``tandem serve`` flags: how many workers of which kind, and where prompts are prefilled."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cli import build_parser, serve_config
+from tandem.errors import ConfigError
+
+
+def _config(*argv: str):
+    return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_colocated_is_decode_workers_that_prefill_with_no_prefill_pool():
+    cfg = _config("--colocated", "3")
+    assert (cfg.num_prefill, cfg.num_decode) == (0, 3)
+    assert cfg.router.disaggregation.mode == "never"
+
+
+def test_the_default_is_one_plus_one_always_disaggregated():
+    cfg = _config()
+    assert (cfg.num_prefill, cfg.num_decode, cfg.router.disaggregation.mode) == (1, 1, "always")
+
+
+def test_conditional_flag_keeps_the_yaml_thresholds(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("num_prefill: 2\nrouter:\n  disaggregation:\n    local_max_tokens: 300\n")
+    cfg = _config("--config", str(path), "--disaggregation", "conditional")
+    assert cfg.num_prefill == 2
+    assert (cfg.router.disaggregation.mode, cfg.router.disaggregation.local_max_tokens) == (
+        "conditional", 300
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--colocated", "2", "--prefill", "1"], "--colocated N replaces"),
+        (["--colocated", "2", "--disaggregation", "always"], "--colocated N replaces"),
+        (["--prefill", "0"], "no prefill worker needs router.disaggregation.mode"),
+        (["--disaggregation", "never"], "sends nothing to the 1 prefill workers"),
+    ],
+)
+def test_contradictions_are_refused_by_name(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(*argv)

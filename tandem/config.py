@@ -167,7 +167,7 @@ class DecodeConfig:
             raise ConfigError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
 
 
-PLACEMENT_POLICIES = ("least-loaded", "round-robin")
+PLACEMENT_POLICIES = ("least-loaded", "round-robin", "prefix-aware")
 DISAGGREGATION_MODES = ("always", "conditional", "never")
 
 
@@ -216,7 +216,11 @@ class RouterConfig:
     decode_workers: tuple[str, ...] = ()
     # The router's credentials as a cluster member: mutual TLS to the workers.
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
-    placement: str = "least-loaded"
+    placement: str = "least-loaded"  # or round-robin, prefix-aware (router/placement.py)
+    # prefix-aware: the worker with the longest cached prefix is passed over (for the
+    # least loaded) when it has more than this many requests waiting and running
+    # beyond the least loaded worker's.
+    prefix_imbalance_max: int = 8
     disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
     max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
     # An admitted request that finds every decode worker full waits this long for room

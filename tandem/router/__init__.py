@@ -10,7 +10,7 @@ A request's path through the modules:
 - ``admission`` the bounds on requests in flight, per API key and for the router, and
   each key's rate (RESOURCE_EXHAUSTED beyond them);
 - ``relay``     opens Decode, calls Prefill, relays first token then the decode stream;
-- ``placement`` which worker of a pool (least-loaded, round-robin);
+- ``placement`` which worker of a pool (least-loaded, round-robin, prefix-aware);
 - ``registry``  worker membership, Status polling, health, load counts;
 - ``server``    ``Router``: the gRPC server with health and reflection;
 - ``__main__``  ``python -m tandem.router``.

@@ -14,15 +14,19 @@ out instead of piling onto the worker that looked emptiest.
   turns: idle workers share a trickle of requests instead of the first registered
   one taking them all.
 - ``round-robin``: each pool in turn, ignoring the numbers.
+- ``prefix-aware``: the worker likely to hold the longest prefix of the prompt in
+  its prefix cache, within a load bound; else ``least-loaded`` (see PrefixAware).
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.engine.block_manager import hash_block
 from tandem.errors import ConfigError
 
 
@@ -38,6 +42,7 @@ class WorkerLoad:
     running: int = 0  # in the worker's batch
     kv_blocks_free: int = 0
     inflight: int = 0  # this router's requests on the worker now
+    kv_blocks_total: int = 0
 
 
 # Decode workers with at least this fraction of the most free KV blocks count as equal.
@@ -48,8 +53,11 @@ class PlacementPolicy(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
-        """One of ``candidates`` (never empty, in registration order)."""
+    def pick(
+        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+    ) -> WorkerLoad:
+        """One of ``candidates`` (never empty, in registration order) for a request whose
+        tokens so far (prompt, and output of a migrated request) are ``token_ids``."""
 
 
 class LeastLoaded(PlacementPolicy):
@@ -58,7 +66,9 @@ class LeastLoaded(PlacementPolicy):
     def __init__(self) -> None:
         self._turn = {pool: 0 for pool in Pool}
 
-    def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
+    def pick(
+        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+    ) -> WorkerLoad:
         if pool is Pool.DECODE:
             most = max(w.kv_blocks_free for w in candidates)
             keys = [
@@ -80,7 +90,9 @@ class RoundRobin(PlacementPolicy):
     def __init__(self) -> None:
         self._next = {pool: 0 for pool in Pool}
 
-    def pick(self, pool: Pool, candidates: Sequence[WorkerLoad]) -> WorkerLoad:
+    def pick(
+        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+    ) -> WorkerLoad:
         # A counter modulo the current size: membership changes shift the turn,
         # but every placeable worker still gets one request in each len() in a row.
         i = self._next[pool] % len(candidates)
@@ -88,13 +100,98 @@ class RoundRobin(PlacementPolicy):
         return candidates[i]
 
 
-_POLICIES: dict[str, type[PlacementPolicy]] = {p.name: p for p in (LeastLoaded, RoundRobin)}
+# A worker whose KV pool size is not known yet (no Status answered): remember this many.
+_UNKNOWN_POOL_BLOCKS = 4096
 
 
-def make_policy(name: str) -> PlacementPolicy:
-    try:
-        return _POLICIES[name]()
-    except KeyError:
-        raise ConfigError(
-            f"placement must be one of {', '.join(_POLICIES)}, got {name!r}"
-        ) from None
+class PrefixAware(PlacementPolicy):
+    """The worker that most likely holds the longest prefix of the prompt in its prefix
+    cache, if that prefix is at least ``min_match`` of the prompt's full blocks and
+    the worker is not busier than the least loaded one by more than
+    ``imbalance_max`` requests (waiting + running); otherwise ``least-loaded``. The
+    ratio keeps prompts that share only their first block or two (a chat template's
+    header) from all following the first worker that saw one (SGLang's
+    cache_threshold, 0.5 there too).
+
+    What a worker holds is estimated from this router's own placements, as SGLang's
+    cache-aware router does, rather than from the workers' reports of blocks cached
+    and evicted: it needs no protocol, costs one hash per 16 prompt tokens, and is
+    right exactly when it matters (a prefix placed recently is still cached). A
+    worker's history is an LRU of chained block hashes (those of the engines' prefix
+    cache: ``hash_block`` over 16-token blocks) bounded by the worker's own KV pool
+    size, so that what the worker must have evicted is forgotten too. Blocks shared
+    with another router's requests are not seen; a worker that restarted or evicted
+    early is found out at its next placement (the hit is lower, nothing breaks).
+    """
+
+    name = "prefix-aware"
+
+    def __init__(self, imbalance_max: int = 8, min_match: float = 0.5, block_size: int = 16):
+        self.imbalance_max = imbalance_max
+        self.min_match = min_match
+        self.block_size = block_size
+        self._fallback = LeastLoaded()
+        # pool -> worker address -> block hashes, least recently placed first
+        self._history: dict[Pool, dict[str, collections.OrderedDict[int, None]]] = {
+            pool: {} for pool in Pool
+        }
+
+    def pick(
+        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+    ) -> WorkerLoad:
+        hashes = self._hashes(token_ids)
+        history = self._history[pool]
+        matched = {w.address: self._matched(history.get(w.address), hashes) for w in candidates}
+        best = max(matched.values(), default=0)
+        choice = None
+        if best and best >= self.min_match * len(hashes):
+            load = {w.address: w.queue_depth + w.running for w in candidates}
+            least = min(load.values())
+            holders = [w for w in candidates if matched[w.address] == best]
+            holder = min(holders, key=lambda w: (load[w.address], w.inflight))
+            if load[holder.address] - least <= self.imbalance_max:
+                choice = holder
+        if choice is None:
+            choice = self._fallback.pick(pool, candidates)
+        self._remember(pool, choice, hashes)
+        return choice
+
+    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the full blocks a worker could reuse (not the last token's)."""
+        bs, parent, out = self.block_size, None, []
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
+    @staticmethod
+    def _matched(held: collections.OrderedDict[int, None] | None, hashes: list[int]) -> int:
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:  # chained: the first miss ends the prefix
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def _remember(self, pool: Pool, worker: WorkerLoad, hashes: list[int]) -> None:
+        held = self._history[pool].setdefault(worker.address, collections.OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        capacity = worker.kv_blocks_total or _UNKNOWN_POOL_BLOCKS
+        while len(held) > capacity:
+            held.popitem(last=False)
+
+
+_POLICIES: dict[str, type[PlacementPolicy]] = {
+    p.name: p for p in (LeastLoaded, RoundRobin, PrefixAware)
+}
+
+
+def make_policy(name: str, imbalance_max: int = 8) -> PlacementPolicy:
+    """``imbalance_max``: prefix-aware's load bound (RouterConfig.prefix_imbalance_max)."""
+    if name not in _POLICIES:
+        raise ConfigError(f"placement must be one of {', '.join(_POLICIES)}, got {name!r}")
+    return PrefixAware(imbalance_max) if name == PrefixAware.name else _POLICIES[name]()

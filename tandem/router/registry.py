@@ -56,6 +56,7 @@ class Worker:
     queue_depth: int = 0
     running: int = 0
     kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
     # This router's own counts.
     inflight: int = 0
     placed_since_poll: int = 0
@@ -69,6 +70,7 @@ class Worker:
             running=self.running,
             kv_blocks_free=max(0, self.kv_blocks_free - self.reserved_since_poll),
             inflight=self.inflight,
+            kv_blocks_total=self.kv_blocks_total,
         )
 
 
@@ -224,6 +226,7 @@ class WorkerRegistry:
         worker.queue_depth = status.queue_depth
         worker.running = status.running
         worker.kv_blocks_free = status.kv_blocks_free
+        worker.kv_blocks_total = status.kv_blocks_total
         worker.placed_since_poll = 0
         worker.reserved_since_poll = 0
         worker.last_ok = self._clock()

@@ -312,16 +312,16 @@ class Relay:
         prompt is prefilled is decided for the worker picked (disaggregation.py)."""
         tried: list[Worker] = []
         error: RouterError | None = None
-        tokens = len(worker_req.prompt_token_ids) + len(worker_req.output_token_ids)
+        tokens = [*worker_req.prompt_token_ids, *worker_req.output_token_ids]
         for _ in range(2):
             candidates = self.registry.placeable(Pool.DECODE, exclude=tried)
             if not candidates:
                 break
-            worker = self._pick(Pool.DECODE, candidates)
+            worker = self._pick(Pool.DECODE, candidates, tokens)
             tried.append(worker)
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
-            decision = self.routing.decide(tokens, prefill, worker.load())
+            decision = self.routing.decide(len(tokens), prefill, worker.load())
             self.registry.acquire(worker)
             request = worker_pb2.DecodeRequest(request=worker_req, prefill_here=decision.here)
             stream = worker.stub.Decode(request, timeout=timeout)
@@ -380,7 +380,9 @@ class Relay:
             candidates = self.registry.placeable(Pool.PREFILL, exclude=tried)
             if not candidates:
                 raise error or self._none_available(Pool.PREFILL)
-            worker = self._pick(Pool.PREFILL, candidates)
+            req = request.request
+            worker = self._pick(Pool.PREFILL, candidates, [*req.prompt_token_ids,
+                                                           *req.output_token_ids])  # fmt: skip
             tried.append(worker)
             timeout = _remaining(deadline)
             self.registry.acquire(worker)
@@ -491,9 +493,10 @@ class Relay:
                 return
             yield response
 
-    def _pick(self, pool: Pool, candidates: list[Worker]) -> Worker:
+    def _pick(self, pool: Pool, candidates: list[Worker], token_ids) -> Worker:
         by_address = {w.address: w for w in candidates}
-        return by_address[self.policy.pick(pool, [w.load() for w in candidates]).address]
+        loads = [w.load() for w in candidates]
+        return by_address[self.policy.pick(pool, loads, token_ids).address]
 
     def _failed(self, worker: Worker, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client's status for a failed worker call; a dead worker is marked down."""

@@ -63,7 +63,7 @@ class Router:
         )
         self.relay = Relay(
             self.registry,
-            make_policy(config.placement),
+            make_policy(config.placement, config.prefix_imbalance_max),
             max_migrations=config.max_migrations,
             queue_timeout_s=config.queue_timeout_s,
             routing=PrefillRouting(config.disaggregation),

@@ -224,3 +224,34 @@ def test_colocated_cluster_has_no_prefill_pool_and_moves_no_kv(tmp_path_factory,
 def test_a_cluster_without_prefill_workers_must_say_where_prompts_go():
     with pytest.raises(ConfigError, match="no prefill worker needs router.disaggregation.mode"):
         ClusterConfig(num_prefill=0)
+
+
+def test_prefix_aware_colocated_cluster_keeps_each_system_prompt_on_one_worker(
+    tmp_path_factory, tiny_engine
+):
+    """Two colocated workers, two long system prompts, several users each: every
+    conversation goes where its system prompt is cached, and finds it there."""
+    router = {"disaggregation": DisaggregationConfig(mode="never"), "placement": "prefix-aware"}
+    systems = [f"You are assistant number {i}. " + "Follow these rules carefully. " * 12
+               for i in range(2)]  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with _cluster(tmp_path_factory, "prefix", prefill=0, decode=2, router=router) as c:
+        for user in range(4):
+            for system in systems:
+                messages = [{"role": "system", "content": system},
+                            {"role": "user", "content": f"question {user}"}]  # fmt: skip
+                with TandemClient(c.address, timeout=60) as client:
+                    chunks = list(client.generate(messages=messages, max_tokens=4,
+                                                  temperature=0, ignore_eos=True))  # fmt: skip
+                ids = tiny_engine.tokenizer.encode_chat(messages)
+                outs = list(tiny_engine.stream(ids, params))
+                assert [t for ch in chunks for t in ch.token_ids] == [
+                    t for o in outs for t in o.token_ids
+                ]
+        statuses = [_status(c, w) for w in _workers(c)]
+        assert sorted(s.served for s in statuses) == [4, 4]  # one system prompt each
+        # After the first of each, 3 of 4 conversations find ~all of their prompt cached.
+        hit = sum(s.prefix_hit_tokens for s in statuses)
+        query = sum(s.prefix_query_tokens for s in statuses)
+        assert hit / query > 0.6, (hit, query)
+        _assert_no_blocks_used(c)

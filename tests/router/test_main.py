@@ -58,7 +58,8 @@ def test_bad_setting_exits_2_naming_it():
         timeout=60,
     )
     assert result.returncode == 2
-    assert "placement must be one of least-loaded, round-robin, got 'x'" in result.stderr
+    expected = "placement must be one of least-loaded, round-robin, prefix-aware, got 'x'"
+    assert expected in result.stderr
 
 
 def test_security_flags_set_the_public_port_fields(tmp_path):

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tandem.errors import ConfigError
-from tandem.router.placement import LeastLoaded, Pool, RoundRobin, WorkerLoad, make_policy
+from tandem.router.placement import (
+    LeastLoaded,
+    Pool,
+    PrefixAware,
+    RoundRobin,
+    WorkerLoad,
+    make_policy,
+)
 from tandem.router.registry import Worker
 
 
@@ -96,3 +103,71 @@ def test_a_burst_between_polls_spreads_over_equal_workers():
         target.placed_since_poll += 1  # as WorkerRegistry.acquire does
         target.inflight += 1
     assert picks == ["a", "b", "a", "b"]
+
+
+def _prompt(prefix: int, blocks: int, tail: int = 0) -> list[int]:
+    """``blocks`` 16-token blocks of a shared prefix ``prefix``, then a distinct tail."""
+    return [1000 + prefix] * (16 * blocks) + [7] * tail
+
+
+def test_prefix_aware_follows_the_prefix_and_spreads_what_is_new():
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
+    first = policy.pick(Pool.PREFILL, ws, _prompt(1, 8, tail=3)).address
+    second = policy.pick(Pool.PREFILL, ws, _prompt(2, 8, tail=3)).address
+    assert first != second  # nothing cached anywhere: least-loaded takes turns
+    for tail in range(1, 6):  # same system prompt, another question: where it was
+        assert policy.pick(Pool.PREFILL, ws, _prompt(1, 8, tail=tail)).address == first
+        assert policy.pick(Pool.PREFILL, ws, _prompt(2, 8, tail=tail)).address == second
+    # The pools keep separate histories: the decode pool has seen nothing yet.
+    assert policy._history[Pool.DECODE] == {}
+
+
+def test_prefix_aware_takes_the_longest_match():
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
+    policy.pick(Pool.PREFILL, ws, _prompt(1, 2, tail=1))  # a: 2 blocks of prefix 1
+    longer = _prompt(1, 6, tail=1)
+    policy.pick(Pool.PREFILL, [ws[1]], longer)  # b: 6 blocks of it
+    assert policy.pick(Pool.PREFILL, ws, longer).address == "b"
+
+
+def test_prefix_aware_gives_way_to_load_beyond_the_bound():
+    policy = PrefixAware(imbalance_max=2)
+    idle = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
+    home = policy.pick(Pool.PREFILL, idle, _prompt(1, 4, tail=1)).address
+    other = "b" if home == "a" else "a"
+    within = [load(home, queue_depth=1, running=1, kv_blocks_total=100),
+              load(other, kv_blocks_total=100)]  # fmt: skip
+    assert policy.pick(Pool.PREFILL, within, _prompt(1, 4, tail=2)).address == home
+    beyond = [load(home, queue_depth=2, running=1, kv_blocks_total=100),
+              load(other, kv_blocks_total=100)]  # fmt: skip
+    assert policy.pick(Pool.PREFILL, beyond, _prompt(1, 4, tail=3)).address == other
+
+
+def test_prefix_aware_forgets_what_the_worker_cannot_hold():
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=4)]
+    policy.pick(Pool.PREFILL, ws, _prompt(1, 4, tail=1))
+    policy.pick(Pool.PREFILL, ws, _prompt(2, 4, tail=1))  # 4 new blocks push the first out
+    assert policy._matched(policy._history[Pool.PREFILL]["a"], policy._hashes(
+        _prompt(1, 4, tail=1))) == 0  # fmt: skip
+
+
+def test_prefix_aware_hashes_as_the_engine_does():
+    from tandem.engine.block_manager import hash_block
+
+    tokens = list(range(40))
+    hashes = PrefixAware()._hashes(tokens)
+    first = hash_block(None, tokens[:16])
+    assert hashes == [first, hash_block(first, tokens[16:32])]
+    assert PrefixAware()._hashes(tokens[:16]) == []  # the last token is always computed
+
+
+def test_prefix_aware_does_not_follow_a_short_shared_header():
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
+    header = [5] * 16  # one block every prompt starts with (a chat template's, say)
+    first = policy.pick(Pool.PREFILL, ws, header + _prompt(1, 6, tail=1)).address
+    # 1 block of 7 in common: below min_match, so least-loaded's turn, not the header's.
+    assert policy.pick(Pool.PREFILL, ws, header + _prompt(2, 6, tail=1)).address != first

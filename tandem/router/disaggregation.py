@@ -7,16 +7,19 @@ short prompt, or one the prefill pool would only queue, is cheaper where it will
 be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
 
 1. no live prefill worker: here (the decode pool serves on its own);
-2. prompt + already generated tokens <= ``local_max_tokens``: here ("short");
+2. the tokens the decode worker would compute (prompt + already generated tokens,
+   less the prefix that prefix-aware placement expects it to have cached) <=
+   ``local_max_tokens``: here ("short");
 3. every live prefill worker has >= ``prefill_queue_max`` requests waiting and the
    decode worker runs <= ``local_max_running`` streams: here ("prefill busy");
 4. otherwise on the prefill pool ("long").
 
 The router decides after it has picked the decode worker, from the loads of the
 last Status poll (see placement.py), and counts each decision by its reason
-(``counts``; the decode workers' Status counts ``prefilled_here`` too). The
-prompt length is the router's own count: prefix-cache hits on the decode worker
-are not known here, so a long prompt it has cached still goes to the prefill pool.
+(``counts``; the decode workers' Status counts ``prefilled_here`` too). With
+placement ``least-loaded`` the router knows nothing of the decode worker's prefix
+cache, so a long prompt it has cached still goes to the prefill pool; with
+``prefix-aware`` (a chat whose history the worker holds) it stays there.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class PrefillRouting:
         return self.config.mode != "never"
 
     def decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
-        """``tokens``: to prefill (prompt + output of a migrated request); ``prefill``: the
+        """``tokens``: to prefill on the decode worker (see rule 2); ``prefill``: the
         live prefill workers' loads; ``decode``: the chosen decode worker's."""
         decision = self._decide(tokens, prefill, decode)
         self.counts[decision.reason] += 1

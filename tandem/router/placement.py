@@ -51,6 +51,9 @@ KV_BAND = 0.9
 
 class PlacementPolicy(abc.ABC):
     name: str
+    # Of the last pick's token_ids, how many the chosen worker is expected to have in
+    # its prefix cache (0 for policies that do not track it); valid until the next pick.
+    cached_tokens: int = 0
 
     @abc.abstractmethod
     def pick(
@@ -153,6 +156,7 @@ class PrefixAware(PlacementPolicy):
                 choice = holder
         if choice is None:
             choice = self._fallback.pick(pool, candidates)
+        self.cached_tokens = matched[choice.address] * self.block_size
         self._remember(pool, choice, hashes)
         return choice
 

@@ -321,7 +321,9 @@ class Relay:
             tried.append(worker)
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
-            decision = self.routing.decide(len(tokens), prefill, worker.load())
+            # What the worker would have to compute if it prefilled: less its cached prefix.
+            to_compute = len(tokens) - self.policy.cached_tokens
+            decision = self.routing.decide(to_compute, prefill, worker.load())
             self.registry.acquire(worker)
             request = worker_pb2.DecodeRequest(request=worker_req, prefill_here=decision.here)
             stream = worker.stub.Decode(request, timeout=timeout)

@@ -147,3 +147,19 @@ def test_always_keeps_every_prompt_on_the_prefill_pool(frontend):
             assert RouterConfig().disaggregation.mode == "always"
 
     run(scenario())
+
+
+def test_conditional_with_prefix_aware_keeps_a_cached_long_prompt_on_decode(frontend):
+    async def scenario():
+        config = DisaggregationConfig(mode="conditional", local_max_tokens=16)
+        async with cluster(frontend, disaggregation=config, placement="prefix-aware") as c:
+            prompt = "the same long conversation so far " * 8  # well over 16 tokens
+            for _ in range(2):
+                chunks = [ch async for ch in c.client.generate(prompt, max_tokens=5)]
+                assert _tokens(chunks) == [10, 11, 12, 13, 14]
+            # First: nothing cached, shipped. Second: the decode worker holds all but
+            # the last block, so prefilling there computes <= 16 tokens.
+            assert [call.request.prefill_here for call in c.decode[0].calls] == [False, True]
+            assert c.router.relay.routing.counts == {"long": 1, "short": 1}
+
+    run(scenario())

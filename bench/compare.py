@@ -1,0 +1,273 @@
+"""Does disaggregation pay for this workload on this machine? Every deployment in turn,
+the same seeded workloads at the same rates, one table of goodput under SLOs.
+
+    python bench/compare.py [--model M] [--workloads long-short,short-long,chat]
+                            [--deployments colocated,disagg,conditional,...]
+                            [--rates 0.25,0.5] [--requests 24] [--slo-ttft-ms 3000]
+                            [--slo-tpot-ms 400] [--out DIR] [--json]
+
+Deployments (the same total cores: each worker gets cores / workers torch threads):
+- ``colocated``: 2 workers that prefill and decode (``tandem serve --colocated 2``);
+- ``disagg``: 1 prefill + 1 decode worker, every prompt on the prefill pool;
+- ``conditional``: 1 + 1, the router deciding per request (disaggregation.py);
+- the same three with ``-prefix`` (``placement: prefix-aware``), and ``disagg-2x2``
+  / ``disagg-2x2-prefix`` (2 + 2 workers, for prefix placement across two of each).
+
+Workloads (seeded; the same requests for every deployment):
+- ``long-short``: 512-token prompts, 16-token answers (prefill-heavy);
+- ``short-long``: 32-token prompts, 192-token answers (decode-heavy);
+- ``chat``: 4 long system prompts (~400 tokens) shared by many users, each user a
+  conversation whose every turn repeats its history, 32-token answers.
+
+Each (deployment, workload, rate) is one ``tandem bench load`` run (Poisson
+arrivals, --requests measured after 2 warm-up). Goodput counts requests that meet
+both SLOs (TTFT, and TPOT, the mean inter-token latency of the request). The
+prefix hit rate and the KV bytes moved per request come from the workers'
+``Status`` counters before and after the run; ``local`` is the share of requests
+prefilled on the decode worker. With --out, ``compare.json`` and a plot of SLO
+attainment against rate per workload are written there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+DEPLOYMENTS = {
+    # name: (prefill workers, decode workers, disaggregation mode, placement)
+    "colocated": (0, 2, "never", "least-loaded"),
+    "colocated-prefix": (0, 2, "never", "prefix-aware"),
+    "disagg": (1, 1, "always", "least-loaded"),
+    "disagg-prefix": (1, 1, "always", "prefix-aware"),
+    "conditional": (1, 1, "conditional", "least-loaded"),
+    "conditional-prefix": (1, 1, "conditional", "prefix-aware"),
+    "disagg-2x2": (2, 2, "always", "least-loaded"),
+    "disagg-2x2-prefix": (2, 2, "always", "prefix-aware"),
+}
+WORKLOADS = ("long-short", "short-long", "chat")
+STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "prefilled_here")
+
+
+def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None:
+    """JSONL of chats: ``systems`` long system prompts, users of 3 turns each, every
+    turn carrying the conversation so far (assistant turns are fixed filler text, as
+    the benchmark cannot know the replies in advance), in send order."""
+    from tandem.bench.load.datasets import WORDS
+
+    rng = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    prompts = [f"You are assistant {i}. " + words(330) for i in range(systems)]
+    lines, user = [], 0
+    while len(lines) < requests:
+        system = prompts[user % systems]
+        history = [{"role": "system", "content": system}]
+        for _turn in range(3):
+            history.append({"role": "user", "content": f"user {user}: " + words(20)})
+            lines.append({"messages": list(history), "output_len": 32})
+            history.append({"role": "assistant", "content": words(24)})
+        user += 1
+    # Interleave users a little, keeping each user's turns in order.
+    order = sorted(range(len(lines)), key=lambda i: (i // 3 // 2, i % 3, i // 3))
+    with path.open("w") as f:
+        for i in order[:requests]:
+            f.write(json.dumps(lines[i]) + "\n")
+
+
+def _dataset(workload: str, tmp: Path, requests: int, seed: int):
+    from tandem.bench.load.datasets import LengthDist
+    from tandem.bench.load.runner import DatasetConfig
+
+    if workload == "long-short":
+        return DatasetConfig(input_len=LengthDist("fixed", 512), output_len=LengthDist("fixed", 16))
+    if workload == "short-long":
+        return DatasetConfig(input_len=LengthDist("fixed", 32), output_len=LengthDist("fixed", 192))
+    path = tmp / "chat.jsonl"
+    chat_dataset(path, requests + 2, seed)  # + the warm-up
+    return DatasetConfig(kind="jsonl", path=str(path))
+
+
+def _status_totals(cluster) -> dict[str, float]:
+    """Sums of the counters over every worker, and requests served by decode workers."""
+    from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    totals = dict.fromkeys((*STATUS_FIELDS, "decode_served"), 0)
+    for p in cluster.processes:
+        if p.name == "router":
+            continue
+        decode = p.name.startswith("decode")
+        stub = worker_pb2_grpc.DecodeWorkerStub if decode else worker_pb2_grpc.PrefillWorkerStub
+        with cluster.dial(p.ready["grpc"]) as ch:
+            s = stub(ch).Status(worker_pb2.StatusRequest(), timeout=10)
+        for name in STATUS_FIELDS:
+            # KV bytes: counted once, where they arrive.
+            if name != "kv_bytes_total" or decode:
+                totals[name] += getattr(s, name)
+        if decode:
+            totals["decode_served"] += s.served
+    return totals
+
+
+def run_point(cluster, dataset, rate: float, args) -> dict:
+    from tandem.bench.load.metrics import SLO
+    from tandem.bench.load.runner import LoadConfig, run
+
+    before = _status_totals(cluster)
+    result = run(LoadConfig(
+        target=cluster.address, request_rate=rate, num_requests=args.requests, seed=args.seed,
+        slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), dataset=dataset,
+        progress=False, timeout_s=args.timeout,
+    ))  # fmt: skip
+    after = _status_totals(cluster)
+    d = {k: after[k] - before[k] for k in after}
+    s = result.summary
+    served = max(1, d["decode_served"])
+    return dict(
+        rate=rate,
+        completed=s.completed,
+        failed=s.failed,
+        goodput=s.goodput,
+        slo_attainment=s.slo_attainment,
+        ttft_p50=s.ttft_ms.median,
+        ttft_p99=s.ttft_ms.p99,
+        itl_p50=s.itl_ms.median,
+        itl_p99=s.itl_ms.p99,
+        tpot_p50=s.tpot_ms.median,
+        hit_rate=d["prefix_hit_tokens"] / d["prefix_query_tokens"]
+        if d["prefix_query_tokens"]
+        else math.nan,
+        kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
+        local=d["prefilled_here"] / served,
+    )
+
+
+def _cluster_config(name: str, args):
+    from tandem.config import DisaggregationConfig, EngineConfig, RouterConfig
+    from tandem.deploy.local import ClusterConfig
+
+    prefill, decode, mode, placement = DEPLOYMENTS[name]
+    return ClusterConfig(
+        num_prefill=prefill,
+        num_decode=decode,
+        engine=EngineConfig(model=args.model),
+        router=RouterConfig(
+            port=0, placement=placement, disaggregation=DisaggregationConfig(mode=mode)
+        ),
+        threads_per_worker=args.threads,
+    )
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'workload':<11} {'deployment':<19} {'rate':>5} {'goodput':>8} {'SLO%':>5} "
+            f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'hit':>5} "
+            f"{'KV MiB/req':>10} {'local':>6} {'fail':>4}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['workload']:<11} {r['deployment']:<19} {r['rate']:>5g} {r['goodput']:>8.3f} "
+            f"{100 * r['slo_attainment']:>5.0f} {r['ttft_p50']:>9.0f} {r['ttft_p99']:>7.0f} "
+            f"{r['itl_p50']:>8.0f} {r['itl_p99']:>7.0f} {_pct(r['hit_rate']):>5} "
+            f"{r['kv_mib_per_request']:>10.2f} {_pct(r['local']):>6} {r['failed']:>4}"
+        )
+    return "\n".join(lines)
+
+
+def _pct(v: float) -> str:
+    return "-" if math.isnan(v) else f"{100 * v:.0f}%"
+
+
+def plot(rows: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rows}, key=WORKLOADS.index)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, w in zip(axes[0], workloads, strict=True):
+        for dep in dict.fromkeys(r["deployment"] for r in rows if r["workload"] == w):
+            pts = [r for r in rows if r["workload"] == w and r["deployment"] == dep]
+            ax.plot([p["rate"] for p in pts], [100 * p["slo_attainment"] for p in pts],
+                    marker="o", label=dep)  # fmt: skip
+        ax.set(title=w, xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "slo_attainment.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--deployments", default="colocated,disagg,conditional")
+    p.add_argument("--rates", default="0.25,0.5", help="requests/s, each a load run")
+    p.add_argument("--requests", type=int, default=24, help="measured requests per run")
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=400.0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write compare.json and the plot here")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    deployments = [d for d in args.deployments.split(",") if d]
+    for w in workloads:
+        if w not in WORKLOADS:
+            p.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    for d in deployments:
+        if d not in DEPLOYMENTS:
+            p.error(f"--deployments: {d!r} is not one of {', '.join(DEPLOYMENTS)}")
+    rates = [float(r) for r in args.rates.split(",")]
+
+    from tandem.deploy.local import LocalCluster
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-compare-") as tmp:
+        datasets = {w: _dataset(w, Path(tmp), args.requests, args.seed) for w in workloads}
+        for dep in deployments:
+            cfg = _cluster_config(dep, args)
+            print(f"{dep}: {cfg.num_prefill} prefill + {cfg.num_decode} decode workers, "
+                  f"starting ...", file=sys.stderr)  # fmt: skip
+            with LocalCluster(cfg) as cluster:
+                for w in workloads:
+                    for rate in rates:
+                        point = run_point(cluster, datasets[w], rate, args)
+                        rows.append(dict(deployment=dep, workload=w, **point))
+                        print(f"  {w} at {rate:g}/s: goodput {point['goodput']:.3f}/s, "
+                              f"TTFT p50 {point['ttft_p50']:.0f} ms", file=sys.stderr)  # fmt: skip
+    rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), r["rate"]))
+    result = dict(
+        model=args.model,
+        slo=dict(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
+        requests=args.requests,
+        rows=rows,
+    )
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / 'compare.json'} and {plot(rows, out)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{args.model}; SLOs: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= "
+            f"{args.slo_tpot_ms:g} ms; {args.requests} requests per run; goodput in req/s"
+        )
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

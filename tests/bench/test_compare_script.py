@@ -1,0 +1,69 @@
+"""bench/compare.py: its chat workload, and one real run on the tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compare.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chat_turns_repeat_their_history_in_order(compare, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    compare.chat_dataset(path, requests=24, seed=3)
+    chats = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    assert len(chats) == 24
+    systems = {c[0]["content"] for c in chats}
+    assert len(systems) == 4 and all(len(s.split()) > 300 for s in systems)
+    seen: dict[str, list] = {}  # user -> its last turn's messages
+    for chat in chats:
+        user = chat[1]["content"].split(":")[0]
+        if user in seen:  # a later turn: the earlier one is its prefix
+            earlier = seen[user]
+            assert chat[: len(earlier)] == earlier and len(chat) == len(earlier) + 2
+        else:
+            assert len(chat) == 2  # a user's first turn comes first
+        seen[user] = chat
+    compare.chat_dataset(tmp_path / "again.jsonl", requests=24, seed=3)
+    assert (tmp_path / "again.jsonl").read_text() == path.read_text()  # seeded
+
+
+def test_unknown_names_are_refused(compare, capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--deployments", "colocated,bogus"])
+    assert "'bogus' is not one of colocated" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_on_the_tiny_model_prints_the_table_and_writes_the_plot(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "tiny-random", "--deployments",
+         "colocated-prefix,conditional", "--workloads", "chat", "--rates", "8",
+         "--requests", "6", "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    rows = {r["deployment"]: r for r in data["rows"]}
+    assert set(rows) == {"colocated-prefix", "conditional"}
+    for r in rows.values():
+        assert r["completed"] == 6 and r["failed"] == 0 and r["workload"] == "chat"
+        assert 0 < r["hit_rate"] <= 1  # later turns find their history cached
+    colocated, conditional = rows["colocated-prefix"], rows["conditional"]
+    assert colocated["local"] == 1 and colocated["kv_mib_per_request"] == 0
+    assert conditional["kv_mib_per_request"] > 0  # chat prompts are long: shipped
+    assert (out / "compare.json").exists() and (out / "slo_attainment.png").stat().st_size > 0

@@ -112,8 +112,10 @@ class Decision:
 class Autoscaler:
     """Remembers when each pool last changed size; ``decide`` returns the next sizes."""
 
-    def __init__(self, config: AutoscaleConfig) -> None:
+    def __init__(self, config: AutoscaleConfig, pools: Sequence[str] = POOLS) -> None:
+        """``pools``: those to size (a colocated deployment has no prefill pool)."""
         self.config = config
+        self.pools = tuple(pools)
         self._last_change: dict[str, float] = {}
 
     def resized(self, pool: str, now: float) -> None:
@@ -124,7 +126,8 @@ class Autoscaler:
         self, now: float, replicas: dict[str, int], loads: dict[str, Sequence[float]]
     ) -> dict[str, Decision]:
         return {
-            pool: self._decide(pool, now, replicas[pool], loads.get(pool, ())) for pool in POOLS
+            pool: self._decide(pool, now, replicas[pool], loads.get(pool, ()))
+            for pool in self.pools
         }
 
     def _decide(self, pool: str, now: float, current: int, loads: Sequence[float]) -> Decision:

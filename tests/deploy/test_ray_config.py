@@ -47,7 +47,9 @@ def test_yaml_sections_map_onto_the_deploy_config():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"ray": {"prefill": {"replicas": 0}}}, "needs >= 1 prefill and >= 1 decode"),
+        ({"ray": {"decode": {"replicas": 0}}}, "needs >= 1 decode worker"),
+        ({"ray": {"prefill": {"replicas": 0}}}, "no prefill worker needs router.disaggregation"),
+        ({"router": {"disaggregation": {"mode": "never"}}}, "set ray.prefill.replicas 0"),
         ({"ray": {"decode": {"strategy": "PACKED"}}}, "strategy must be one of SPREAD"),
         ({"ray": {"decode": {"resources": {"GPU": 1}}}}, "custom resources must be named"),
         ({"ray": {"decode": {"gpus": 1}}}, "unknown setting gpus"),

@@ -260,3 +260,27 @@ def test_the_monitor_tops_up_a_short_pool_one_attempt_at_a_time(killed):
     assert sorted(made) == ["decode-1", "decode-2", "prefill-0"]
     assert ctrl.workers["decode-2"].state == "serving"
     assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
+
+
+def test_a_colocated_deployment_runs_no_prefill_pool_and_scales_only_decode(killed):
+    from tandem.config import DisaggregationConfig, RouterConfig
+    from tandem.deploy.ray_cluster.config import ActorResources
+    from tandem.errors import ConfigError
+
+    ctrl = _controller(
+        router=RouterConfig(host="0.0.0.0", disaggregation=DisaggregationConfig(mode="never")),
+        prefill_pool=ActorResources(replicas=0, resources={"prefill": 1}),
+        decode_pool=ActorResources(replicas=2, resources={"decode": 1}),
+    )
+    made = ctrl._actor_classes["worker"].made
+
+    async def go():
+        assert await ctrl._reconcile() == []
+        await ctrl.scale(decode=3)
+        with pytest.raises(ConfigError, match="has no prefill pool"):
+            await ctrl.scale(prefill=1)
+
+    _run(ctrl, go)
+    assert sorted(made) == ["decode-0", "decode-1", "decode-2"]
+    assert {pool for pool, _ in ctrl.router.members} == {"decode"}
+    assert ctrl.autoscaler.pools == ("decode",)  # nothing grows a prefill pool back

@@ -134,11 +134,26 @@ class RayDeployConfig:
                 raise ConfigError(f"ray.{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"ray.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.prefill_pool.replicas < 1 or self.decode_pool.replicas < 1:
+        if self.decode_pool.replicas < 1:
             raise ConfigError(
-                f"a deployment needs >= 1 prefill and >= 1 decode worker, got "
-                f"prefill={self.prefill_pool.replicas}, decode={self.decode_pool.replicas}"
+                f"a deployment needs >= 1 decode worker, got decode={self.decode_pool.replicas}"
             )
+        mode = self.router.disaggregation.mode
+        if self.prefill_pool.replicas == 0 and mode == "always":
+            raise ConfigError(
+                "a deployment with no prefill worker needs router.disaggregation.mode 'never' "
+                "(colocated: decode workers prefill every prompt) or 'conditional'"
+            )
+        if self.prefill_pool.replicas > 0 and mode == "never":
+            raise ConfigError(
+                f"router.disaggregation.mode 'never' sends nothing to the "
+                f"{self.prefill_pool.replicas} prefill workers: set ray.prefill.replicas 0"
+            )
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """The pools this deployment runs: no prefill pool when decode workers prefill all."""
+        return ("decode",) if self.router.disaggregation.mode == "never" else ("prefill", "decode")
 
     def pool(self, name: str) -> ActorResources:
         return self.prefill_pool if name == "prefill" else self.decode_pool

@@ -78,7 +78,7 @@ class Controller:
         self.workers: dict[str, _Worker] = {}
         self.router: Any = None
         self.router_info: dict[str, Any] = {}
-        self.autoscaler = Autoscaler(config.autoscale)
+        self.autoscaler = Autoscaler(config.autoscale, config.pools)
         self.events: deque[str] = deque(maxlen=50)  # recent membership changes, for status
         self._next_id = 0  # worker names are <pool>-<n>, never reused
         self._lock: asyncio.Lock | None = None  # made on the actor's event loop
@@ -182,8 +182,15 @@ class Controller:
             if n is None:
                 continue
             policy = self.config.autoscale.policy(pool)
-            if n < 1:
-                raise ConfigError(f"--{pool} must be >= 1, got {n}")
+            if pool not in self.config.pools:
+                raise ConfigError(
+                    "this deployment has no prefill pool (router.disaggregation.mode 'never'): "
+                    "its decode workers prefill"
+                )
+            least = 0 if pool == "prefill" and self.config.router.disaggregation.mode != (
+                "always") else 1  # fmt: skip
+            if n < least:
+                raise ConfigError(f"--{pool} must be >= {least}, got {n}")
             if self.config.autoscale.enabled and not (
                 policy.min_replicas <= n <= policy.max_replicas
             ):

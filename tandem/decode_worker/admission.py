@@ -9,6 +9,7 @@ asyncio future of the handler's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -54,15 +55,20 @@ class KvAdmission:
     def reserve(
         self, engine: LLMEngine, req: WorkRequest, admitted: asyncio.Future[RequestOutput]
     ) -> Destination:
-        """Blocks for prompt + max_tokens under a lease. Raises OutOfBlocksError."""
-        block_ids = engine.reserve(req.prompt_ids, req.params, req.request_id, req.output_ids)
+        """Blocks for prompt + max_tokens under a lease; the destination names those the
+        transfer fills (not the prompt's first blocks this worker has cached, which
+        ``Destination.skip_blocks`` counts). Raises OutOfBlocksError."""
+        rid = req.request_id
+        block_ids, cached = engine.reserve_after_prefix(
+            req.prompt_ids, req.params, rid, req.output_ids
+        )
         try:
-            dest = self.receiver.expect(req.request_id, block_ids, self.lease_s)
+            dest = self.receiver.expect(rid, block_ids[cached:], self.lease_s)
         except Exception:
-            engine.abort(req.request_id)
+            engine.abort(rid)
             raise
-        self._waiting[req.request_id] = _Waiting(admitted, admitted.get_loop())
-        return dest
+        self._waiting[rid] = _Waiting(admitted, admitted.get_loop())
+        return dataclasses.replace(dest, skip_blocks=cached)
 
     def poll(self, engine: LLMEngine) -> None:
         """The EngineLoop hook: admit what arrived, fail what cannot arrive."""

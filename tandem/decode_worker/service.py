@@ -77,6 +77,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     request_id=rid,
                     block_ids=dest.block_ids,
                     lease_seconds=admission.lease_s,
+                    skip_blocks=dest.skip_blocks,
                 )
             )
             try:

@@ -208,6 +208,22 @@ class LLMEngine:
         self._register(seq)
         return list(seq.block_table)
 
+    def reserve_after_prefix(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        request_id: str,
+        output_ids: Seq[int] = (),
+    ) -> tuple[list[int], int]:
+        """``reserve``, but the first full blocks that this engine's prefix cache holds are
+        shared, not filled by the transfer. Returns (the sequence's blocks, how many of the
+        first are already cached): the sender skips those."""
+        seq = self._reserve(prompt_ids, params, request_id, output_ids, match_prefix=True)
+        self.kv.count_admission(seq)
+        seq.status = Status.RESERVED
+        self._register(seq)
+        return list(seq.block_table), seq.num_computed // self.kv.block_size
+
     def prefill_here(
         self,
         prompt_ids: Seq[int],

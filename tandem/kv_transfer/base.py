@@ -105,7 +105,10 @@ class Destination:
 
     address: str  # the receiver's listener, "host:port" (or an in-process name)
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # filled in order by the source's blocks after skip_blocks
+    # The first blocks of the prompt the receiver already holds (its prefix cache): the
+    # sender sends its blocks from this index on.
+    skip_blocks: int = 0
 
 
 @dataclass(frozen=True)

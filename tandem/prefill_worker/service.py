@@ -65,15 +65,24 @@ def parse_destination(
             f"destination.request_id must equal request.request_id {req.request_id!r}, "
             f"got {p.request_id!r}",
         )
-    # The KV shipped covers the prompt and any earlier output the request continues after.
-    need = engine.kv.blocks_for(len(req.prompt_ids) + len(req.output_ids))
+    # The KV shipped covers the prompt and any earlier output the request continues after,
+    # less the first blocks the destination holds already.
+    blocks = engine.kv.blocks_for(len(req.prompt_ids) + len(req.output_ids))
+    if p.skip_blocks >= blocks:
+        raise InvalidRequestError(
+            "destination.skip_blocks",
+            f"destination.skip_blocks must be less than the {blocks} blocks of the prompt "
+            f"and output_token_ids, got {p.skip_blocks}",
+        )
+    need = blocks - p.skip_blocks
     if len(p.block_ids) < need:
         raise InvalidRequestError(
             "destination.block_ids",
             f"destination.block_ids must hold the {need} blocks of the prompt and "
-            f"output_token_ids, got {len(p.block_ids)}",
+            f"output_token_ids{f' after skip_blocks={p.skip_blocks}' if p.skip_blocks else ''}"
+            f", got {len(p.block_ids)}",
         )
-    return Destination(p.address, p.request_id, tuple(p.block_ids))
+    return Destination(p.address, p.request_id, tuple(p.block_ids), p.skip_blocks)
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
@@ -178,7 +187,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             if dest is None:
                 continue
             try:
-                self.server.sender.send_layers(dest, blocks, (layer, layer + 1))
+                self.server.sender.send_layers(dest, blocks[dest.skip_blocks :], (layer, layer + 1))
             except ValueError as exc:  # the final send reports it to the caller
                 log.warning("layer-wise KV of %s: %s", rid, exc)
                 del self._destinations[rid]
@@ -188,7 +197,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> Future[TransferStatus]:
         # Layers that ship_layer did not send are gathered here, between steps (a
         # consistent snapshot); what went out is copies only, so the blocks go back now.
-        fut = self.server.sender.send(dest, first.held_block_ids, first.token_ids[0])
+        src = first.held_block_ids[dest.skip_blocks :]  # what the destination lacks
+        fut = self.server.sender.send(dest, src, first.token_ids[0])
         self._transfers[first.request_id] = fut
         engine.release(first.request_id)
         return fut

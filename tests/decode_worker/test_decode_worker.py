@@ -117,7 +117,7 @@ def test_reservation_that_does_not_fit_now_is_resource_exhausted(pair):
     params = SamplingParams(max_tokens=600, temperature=0)  # 100 + 600 tokens: 44 blocks
     held, _ = _open(pair.decode, request([5] * 100, params, rid="big"))
     with pytest.raises(grpc.RpcError) as err:
-        _open(pair.decode, request([5] * 100, params, rid="big2"))
+        _open(pair.decode, request([8] * 100, params, rid="big2"))  # nothing of it cached
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "needs 44 KV blocks, 20 free" in err.value.details()
     held.cancel()

@@ -6,11 +6,19 @@ import concurrent.futures
 
 import pytest
 
-from tandem._proto.tandem.v1 import tandem_pb2
+from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import PrefillConfig
 from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.sampling_params import SamplingParams
-from tests.workers import Pair, drive, engine_config, request, start_worker, stop_worker
+from tests.workers import (
+    Pair,
+    drive,
+    engine_config,
+    prefill,
+    request,
+    start_worker,
+    stop_worker,
+)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
@@ -93,7 +101,8 @@ def test_kv_goes_layer_by_layer_or_whole_and_decodes_the_same(tiny_engine, bg, p
 
     sender.send_layers = spy
     try:
-        prompt = tiny_engine.tokenizer.encode("long prompt " * 30)
+        # A prompt the decode worker has not cached (it would not be sent again).
+        prompt = tiny_engine.tokenizer.encode(f"{layerwise} long prompt " * 30)
         got = drive(Pair(prefill, pair.decode), request(prompt, GREEDY, rid=f"lw-{layerwise}"))
         assert (got.tokens, got.text) == _colocated(tiny_engine, prompt, GREEDY)
         layers = tiny_engine.model_config.num_layers
@@ -104,3 +113,24 @@ def test_kv_goes_layer_by_layer_or_whole_and_decodes_the_same(tiny_engine, bg, p
         assert got.prefill.kv_bytes == kv.blocks_for(len(prompt)) * per_block
     finally:
         stop_worker(bg, prefill)
+
+
+def test_a_prefix_the_decode_worker_holds_is_not_sent_again(tiny_engine, pair):
+    system = tiny_engine.tokenizer.encode("a long shared system prompt " * 12)
+    first = drive(pair, request(system + [11, 12], GREEDY, rid="p1"))
+    second_prompt = system + [13, 14, 15]
+    # By hand, as drive() does, to see the destination.
+    req = request(second_prompt, GREEDY, rid="p2")
+    stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=30)
+    dest = next(stream).destination
+    pre = prefill(pair.prefill, req, dest)
+    tokens = [pre.first_token_id] + [t for r in stream for t in r.chunk.token_ids]
+    assert tokens == _colocated(tiny_engine, second_prompt, GREEDY)[0]
+    cached = len(system) // 16  # the system prompt's full blocks, cached after p1
+    assert dest.skip_blocks == cached > 0
+    blocks = -(-(len(second_prompt) + GREEDY.max_tokens) // 16)
+    assert len(dest.block_ids) == blocks - cached
+    # Only the blocks after the shared prefix went over the wire.
+    prompt_blocks = -(-len(second_prompt) // 16)
+    per_block = first.prefill.kv_bytes // -(-(len(system) + 2) // 16)
+    assert pre.kv_bytes == per_block * (prompt_blocks - cached)

@@ -42,16 +42,18 @@ class WorkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("address", "request_id", "block_ids", "lease_seconds")
+    __slots__ = ("address", "request_id", "block_ids", "lease_seconds", "skip_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_seconds: float
-    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "destination")

@@ -44,6 +44,7 @@ NO_PREFILL_WORKER = Decision(True, "no prefill worker")
 SHORT = Decision(True, "short")
 PREFILL_BUSY = Decision(True, "prefill busy")
 LONG = Decision(False, "long")
+_HERE = {d.reason: d.here for d in (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, LONG)}
 
 
 class PrefillRouting:
@@ -59,6 +60,15 @@ class PrefillRouting:
     @property
     def uses_prefill_pool(self) -> bool:
         return self.config.mode != "never"
+
+    def describe(self) -> str:
+        """The decisions so far, for a log line: where, and why how often."""
+        parts = []
+        for here, where in ((True, "on the decode worker"), (False, "on the prefill pool")):
+            mine = [(r, n) for r, n in self.counts.most_common() if _HERE[r] is here]
+            if mine:
+                parts.append(f"{where}: " + ", ".join(f"{n} {r}" for r, n in mine))
+        return "; ".join(parts) or "none"
 
     def decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
         """``tokens``: to prefill on the decode worker (see rule 2); ``prefill``: the

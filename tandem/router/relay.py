@@ -211,8 +211,9 @@ class Relay:
         streamed: list[int],
         deadline: float | None,
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        """One decode reservation and one prefill; appends each relayed token to
-        ``streamed``. Raises AttemptLost once the reservation exists."""
+        """One decode reservation and one prefill (on the prefill pool, or on the decode
+        worker itself); appends each relayed token to ``streamed``. Raises AttemptLost
+        once the reservation exists."""
         decode, stream, destination = await self._open_decode(worker_req, deadline)
         here = not destination.address  # the decode worker prefills: no KV to ship
         renewing = None if here else asyncio.ensure_future(self._renew_lease(decode, destination))
@@ -378,13 +379,12 @@ class Relay:
         first token). The worker stays acquired until ``_shipped`` ends the call."""
         tried: list[Worker] = []
         error: RouterError | None = None
+        tokens = [*request.request.prompt_token_ids, *request.request.output_token_ids]
         while True:
             candidates = self.registry.placeable(Pool.PREFILL, exclude=tried)
             if not candidates:
                 raise error or self._none_available(Pool.PREFILL)
-            req = request.request
-            worker = self._pick(Pool.PREFILL, candidates, [*req.prompt_token_ids,
-                                                           *req.output_token_ids])  # fmt: skip
+            worker = self._pick(Pool.PREFILL, candidates, tokens)
             tried.append(worker)
             timeout = _remaining(deadline)
             self.registry.acquire(worker)

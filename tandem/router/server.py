@@ -164,6 +164,8 @@ class Router:
             await self._server.stop(grace)
             self._server = None
         await self.registry.stop()
+        if self.relay.routing.counts:
+            log.info("prompts prefilled since start: %s", self.relay.routing.describe())
         if self._owns_frontend and self.frontend is not None:
             self.frontend.close()
 

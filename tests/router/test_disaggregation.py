@@ -50,6 +50,7 @@ def test_decisions_are_counted_by_reason():
     for tokens in (1, 2, 100):
         routing.decide(tokens, [IDLE], WorkerLoad("d"))
     assert routing.counts == {"short": 2, "long": 1}
+    assert routing.describe() == "on the decode worker: 2 short; on the prefill pool: 1 long"
 
 
 def test_bad_settings_are_named():

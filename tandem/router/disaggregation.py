@@ -44,7 +44,8 @@ NO_PREFILL_WORKER = Decision(True, "no prefill worker")
 SHORT = Decision(True, "short")
 PREFILL_BUSY = Decision(True, "prefill busy")
 LONG = Decision(False, "long")
-_HERE = {d.reason: d.here for d in (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, LONG)}
+_ALL = (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, LONG)
+_HERE = {d.reason: d.here for d in _ALL}
 
 
 class PrefillRouting:

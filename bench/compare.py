@@ -20,8 +20,11 @@ Workloads (seeded; the same requests for every deployment):
   conversation whose every turn repeats its history, 32-token answers.
 
 Each (deployment, workload, rate) is one ``tandem bench load`` run (Poisson
-arrivals, --requests measured after 2 warm-up). Goodput counts requests that meet
-both SLOs (TTFT, and TPOT, the mean inter-token latency of the request). The
+arrivals, --requests measured after 2 warm-up), on requests of its own: the
+seed is --seed plus the rate's index, so no run finds its prompts cached by an
+earlier one, and every deployment gets the same requests at a given rate.
+Goodput counts requests that meet both SLOs (TTFT, and TPOT, the mean
+inter-token latency of the request). The
 prefix hit rate and the KV bytes moved per request come from the workers'
 ``Status`` counters before and after the run; ``local`` is the share of requests
 prefilled on the decode worker. With --out, ``compare.json`` and a plot of SLO
@@ -82,16 +85,20 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None
 
 
 def _dataset(workload: str, tmp: Path, requests: int, seed: int):
+    """(the DatasetConfig, the seed its run must use)."""
     from tandem.bench.load.datasets import LengthDist
     from tandem.bench.load.runner import DatasetConfig
 
     if workload == "long-short":
-        return DatasetConfig(input_len=LengthDist("fixed", 512), output_len=LengthDist("fixed", 16))
+        lengths = LengthDist("fixed", 512), LengthDist("fixed", 16)
+        return DatasetConfig(input_len=lengths[0], output_len=lengths[1]), seed
     if workload == "short-long":
-        return DatasetConfig(input_len=LengthDist("fixed", 32), output_len=LengthDist("fixed", 192))
+        lengths = LengthDist("fixed", 32), LengthDist("fixed", 192)
+        return DatasetConfig(input_len=lengths[0], output_len=lengths[1]), seed
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "chat.jsonl"
     chat_dataset(path, requests + 2, seed)  # + the warm-up
-    return DatasetConfig(kind="jsonl", path=str(path))
+    return DatasetConfig(kind="jsonl", path=str(path)), seed
 
 
 def _status_totals(cluster) -> dict[str, float]:
@@ -116,12 +123,14 @@ def _status_totals(cluster) -> dict[str, float]:
 
 
 def run_point(cluster, dataset, rate: float, args) -> dict:
+    """``dataset``: (DatasetConfig, seed), from ``_dataset``."""
     from tandem.bench.load.metrics import SLO
     from tandem.bench.load.runner import LoadConfig, run
 
+    dataset, seed = dataset
     before = _status_totals(cluster)
     result = run(LoadConfig(
-        target=cluster.address, request_rate=rate, num_requests=args.requests, seed=args.seed,
+        target=cluster.address, request_rate=rate, num_requests=args.requests, seed=seed,
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), dataset=dataset,
         progress=False, timeout_s=args.timeout,
     ))  # fmt: skip
@@ -234,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-compare-") as tmp:
-        datasets = {w: _dataset(w, Path(tmp), args.requests, args.seed) for w in workloads}
+        # One dataset per (workload, rate), the same for every deployment: a run must not
+        # find its prompts in the prefix cache because an earlier rate sent them.
+        datasets = {
+            (w, rate): _dataset(w, Path(tmp) / f"{w}-{i}", args.requests, args.seed + i)
+            for w in workloads
+            for i, rate in enumerate(rates)
+        }
         for dep in deployments:
             cfg = _cluster_config(dep, args)
             print(f"{dep}: {cfg.num_prefill} prefill + {cfg.num_decode} decode workers, "
@@ -242,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             with LocalCluster(cfg) as cluster:
                 for w in workloads:
                     for rate in rates:
-                        point = run_point(cluster, datasets[w], rate, args)
+                        point = run_point(cluster, datasets[w, rate], rate, args)
                         rows.append(dict(deployment=dep, workload=w, **point))
                         print(f"  {w} at {rate:g}/s: goodput {point['goodput']:.3f}/s, "
                               f"TTFT p50 {point['ttft_p50']:.0f} ms", file=sys.stderr)  # fmt: skip

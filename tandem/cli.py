@@ -347,7 +347,6 @@ def serve_config(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
-    import threading
 
     from tandem.deploy.local import LocalCluster
     from tandem.router.public_port import PublicPort
@@ -355,14 +354,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     PublicPort.load(config.router)  # a bad or unsafe setting fails now, not after the workers
     cluster = LocalCluster(config)
-    stop = threading.Event()
+    stopping = []  # set by the handler: a plain flag, no lock a handler could deadlock on
 
     def on_signal(*_) -> None:
         # During start-up, or on a second signal, stop now: start() (or the interrupted
         # stop()) ends; what it started stops in order or, failing that, on its lifeline.
-        if stop.is_set() or cluster.address is None:
+        if stopping or cluster.address is None:
             raise KeyboardInterrupt
-        stop.set()  # the first one once serving: stop in order, draining
+        # The first one once serving: stop in order, draining. Not threading.Event.set():
+        # the handler runs in the main thread, which may hold the Event's lock in wait().
+        stopping.append(True)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -380,7 +381,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         print(f"tandem: serving {config.engine.model} on {address}", flush=True)
-        stop.wait()
+        while not stopping:
+            time.sleep(0.2)  # a signal's handler runs during the sleep
         log.info("stopping: draining in-flight requests")
     finally:
         cluster.stop()

@@ -59,7 +59,7 @@ class KvAdmission:
         transfer fills (not the prompt's first blocks this worker has cached, which
         ``Destination.skip_blocks`` counts). Raises OutOfBlocksError."""
         rid = req.request_id
-        block_ids, cached = engine.reserve_after_prefix(
+        block_ids, cached = engine.reserve_for_transfer(
             req.prompt_ids, req.params, rid, req.output_ids
         )
         try:

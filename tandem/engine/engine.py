@@ -203,23 +203,25 @@ class LLMEngine:
         count towards max_tokens. Raises OutOfBlocksError when the blocks do not fit
         now (the caller answers RESOURCE_EXHAUSTED); the request runs only after ``admit``.
         """
-        seq = self._reserve(prompt_ids, params, request_id, output_ids)
-        seq.status = Status.RESERVED
-        self._register(seq)
-        return list(seq.block_table)
+        return self.reserve_for_transfer(
+            prompt_ids, params, request_id, output_ids, reuse_prefix=False
+        )[0]
 
-    def reserve_after_prefix(
+    def reserve_for_transfer(
         self,
         prompt_ids: Seq[int],
         params: SamplingParams,
         request_id: str,
         output_ids: Seq[int] = (),
+        reuse_prefix: bool = True,
     ) -> tuple[list[int], int]:
-        """``reserve``, but the first full blocks that this engine's prefix cache holds are
-        shared, not filled by the transfer. Returns (the sequence's blocks, how many of the
-        first are already cached): the sender skips those."""
-        seq = self._reserve(prompt_ids, params, request_id, output_ids, match_prefix=True)
-        self.kv.count_admission(seq)
+        """``reserve``; with ``reuse_prefix``, the first full blocks that this engine's
+        prefix cache holds are shared, not filled by the transfer. Returns (the
+        sequence's blocks, how many of the first are already cached): the sender skips
+        those."""
+        seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix)
+        if reuse_prefix:
+            self.kv.count_admission(seq)
         seq.status = Status.RESERVED
         self._register(seq)
         return list(seq.block_table), seq.num_computed // self.kv.block_size

@@ -14,6 +14,18 @@ from tandem.errors import OutOfBlocksError
 from tests.conftest import make_engine
 
 
+# Greedy, seeded sampling, and a first token that ends the request.
+CASES = pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0),
+    ],
+    ids=["greedy", "seeded", "one-token"],
+)
+
+
 @pytest.fixture(scope="module")
 def pair():
     return make_engine(), make_engine(num_blocks=64)
@@ -46,15 +58,7 @@ def _colocated(engine, prompt, params):
     return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
-        SamplingParams(max_tokens=1, temperature=0),
-    ],
-    ids=["greedy", "seeded", "one-token"],
-)
+@CASES
 def test_split_equals_colocated(tiny_engine, pair, params):
     prefill, decode = pair
     for text in ("hello there", "你好，世界！" * 3, "long prompt " * 20):
@@ -154,15 +158,7 @@ def _here(decode, prompt, params, rid="h1"):
     return hit, (tokens, text)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
-        SamplingParams(max_tokens=1, temperature=0),
-    ],
-    ids=["greedy", "seeded", "one-token"],
-)
+@CASES
 def test_prefill_here_equals_colocated(tiny_engine, pair, params):
     _, decode = pair
     prompt = tiny_engine.tokenizer.encode("long prompt " * 20)

@@ -13,7 +13,6 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import OutOfBlocksError
 from tests.conftest import make_engine
 
-
 # Greedy, seeded sampling, and a first token that ends the request.
 CASES = pytest.mark.parametrize(
     "params",

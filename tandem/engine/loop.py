@@ -32,6 +32,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._hooks: list[Callable[[LLMEngine], None]] = []
+        self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
@@ -46,6 +47,11 @@ class EngineLoop:
     def add_hook(self, hook: Callable[[LLMEngine], None]) -> None:
         """Run ``hook(engine)`` on the engine thread every iteration (before each step)."""
         self._hooks.append(hook)
+
+    def add_step_hook(self, hook: Callable[[LLMEngine, list[RequestOutput]], None]) -> None:
+        """Run ``hook(engine, outputs)`` on the engine thread after each step, before its
+        outputs reach their subscribers (and before the next step starts)."""
+        self._step_hooks.append(hook)
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps (from any thread)."""
@@ -89,6 +95,11 @@ class EngineLoop:
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all()
                 continue
+            for hook in self._step_hooks:
+                try:
+                    hook(self.engine, outputs)
+                except Exception:
+                    log.exception("engine step hook failed")
             for out in outputs:
                 self._deliver(out)
 

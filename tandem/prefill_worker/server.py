@@ -47,6 +47,7 @@ class PrefillServer(WorkerServer):
         )
         if self.config.kv_layerwise:
             engine.on_prefill_layer = self.service.ship_layer
+        self.loop.add_step_hook(self.service.ship_rest)
 
     def _close_transfer(self) -> None:
         self.engine.on_prefill_layer = None

@@ -4,10 +4,11 @@
               request and destination checked (INVALID_ARGUMENT) -> engine queue
               -> prefill step: after each layer, that layer's KV is gathered and handed
                  to the sender (kv_layerwise), which pushes it while later layers compute
-              -> first token -> response 1 (the first token, at once: the client's
-                 time to first token includes no KV transfer)
-              -> the final message (the first token, and any layer not yet sent)
-                 -> blocks freed (what was sent is a copy) -> pushed to the destination
+              -> first token; right after the step, before the next one starts: the
+                 final message (the first token, and any layer not yet sent) -> blocks
+                 freed (what was sent is a copy) -> pushed to the destination
+              -> response 1 (the first token: the client's time to first token
+                 includes no KV transfer)
               -> the decode side's ack -> response 2 (KV bytes, seconds); the call ends
 
 The engine thread only gathers and checksums; the transfer itself runs on the
@@ -89,7 +90,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, server: PrefillServer) -> None:
         self.server = server
         self._active: set[str] = set()  # request ids in this worker (event loop thread)
-        self._transfers: dict[str, Future[TransferStatus]] = {}  # engine thread only
+        # Written by the engine thread (ship_rest) before the first token is delivered;
+        # read by the handler after it.
+        self._transfers: dict[str, Future[TransferStatus]] = {}
         self._destinations: dict[str, Destination] = {}  # engine thread only
 
     async def Prefill(
@@ -129,14 +132,14 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 yield self._first(first)
                 return
             yield self._first(first)
-            try:
-                fut = await loop.call(lambda e: self._send(e, dest, first))
-            except ValueError as exc:  # the destination cannot take these blocks
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {exc}")
+            # ship_rest started it before the step's outputs were delivered.
+            fut = self._transfers[rid]
             try:
                 status = await asyncio.wait_for(
                     asyncio.wrap_future(fut), self.server.config.kv_ack_timeout_s
                 )
+            except ValueError as exc:  # the destination cannot take these blocks
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {exc}")
             # ABORTED, not UNAVAILABLE: this worker is fine, the decode side failed.
             except asyncio.TimeoutError:
                 await context.abort(
@@ -192,16 +195,26 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 log.warning("layer-wise KV of %s: %s", rid, exc)
                 del self._destinations[rid]
 
-    def _send(
-        self, engine: LLMEngine, dest: Destination, first: RequestOutput
-    ) -> Future[TransferStatus]:
-        # Layers that ship_layer did not send are gathered here, between steps (a
-        # consistent snapshot); what went out is copies only, so the blocks go back now.
-        src = first.held_block_ids[dest.skip_blocks :]  # what the destination lacks
-        fut = self.server.sender.send(dest, src, first.token_ids[0])
-        self._transfers[first.request_id] = fut
-        engine.release(first.request_id)
-        return fut
+    def ship_rest(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """After a step (an EngineLoop step hook), before its outputs are delivered and
+        before the next step: each prompt whose first token was just sampled ships what
+        ship_layer did not (the first token, and every layer when KV goes whole), so
+        the decode worker never waits for the next step. Layers still to send are
+        gathered here, a consistent snapshot; what goes out is copies, so the blocks go
+        back now. The transfer's future is in ``_transfers`` by the time the handler
+        sees the first token."""
+        for first in outputs:
+            dest = self._destinations.get(first.request_id)
+            if first.held_block_ids is None or dest is None:
+                continue
+            src = first.held_block_ids[dest.skip_blocks :]  # what the destination lacks
+            try:
+                fut = self.server.sender.send(dest, src, first.token_ids[0])
+            except ValueError as exc:  # the destination cannot take these blocks
+                fut = Future()
+                fut.set_exception(exc)
+            self._transfers[first.request_id] = fut
+            engine.release(first.request_id)
 
     def _end(self, engine: LLMEngine, rid: str) -> None:
         """Abort an unfinished transfer (nothing more is read from the blocks), then free them."""

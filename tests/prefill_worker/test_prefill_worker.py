@@ -171,3 +171,56 @@ def test_prefill_deadline_frees_blocks_on_both_sides(pair):
     wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
     stream.cancel()
     wait_until(lambda: pair.decode.used_blocks() == 0, what="decode blocks freed")
+
+
+def test_the_kv_goes_out_right_after_the_step_not_behind_the_next_one(bg, pair):
+    """A prompt's last KV message and first token leave as soon as its step ends, even
+    when the engine goes straight on to a long step for the next prompt: its decode
+    worker starts decoding at once."""
+    worker = start_worker(bg, PrefillConfig(engine=engine_config(max_num_seqs=1)))
+    runner = worker.server.engine.runner
+    real, slow_step_ended = runner.run, []
+
+    def run(work, after_layer=None):
+        out = real(work, after_layer)
+        if any(seq.request_id == "slow" for seq, _ in work):
+            time.sleep(3.0)  # a long prefill step
+            slow_step_ended.append(time.monotonic())
+        return out
+
+    runner.run = run
+    # The worker's event loop hears of the first token late (a busy loop): by then the
+    # slow step is under way, and nothing the handler asks of the engine thread can
+    # run before it ends.
+    loop = worker.server.loop
+    deliver = loop._deliver
+    loop._deliver = lambda out: threading.Timer(0.3, deliver, (out,)).start()
+    try:
+        decoding: dict[str, float] = {}  # when the decode worker streamed its first chunk
+
+        def one(rid: str, prompt: list[int]) -> None:
+            req = request(prompt, PARAMS, rid=rid)
+            stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=30)
+            dest = next(stream).destination
+            call = threading.Thread(target=prefill, args=(worker, req, dest))
+            call.start()
+            assert next(stream).chunk.token_ids  # comes once the KV is there
+            decoding[rid] = time.monotonic()
+            for _ in stream:
+                pass
+            call.join(30)
+
+        # One sequence at a time: "fast" runs in the first step, "slow" in the next.
+        threads = [threading.Thread(target=one, args=a) for a in (("fast", [5] * 20),
+                                                                   ("slow", [6] * 20))]  # fmt: skip
+        threads[0].start()
+        wait_until(lambda: worker.status().queue_depth + worker.status().running >= 1,
+                   what="the first request queued")  # fmt: skip
+        threads[1].start()
+        for t in threads:
+            t.join(60)
+        assert set(decoding) == {"fast", "slow"} and slow_step_ended
+        assert decoding["fast"] < slow_step_ended[0]  # not held back by the slow step
+    finally:
+        runner.run, loop._deliver = real, deliver
+        stop_worker(bg, worker)

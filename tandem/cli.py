@@ -315,29 +315,25 @@ def serve_config(args: argparse.Namespace):
     from tandem.errors import ConfigError
 
     values = load_yaml(args.config) if args.config else {}
-    changes = {}
-    mode = getattr(args, "disaggregation", None)
+    prefill, decode = args.prefill, args.decode
+    mode = getattr(args, "disaggregation", None)  # serve's flags; demo has neither
     colocated = getattr(args, "colocated", None)
     if colocated is not None:
-        if args.prefill or args.decode is not None or mode not in (None, "never"):
+        if prefill or decode is not None or mode not in (None, "never"):
             raise ConfigError("--colocated N replaces --prefill, --decode and --disaggregation")
-        args.prefill, args.decode, mode = 0, colocated, "never"
-    if args.prefill is not None:
-        changes["num_prefill"] = args.prefill
-    if args.decode is not None:
-        changes["num_decode"] = args.decode
-    if args.threads is not None:
-        changes["threads_per_worker"] = args.threads
+        prefill, decode, mode = 0, colocated, "never"
+    # Into the YAML's values, not onto the built config: building it checks the worker
+    # counts against the disaggregation mode.
+    flags = (("num_prefill", prefill), ("num_decode", decode), ("threads_per_worker", args.threads))
+    values.update({key: value for key, value in flags if value is not None})
+    if mode is not None:
+        router_values = dict(values.get("router") or {})
+        router_values["disaggregation"] = {**(router_values.get("disaggregation") or {}),
+                                           "mode": mode}  # fmt: skip
+        values["router"] = router_values
+    cfg = cluster_config(values, where=args.config or "")
     router = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     router.update(router_security_settings(args))
-    if mode is not None:
-        # Before the ClusterConfig is built: it checks the mode against the pools.
-        values = dict(values, router=dict(values.get("router") or {}))
-        values["router"]["disaggregation"] = dict(
-            values["router"].get("disaggregation") or {}, mode=mode
-        )
-    values.update(changes)
-    cfg = cluster_config(values, where=args.config or "")
     if args.model is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=args.model))
     if router:

@@ -203,6 +203,20 @@ class DisaggregationConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")
 
+    def check_prefill_workers(self, n: int, setting: str) -> None:
+        """A deployment's prefill worker count (``setting`` names it) against the mode."""
+        if n == 0 and self.mode == "always":
+            raise ConfigError(
+                "a deployment with no prefill worker needs router.disaggregation.mode "
+                f"'never' (colocated: decode workers prefill every prompt) or 'conditional' "
+                f"({setting} is 0)"
+            )
+        if n > 0 and self.mode == "never":
+            raise ConfigError(
+                f"router.disaggregation.mode 'never' sends nothing to the {n} prefill "
+                f"workers: set {setting} 0, or mode 'conditional'"
+            )
+
 
 @dataclass(frozen=True)
 class RouterConfig:

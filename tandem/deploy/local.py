@@ -84,17 +84,7 @@ class ClusterConfig:
                 f"a cluster needs >= 1 decode worker and >= 0 prefill workers, "
                 f"got prefill={self.num_prefill}, decode={self.num_decode}"
             )
-        mode = self.router.disaggregation.mode
-        if self.num_prefill == 0 and mode == "always":
-            raise ConfigError(
-                "a cluster with no prefill worker needs router.disaggregation.mode "
-                "'never' (colocated: tandem serve --colocated N) or 'conditional'"
-            )
-        if self.num_prefill > 0 and mode == "never":
-            raise ConfigError(
-                f"router.disaggregation.mode 'never' sends nothing to the {self.num_prefill} "
-                "prefill workers: set num_prefill 0, or mode 'conditional'"
-            )
+        self.router.disaggregation.check_prefill_workers(self.num_prefill, "num_prefill")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
 

@@ -58,10 +58,6 @@ class PrefillRouting:
         """Whether a request cannot be served without a live prefill worker."""
         return self.config.mode == "always"
 
-    @property
-    def uses_prefill_pool(self) -> bool:
-        return self.config.mode != "never"
-
     def describe(self) -> str:
         """The decisions so far, for a log line: where, and why how often."""
         parts = []

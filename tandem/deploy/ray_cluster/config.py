@@ -138,17 +138,9 @@ class RayDeployConfig:
             raise ConfigError(
                 f"a deployment needs >= 1 decode worker, got decode={self.decode_pool.replicas}"
             )
-        mode = self.router.disaggregation.mode
-        if self.prefill_pool.replicas == 0 and mode == "always":
-            raise ConfigError(
-                "a deployment with no prefill worker needs router.disaggregation.mode 'never' "
-                "(colocated: decode workers prefill every prompt) or 'conditional'"
-            )
-        if self.prefill_pool.replicas > 0 and mode == "never":
-            raise ConfigError(
-                f"router.disaggregation.mode 'never' sends nothing to the "
-                f"{self.prefill_pool.replicas} prefill workers: set ray.prefill.replicas 0"
-            )
+        self.router.disaggregation.check_prefill_workers(
+            self.prefill_pool.replicas, "ray.prefill.replicas"
+        )
 
     @property
     def pools(self) -> tuple[str, ...]:

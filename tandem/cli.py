@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 from tandem.client.flags import add_client_flags, client_kwargs
-from tandem.errors import TandemError
+from tandem.errors import ConfigError, TandemError
 
 EXIT_USAGE = 2
 
@@ -123,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     serve.add_argument(
+        "--metrics",
+        action="store_true",
+        default=None,
+        help="every process serves Prometheus metrics on a free port (printed once serving)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="the processes' logs (in the run dir): text lines, or one JSON object per line",
+    )
+    serve.add_argument(
         "--config",
         default=None,
         help="YAML: num_prefill, num_decode, engine:, router:, prefill:, decode: sections",
@@ -167,6 +180,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(bench_sub)
     add_plan_parser(sub)
+
+    top = sub.add_parser("top", help="a live view of a running cluster, from its metrics")
+    where = top.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--target",
+        metavar="HOST:PORT",
+        help="the router's metrics address (its workers are found from it)",
+    )
+    where.add_argument(
+        "--file",
+        metavar="PATH",
+        help="a Prometheus file_sd targets file (tandem serve --metrics writes "
+        "<run dir>/prometheus-targets.json; tandem ray up keeps one)",
+    )
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    top.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame (two scrapes an interval apart) and exit",
+    )
+    top.set_defaults(func=cmd_top)  # fmt: skip
 
     from tandem.deploy.ray_cluster.cli import add_parser as add_ray_parser
 
@@ -312,7 +346,6 @@ def serve_config(args: argparse.Namespace):
 
     from tandem.config import load_yaml
     from tandem.deploy.local import cluster_config
-    from tandem.errors import ConfigError
 
     values = load_yaml(args.config) if args.config else {}
     prefill, decode = args.prefill, args.decode
@@ -324,7 +357,8 @@ def serve_config(args: argparse.Namespace):
         prefill, decode, mode = 0, colocated, "never"
     # Into the YAML's values, not onto the built config: building it checks the worker
     # counts against the disaggregation mode.
-    flags = (("num_prefill", prefill), ("num_decode", decode), ("threads_per_worker", args.threads))
+    flags = (("num_prefill", prefill), ("num_decode", decode), ("threads_per_worker", args.threads),
+             ("metrics", getattr(args, "metrics", None)))  # fmt: skip
     values.update({key: value for key, value in flags if value is not None})
     if mode is not None:
         router_values = dict(values.get("router") or {})
@@ -349,6 +383,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     PublicPort.load(config.router)  # a bad or unsafe setting fails now, not after the workers
+    if args.log_format:
+        from tandem import logs
+
+        os.environ[logs.ENV] = args.log_format  # every process started inherits it
     cluster = LocalCluster(config)
     stopping = []  # set by the handler: a plain flag, no lock a handler could deadlock on
 
@@ -377,12 +415,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         print(f"tandem: serving {config.engine.model} on {address}", flush=True)
+        for name, target in cluster.metrics_targets().items():
+            print(f"tandem: {name} metrics on http://{target}/metrics", flush=True)
+        if cluster.metrics_targets():
+            print(f"tandem: Prometheus file_sd targets in {cluster.run_dir}/"
+                  "prometheus-targets.json", flush=True)  # fmt: skip
         while not stopping:
             time.sleep(0.2)  # a signal's handler runs during the sleep
         log.info("stopping: draining in-flight requests")
     finally:
         cluster.stop()
     return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from tandem.metrics.top import run
+
+    if args.interval <= 0:
+        raise ConfigError(f"--interval must be > 0, got {args.interval}")
+    return run(args.target, args.file, args.interval, once=args.once)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

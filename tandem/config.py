@@ -133,10 +133,14 @@ class PrefillConfig:
     # gets RESOURCE_EXHAUSTED and the router tries another worker. Bounds the memory a
     # burst can take here; as large as a router's own max_queue.
     max_queue: int = 256
+    # Prometheus metrics over HTTP on this host (tandem/metrics/); 0 picks a free
+    # port (reported on the READY line); None: off.
+    metrics_port: int | None = None
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
         _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
+        check_metrics_port(self.metrics_port)
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.kv_ack_timeout_s <= 0:
@@ -157,14 +161,23 @@ class DecodeConfig:
     kv_port: int = 0  # the KV receiver's listener; 0 picks a free one
     kv_lease_s: float = 30.0  # reserved blocks are freed if the KV has not arrived by then
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
+    # Prometheus metrics over HTTP on this host (tandem/metrics/); 0 picks a free
+    # port (reported on the READY line); None: off.
+    metrics_port: int | None = None
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
         _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
+        check_metrics_port(self.metrics_port)
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_port must be in [0, 65535], got {self.kv_port}")
         if self.kv_lease_s <= 0:
             raise ConfigError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+
+
+def check_metrics_port(port: int | None) -> None:
+    if port is not None and not 0 <= port < 65536:
+        raise ConfigError(f"metrics_port must be in [0, 65535] (0: any free port), got {port}")
 
 
 PLACEMENT_POLICIES = ("least-loaded", "round-robin", "prefix-aware")
@@ -226,6 +239,8 @@ class RouterConfig:
     cache_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
+    # Prometheus metrics over HTTP on ``host`` (tandem/metrics/); 0: a free port; None: off.
+    metrics_port: int | None = None
     prefill_workers: tuple[str, ...] = ()  # "host:port" gRPC addresses
     decode_workers: tuple[str, ...] = ()
     # The router's credentials as a cluster member: mutual TLS to the workers.
@@ -307,6 +322,7 @@ class RouterConfig:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        check_metrics_port(self.metrics_port)
         if self.status_interval_s <= 0 or self.worker_timeout_s <= 0:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
         if self.queue_timeout_s < 0:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tandem import logs
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.engine.engine import RequestOutput
 from tandem.engine.sequence import FinishReason
@@ -46,6 +47,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         server = self.server
         loop, admission = server.loop, server.admission
+        logs.request_id.set(request.request.request_id)  # this handler's log lines carry it
         try:
             req = parse_request(request.request, server.engine)
             if req.request_id in self._active:

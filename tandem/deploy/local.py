@@ -22,6 +22,11 @@ the workers authenticate their KV connections. A ``cluster:`` section naming
 the operator's own files is used instead; ``cluster: {insecure: true}`` runs
 without (loopback only; for measuring what TLS costs).
 
+With ``metrics: true`` (``tandem serve --metrics``) every process serves Prometheus
+metrics on a free port, reported on its READY line; ``metrics_targets()`` lists
+them and ``<run dir>/prometheus-targets.json`` holds them in Prometheus' file-based
+service discovery format (``file_sd_configs``), labelled by process and role.
+
 Every process is started through tandem/deploy/lifeline.py, which stops it
 within seconds if the launcher dies without stopping it (SIGKILL included), so
 no orphan keeps a port or memory.
@@ -30,6 +35,7 @@ no orphan keeps a port or memory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -77,6 +83,9 @@ class ClusterConfig:
     threads_per_worker: int | None = None  # default: cores // workers, at least 1
     startup_timeout_s: float = 600.0  # the first start may dequantise the model
     drain_timeout_s: float = 30.0
+    # Every process serves Prometheus metrics on a free port (a role section's own
+    # metrics_port wins); False: only where a role section sets one.
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -158,16 +167,23 @@ class LocalCluster:
         self._lifeline = self._lifeline or Lifeline()
         try:
             cluster = self.security = self._cluster_security()
+            prefill_cfg = dataclasses.replace(
+                cfg.prefill, engine=engine, port=0, cluster=cluster, **self._metrics(cfg.prefill)
+            )
+            decode_cfg = dataclasses.replace(
+                cfg.decode,
+                engine=engine,
+                port=0,
+                kv_port=0,
+                cluster=cluster,
+                **self._metrics(cfg.decode),
+            )
             prefill = [
-                self._spawn(f"prefill-{i}", self.modules["prefill"],
-                            dataclasses.replace(cfg.prefill, engine=engine, port=0,
-                                                cluster=cluster))
+                self._spawn(f"prefill-{i}", self.modules["prefill"], prefill_cfg)
                 for i in range(cfg.num_prefill)
-            ]  # fmt: skip
+            ]
             decode = [
-                self._spawn(f"decode-{i}", self.modules["decode"],
-                            dataclasses.replace(cfg.decode, engine=engine, port=0, kv_port=0,
-                                                cluster=cluster))
+                self._spawn(f"decode-{i}", self.modules["decode"], decode_cfg)
                 for i in range(cfg.num_decode)
             ]  # fmt: skip
             for p in prefill + decode:
@@ -179,6 +195,7 @@ class LocalCluster:
                 prefill_workers=tuple(p.ready["grpc"] for p in prefill),
                 decode_workers=tuple(p.ready["grpc"] for p in decode),
                 cluster=cluster,
+                **self._metrics(cfg.router),
             )
             router = self._spawn("router", self.modules["router"], router_cfg)
             self._wait_ready(router)
@@ -186,7 +203,34 @@ class LocalCluster:
             self.stop()
             raise
         self.address = router.ready["grpc"]
+        if self.metrics_targets():
+            self._write_targets()
         return self.address
+
+    def _metrics(self, role_config) -> dict:
+        """The metrics_port to give a process: its section's own, else 0 (any free
+        port) when the cluster's ``metrics`` is on."""
+        if role_config.metrics_port is None and self.config.metrics:
+            return {"metrics_port": 0}
+        return {}
+
+    def metrics_targets(self) -> dict[str, str]:
+        """Each serving process's metrics address ("host:port"), by process name."""
+        return {
+            p.name: p.ready["metrics"] for p in self.processes if p.ready.get("metrics", "-") != "-"
+        }
+
+    def _write_targets(self) -> Path:
+        """``<run dir>/prometheus-targets.json``: Prometheus file_sd, one group per process."""
+        path = self.run_dir / "prometheus-targets.json"
+        groups = [
+            {"targets": [address], "labels": {"process": name, "role": name.split("-")[0]}}
+            for name, address in self.metrics_targets().items()
+        ]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups, indent=2) + "\n")
+        tmp.replace(path)  # Prometheus may read it at any time: never half-written
+        return path
 
     def _cluster_security(self) -> ClusterSecurityConfig:
         """The operator's files (checked now), none (``insecure``), or a throw-away set."""

@@ -71,6 +71,17 @@ class RequestOutput:
     held_block_ids: list[int] | None = None
 
 
+@dataclass
+class EngineStats:
+    """Counters since start and the last step's size (engine thread writes; the
+    worker's metrics read them)."""
+
+    preemptions: int = 0
+    generated_tokens: int = 0
+    last_sequences: int = 0  # sequences in the last step
+    last_tokens: int = 0  # tokens computed in it (prompt chunks and decodes)
+
+
 @dataclass(eq=False)
 class _Request:
     seq: Sequence
@@ -81,6 +92,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        self.stats = EngineStats()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -354,8 +366,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        stats = self.stats
+        stats.preemptions += len(batch.preempted)
         if not batch:
             return []
+        stats.last_sequences = len(batch.work)
+        stats.last_tokens = sum(n for _, n in batch.work)
         seqs, logits = self.runner.run(batch.work, self._layer_hook(batch.work))
         for seq, _ in batch.work:
             self.kv.commit(seq)
@@ -365,6 +381,7 @@ class LLMEngine:
             [None if s.seed is None else draw_seed(s.seed, s.num_output_tokens) for s in seqs],
             [s.token_ids for s in seqs],
         )
+        stats.generated_tokens += len(seqs)
         return [
             self._postprocess(self._requests[s.request_id], t)
             for s, t in zip(seqs, tokens, strict=True)

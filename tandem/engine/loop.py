@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ class EngineLoop:
         self._hooks: list[Callable[[LLMEngine], None]] = []
         self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
         self._stop = threading.Event()
+        self.last_step_seconds = 0.0  # the step that the step hooks are called after
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
     def start(self) -> None:
@@ -89,8 +91,10 @@ class EngineLoop:
                     log.exception("engine hook failed")
             if not scheduler.has_work():
                 continue
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
+                self.last_step_seconds = time.perf_counter() - started
             except Exception:
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all()

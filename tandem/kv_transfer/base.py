@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -131,6 +131,16 @@ class TransferMetrics:
     seconds_total: float = 0.0
     failures: dict[str, int] = dataclasses.field(default_factory=dict)
     messages_discarded: int = 0  # data that arrived for an unknown or finished request
+    # Called with each completed transfer's seconds (the worker's histogram).
+    on_done: Callable[[float], None] | None = None
+
+    def record_done(self, seconds: float, sent: int = 0, received: int = 0) -> None:
+        self.transfers_done += 1
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.seconds_total += seconds
+        if self.on_done is not None:
+            self.on_done(seconds)
 
     def record_failure(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1

@@ -359,9 +359,7 @@ class ReceiverCore:
         res.first_token = h.first_token
         res.state = TransferState.DONE
         res.seconds = self.clock() - (res.started or self.clock())
-        self.metrics.transfers_done += 1
-        self.metrics.bytes_received += res.nbytes
-        self.metrics.seconds_total += res.seconds
+        self.metrics.record_done(res.seconds, received=res.nbytes)
 
     def _expire_locked(self, res: _Reservation) -> bool:
         if res.state not in TERMINAL and self.clock() > res.deadline:

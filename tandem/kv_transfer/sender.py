@@ -167,9 +167,7 @@ class SenderBase(KVSender):
             if isinstance(result, TransferError):
                 self.metrics.record_failure(result.reason)
             else:
-                self.metrics.transfers_done += 1
-                self.metrics.bytes_sent += out.nbytes
-                self.metrics.seconds_total += time.monotonic() - out.started
+                self.metrics.record_done(time.monotonic() - out.started, sent=out.nbytes)
         if out.future.cancelled():
             return
         if isinstance(result, TransferError):

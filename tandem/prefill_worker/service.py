@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tandem import logs
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.errors import InvalidRequestError
@@ -99,6 +100,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context
     ) -> AsyncIterator[worker_pb2.PrefillResponse]:
         loop, engine = self.server.loop, self.server.engine
+        logs.request_id.set(request.request.request_id)  # this handler's log lines carry it
         limit = self.server.config.max_queue
         if len(self._active) >= limit:
             await context.abort(

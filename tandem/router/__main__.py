@@ -7,7 +7,7 @@
         --tls-cert router.pem --tls-key router-key.pem --api-keys-file keys.txt
 
 Flags override the YAML (a mapping of ``RouterConfig`` fields). Prints
-``READY router grpc=HOST:PORT`` on stdout once it serves; on SIGTERM or SIGINT
+``READY router grpc=HOST:PORT metrics=HOST:PORT|-`` on stdout once it serves; on SIGTERM or SIGINT
 it stops accepting, drains in-flight requests for up to ``drain_timeout_s`` and
 exits 0. A bad setting exits 2 with the setting named, and so does a host that
 is not loopback without TLS and authentication (API keys or a client CA) unless
@@ -23,6 +23,7 @@ import logging
 import signal
 import sys
 
+from tandem import logs
 from tandem.cli import add_router_security_flags, router_security_settings
 from tandem.config import RouterConfig, load_yaml, role_config
 from tandem.errors import ConfigError
@@ -37,6 +38,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--model", help="model for the tokenizer and limits")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--metrics-port", type=int, help="Prometheus metrics (0: a free port)")
     parser.add_argument("--prefill", action="append", help="prefill worker host:port (repeat)")
     parser.add_argument("--decode", action="append", help="decode worker host:port (repeat)")
     parser.add_argument("--placement", help="least-loaded or round-robin")
@@ -49,6 +51,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         "model": args.model,
         "host": args.host,
         "port": args.port,
+        "metrics_port": args.metrics_port,
         "prefill_workers": tuple(args.prefill) if args.prefill else None,
         "decode_workers": tuple(args.decode) if args.decode else None,
         "placement": args.placement,
@@ -65,19 +68,16 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"READY router grpc={router.address}", flush=True)
+    print(f"READY router grpc={router.address} metrics={router.metrics_address or '-'}",
+          flush=True)  # fmt: skip
     await stop.wait()
     log.info("draining (up to %g s)", config.drain_timeout_s)
     await router.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
     try:
+        logs.configure("router")
         config = parse_config(argv)
         asyncio.run(serve(config))
     except ConfigError as exc:

@@ -80,7 +80,8 @@ class Admission:
         if bucket is not None and not bucket.take():
             raise RouterError.overloaded(
                 f"API key {key.name!r} is over its rate limit "
-                f"(requests_per_s={bucket.rate:g}); retry later"
+                f"(requests_per_s={bucket.rate:g}); retry later",
+                reason="key_rate",
             )
 
     def key_in_flight(self, key: ApiKey) -> int:
@@ -93,12 +94,14 @@ class Admission:
         if state is not None and state.max_streams and state.in_flight >= state.max_streams:
             raise RouterError.overloaded(
                 f"API key {key.name!r} has {state.in_flight} requests in flight, its "
-                f"limit (max_streams={state.max_streams}); retry later"
+                f"limit (max_streams={state.max_streams}); retry later",
+                reason="key_streams",
             )
         if self.in_flight >= self.max_in_flight:
             raise RouterError.overloaded(
                 f"the router has {self.in_flight} requests in flight, its limit "
-                f"(max_queue={self.max_in_flight}); retry later"
+                f"(max_queue={self.max_in_flight}); retry later",
+                reason="router_queue",
             )
         self.in_flight += 1
         if state is not None:

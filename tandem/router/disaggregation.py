@@ -58,6 +58,11 @@ class PrefillRouting:
         """Whether a request cannot be served without a live prefill worker."""
         return self.config.mode == "always"
 
+    @staticmethod
+    def prefills_here(reason: str) -> bool:
+        """Whether a decision counted under ``reason`` prefilled on the decode worker."""
+        return _HERE[reason]
+
     def describe(self) -> str:
         """The decisions so far, for a log line: where, and why how often."""
         parts = []

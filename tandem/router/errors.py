@@ -8,14 +8,15 @@ from tandem.errors import TandemError
 
 
 class RouterError(TandemError):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason  # RESOURCE_EXHAUSTED from the router's own limits: which one
 
     @classmethod
-    def overloaded(cls, message: str) -> RouterError:
-        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    def overloaded(cls, message: str, reason: str = "") -> RouterError:
+        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason)
 
     @classmethod
     def unavailable(cls, message: str) -> RouterError:

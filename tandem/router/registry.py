@@ -57,6 +57,8 @@ class Worker:
     running: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    worker_id: str = ""
+    metrics_address: str = ""  # where Prometheus scrapes it ("": off)
     # This router's own counts.
     inflight: int = 0
     placed_since_poll: int = 0
@@ -224,6 +226,8 @@ class WorkerRegistry:
             )
             return
         worker.queue_depth = status.queue_depth
+        worker.worker_id = status.worker_id
+        worker.metrics_address = status.metrics_address
         worker.running = status.running
         worker.kv_blocks_free = status.kv_blocks_free
         worker.kv_blocks_total = status.kv_blocks_total

@@ -68,6 +68,7 @@ import grpc
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import DisaggregationConfig
+from tandem.metrics import RouterMetrics
 from tandem.router.disaggregation import PrefillRouting
 from tandem.router.errors import RouterError
 from tandem.router.frontend import PreparedRequest
@@ -147,8 +148,10 @@ class Relay:
         max_migrations: int = 2,
         queue_timeout_s: float = 120.0,
         routing: PrefillRouting | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.registry = registry
+        self.metrics = metrics or RouterMetrics("")
         self.policy = policy
         self.routing = routing or PrefillRouting(DisaggregationConfig())
         self.max_migrations = max_migrations
@@ -158,9 +161,12 @@ class Relay:
         self._active: set[str] = set()  # request ids in flight
 
     async def generate(
-        self, req: PreparedRequest, timeout: float | None
+        self, req: PreparedRequest, timeout: float | None, arrived: float | None = None
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        """``timeout``: the client's remaining time in seconds (None: no deadline)."""
+        """``timeout``: the client's remaining time in seconds (None: no deadline);
+        ``arrived``: when the request reached the router (monotonic; default: now), for
+        its queue time."""
+        arrived = time.monotonic() if arrived is None else arrived
         deadline = None if timeout is None else time.monotonic() + timeout
         if req.request_id in self._active:
             # Workers key KV reservations and transfers by request id.
@@ -174,14 +180,14 @@ class Relay:
         self._active.add(req.request_id)
         try:
             # aclosing: a stream closed early must run the inner finally (cancel, release) now.
-            async with aclosing(self._run(req, deadline)) as responses:
+            async with aclosing(self._run(req, deadline, arrived)) as responses:
                 async for response in responses:
                     yield response
         finally:
             self._active.discard(req.request_id)
 
     async def _run(
-        self, req: PreparedRequest, deadline: float | None
+        self, req: PreparedRequest, deadline: float | None, arrived: float
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         streamed: list[int] = []  # output tokens the client has, across attempts
         for attempt in range(self.max_migrations + 1):
@@ -190,7 +196,9 @@ class Relay:
                 worker_id, req.prompt_ids, req.params, output_ids=streamed
             )
             try:
-                async with aclosing(self._attempt(req, worker_req, streamed, deadline)) as out:
+                queued = arrived if attempt == 0 else None
+                attempt_out = self._attempt(req, worker_req, streamed, deadline, queued)
+                async with aclosing(attempt_out) as out:
                     async for response in out:
                         yield response
                 return
@@ -210,11 +218,14 @@ class Relay:
         worker_req: worker_pb2.WorkerRequest,
         streamed: list[int],
         deadline: float | None,
+        queued_since: float | None,
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         """One decode reservation and one prefill (on the prefill pool, or on the decode
         worker itself); appends each relayed token to ``streamed``. Raises AttemptLost
-        once the reservation exists."""
+        once the reservation exists. ``queued_since``: the first attempt's arrival."""
         decode, stream, destination = await self._open_decode(worker_req, deadline)
+        if queued_since is not None:
+            self.metrics.queue_time.observe(time.monotonic() - queued_since)
         here = not destination.address  # the decode worker prefills: no KV to ship
         renewing = None if here else asyncio.ensure_future(self._renew_lease(decode, destination))
         shipped: asyncio.Future[None] | None = None
@@ -302,7 +313,8 @@ class Relay:
             )
         raise RouterError.overloaded(
             f"no decode worker had room within queue_timeout_s={self.queue_timeout_s:g} s "
-            f"({why}); retry later"
+            f"({why}); retry later",
+            reason="decode_queue_timeout",
         )
 
     async def _try_decode(
@@ -335,6 +347,7 @@ class Relay:
                 error = self._failed(worker, exc)
                 if exc.code() in _RETRY_OPEN:
                     log.info("request %s: %s", worker_req.request_id, error.message)
+                    self.metrics.retried(Pool.DECODE.value)
                     continue
                 raise error from None
             except BaseException:
@@ -397,6 +410,7 @@ class Relay:
                 # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
                     log.info("request %s: %s", request.request.request_id, error.message)
+                    self.metrics.retried(Pool.PREFILL.value)
                     continue
                 raise error from None
             except BaseException:

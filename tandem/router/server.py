@@ -23,6 +23,7 @@ from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS, channel_options
+from tandem.metrics import MetricsEndpoint, RouterMetrics
 from tandem.router.admission import Admission
 from tandem.router.auth import AuthInterceptor
 from tandem.router.disaggregation import PrefillRouting
@@ -61,13 +62,17 @@ class Router:
         self.admission = Admission(
             config.max_queue, config.key_max_streams, config.key_requests_per_s
         )
+        self.metrics = RouterMetrics(config.model)
         self.relay = Relay(
             self.registry,
             make_policy(config.placement, config.prefix_imbalance_max),
             max_migrations=config.max_migrations,
             queue_timeout_s=config.queue_timeout_s,
             routing=PrefillRouting(config.disaggregation),
+            metrics=self.metrics,
         )
+        self.metrics.watch(self.registry.workers, self.relay)
+        self._metrics_endpoint: MetricsEndpoint | None = None
         self.port: int | None = None
         self._owns_frontend = False
         self._server: grpc.aio.Server | None = None
@@ -79,6 +84,11 @@ class Router:
             raise RuntimeError("the router is not started")
         host = self.config.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Where Prometheus scrapes the router ("host:port"), or None when off."""
+        return self._metrics_endpoint.address if self._metrics_endpoint else None
 
     async def start(self) -> None:
         public = PublicPort.load(self.config)  # first: a bad setting starts nothing
@@ -101,7 +111,7 @@ class Router:
             interceptors=[AuthInterceptor(public.keys)] if public.keys else None,
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(
-            TandemService(self.frontend, self.admission, self.relay), server
+            TandemService(self.frontend, self.admission, self.relay, self.metrics), server
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -122,6 +132,14 @@ class Router:
             await self.registry.stop()
             raise ConfigError(f"router cannot listen on {bind} (settings host, port): {reason}")
         self.port = port
+        if self.config.metrics_port is not None:
+            endpoint = MetricsEndpoint(self.metrics.registry)
+            try:
+                endpoint.start(self.config.host, self.config.metrics_port)
+            except ConfigError:
+                await self.registry.stop()
+                raise
+            self._metrics_endpoint = endpoint
         await server.start()
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -164,6 +182,9 @@ class Router:
             await self._server.stop(grace)
             self._server = None
         await self.registry.stop()
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.stop()
+            self._metrics_endpoint = None
         if self.relay.routing.counts:
             log.info("prompts prefilled since start: %s", self.relay.routing.describe())
         if self._owns_frontend and self.frontend is not None:

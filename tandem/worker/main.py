@@ -7,8 +7,8 @@
 
 Once serving it prints one line on stdout, which the launcher waits for:
 
-    READY prefill grpc=127.0.0.1:40123 kv=-
-    READY decode grpc=127.0.0.1:40125 kv=127.0.0.1:40127
+    READY prefill grpc=127.0.0.1:40123 kv=- metrics=-
+    READY decode grpc=127.0.0.1:40125 kv=127.0.0.1:40127 metrics=127.0.0.1:40129
 
 SIGTERM / SIGINT: NOT_SERVING, no new requests, in-flight ones get
 ``drain_timeout_s``, exit 0. Bad flags or config: one line on stderr, exit 2.
@@ -23,6 +23,7 @@ import logging
 import signal
 import sys
 
+from tandem import logs
 from tandem.config import (
     ClusterSecurityConfig,
     DecodeConfig,
@@ -49,7 +50,8 @@ def _field_type(cls: type, name: str) -> type:
     default = next(f for f in dataclasses.fields(cls) if f.name == name)
     value = default.default
     if isinstance(value, bool) or value is None or value is dataclasses.MISSING:
-        return int if name in ("num_threads", "num_blocks", "max_model_len") else str
+        ints = ("num_threads", "num_blocks", "max_model_len", "metrics_port")
+        return int if name in ints else str
     return type(value)
 
 
@@ -113,7 +115,11 @@ async def serve(role: str, config: PrefillConfig | DecodeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"READY {role} grpc={server.address} kv={server.kv_address or '-'}", flush=True)
+    print(
+        f"READY {role} grpc={server.address} kv={server.kv_address or '-'} "
+        f"metrics={server.metrics_address or '-'}",
+        flush=True,
+    )
     await stop.wait()
     logging.getLogger("tandem").info("%s worker: draining", role)
     await server.stop()
@@ -122,13 +128,9 @@ async def serve(role: str, config: PrefillConfig | DecodeConfig) -> int:
 
 def main(role: str, argv: list[str] | None = None) -> int:
     args = build_parser(role).parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format=f"tandem {role} %(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     ucx_env_defaults()
     try:
+        logs.configure(role, logging.DEBUG if args.verbose else logging.INFO)
         config = load_config(role, args)
         if config.engine.num_threads:  # before torch spins up its pools (the engine does too)
             import torch

@@ -20,6 +20,9 @@ refuses any caller without a certificate from the cluster CA, before any RPC
 runs; the KV endpoint proves the cluster's KV secret to its peers. Without
 them, a worker serves only on loopback unless ``cluster.insecure`` is set.
 
+Metrics: with ``metrics_port`` set, Prometheus text on HTTP (tandem/metrics/),
+read from the same snapshot as ``Status`` plus step and transfer histograms.
+
 Subclasses add their servicer and their KV transfer endpoint.
 """
 
@@ -41,6 +44,7 @@ from tandem.engine.loop import EngineLoop
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS
 from tandem.kv_transfer.base import TransferMetrics
+from tandem.metrics import MetricsEndpoint, WorkerMetrics
 from tandem.security.cluster import ClusterCredentials
 from tandem.security.tls import is_loopback
 
@@ -83,6 +87,13 @@ class WorkerServer(abc.ABC):
         self.transfer_metrics = TransferMetrics()  # filled by the KV sender or receiver
         # Replaced whole by the engine thread (one reference assignment: atomic).
         self.engine_load = EngineLoad()
+        self.metrics: WorkerMetrics | None = None  # from start(), once the worker id is known
+        self._metrics_endpoint: MetricsEndpoint | None = None
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Where Prometheus scrapes this worker ("host:port"), or None when off."""
+        return self._metrics_endpoint.address if self._metrics_endpoint else None
 
     @property
     def address(self) -> str:
@@ -123,6 +134,7 @@ class WorkerServer(abc.ABC):
             self._close_transfer()
             raise ConfigError(f"cannot listen on {where} (host/port): {exc}") from exc
         self._server = server
+        self._start_metrics()
         self.loop.start()
         await server.start()
         for service in ("", self.service_name):
@@ -134,6 +146,25 @@ class WorkerServer(abc.ABC):
             self.kv_address or "-",
             "mutual TLS, KV authenticated" if self.credentials else "no TLS, KV unauthenticated",
         )
+
+    def _start_metrics(self) -> None:
+        """Metrics from the first step on (the worker id needs the bound port)."""
+        metrics = self.metrics = WorkerMetrics(self)
+        loop = self.loop
+        loop.add_step_hook(
+            lambda engine, _: metrics.on_step(
+                loop.last_step_seconds, engine.stats.last_sequences, engine.stats.last_tokens
+            )
+        )
+        self.transfer_metrics.on_done = metrics.transfer_seconds.observe
+        if self.config.metrics_port is not None:
+            endpoint = MetricsEndpoint(metrics.registry)
+            try:
+                endpoint.start(self.config.host, self.config.metrics_port)
+            except ConfigError:
+                self._close_transfer()
+                raise
+            self._metrics_endpoint = endpoint
 
     def _load_credentials(self) -> None:
         """The cluster credentials, and the rule that an open worker stays on loopback."""
@@ -160,6 +191,8 @@ class WorkerServer(abc.ABC):
         await self.loop.call(self._abort_all)
         self.loop.stop()
         self._close_transfer()
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.stop()
         log.info("%s worker %s stopped", self.role, self.address)
 
     async def wait_for_termination(self) -> None:
@@ -177,6 +210,7 @@ class WorkerServer(abc.ABC):
             kv_address=self.kv_address,
             served=self.served,
             prefilled_here=self.prefilled_here,
+            metrics_address=self.metrics_address or "",
             kv_transfers_total=m.transfers_done,
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,

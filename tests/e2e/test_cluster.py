@@ -7,6 +7,8 @@ leaves each worker with zero used KV blocks.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,25 +23,28 @@ from tandem.config import DisaggregationConfig, EngineConfig, RouterConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ConfigError
+from tandem.metrics import METRICS
+from tandem.metrics.scrape import declared, fetch, scrape, total
 
 PROMPTS = ["Hello there, how are you?", "你好，请介绍一下你自己。", "long prompt " * 60]
 
 
 def _cluster(
-    tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, router=None, **engine
-):
+    tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, router=None,
+    metrics=False, **engine,
+):  # fmt: skip
     engine.setdefault("dtype", "float32")  # as the colocated engines compared with it
     engine_cfg = EngineConfig(model=model, num_blocks=engine.pop("num_blocks", 256), **engine)
     config = ClusterConfig(
         num_prefill=prefill, num_decode=decode, engine=engine_cfg, threads_per_worker=1,
-        router=RouterConfig(port=0, **(router or {})),
+        router=RouterConfig(port=0, **(router or {})), metrics=metrics,
     )  # fmt: skip
     return LocalCluster(config, tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with _cluster(tmp_path_factory, "c22", prefill=2, decode=2) as c:
+    with _cluster(tmp_path_factory, "c22", prefill=2, decode=2, metrics=True) as c:
         yield c
 
 
@@ -255,3 +260,94 @@ def test_prefix_aware_colocated_cluster_keeps_each_system_prompt_on_one_worker(
         query = sum(s.prefix_query_tokens for s in statuses)
         assert hit / query > 0.6, (hit, query)
         _assert_no_blocks_used(c)
+
+
+def _scrape_all(c: LocalCluster) -> dict[str, list]:
+    return {name: scrape(address) for name, address in c.metrics_targets().items()}
+
+
+def test_metrics_of_every_process_add_up_to_a_known_workload(cluster):
+    """Counters move by exactly what was sent; a repeated long prefix is a prefix hit."""
+    assert set(cluster.metrics_targets()) == {"router", "prefill-0", "prefill-1", "decode-0",
+                                              "decode-1"}  # fmt: skip
+    _assert_no_blocks_used(cluster)
+    before = _scrape_all(cluster)
+    shared = "the same long system prompt, repeated for every user. " * 12
+    usage = []
+    with TandemClient(cluster.address, timeout=60) as client:
+        for i in range(12):  # one after another: each prefill worker sees the prefix again
+            chunks = list(client.generate(prompt=shared + f"user {i}", max_tokens=4 + i % 3,
+                                          ignore_eos=True))  # fmt: skip
+            usage.append(chunks[-1].usage)
+    _assert_no_blocks_used(cluster)
+    after = _scrape_all(cluster)
+
+    def moved(process: str, name: str, **labels) -> float:
+        return total(after[process], name, **labels) - total(before[process], name, **labels)
+
+    n = len(usage)
+    assert moved("router", "tandem_router_requests_total", code="OK", finish_reason="length") == n
+    assert moved("router", "tandem_router_requests_total") == n
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "time_per_output_token_seconds", "queue_time_seconds"):  # fmt: skip
+        assert moved("router", f"tandem_router_{histogram}_count") == n, histogram
+    completion = sum(u.completion_tokens for u in usage)
+    assert moved("router", "tandem_router_prompt_tokens_total") == sum(
+        u.prompt_tokens for u in usage
+    )
+    assert moved("router", "tandem_router_generation_tokens_total") == completion
+    # Every response after a request's first is one inter-token gap (one token each here).
+    assert moved("router", "tandem_router_inter_token_latency_seconds_count") == completion - n
+    assert total(after["router"], "tandem_router_requests_in_flight") == 0
+    prefill = [p for p in after if p.startswith("prefill")]
+    decode = [p for p in after if p.startswith("decode")]
+    assert sum(moved(p, "tandem_worker_requests_served_total") for p in prefill) == n
+    assert sum(moved(p, "tandem_worker_kv_transfers_total") for p in decode) == n
+    assert sum(moved(p, "tandem_worker_kv_transfer_seconds_count") for p in prefill) == n
+    sent = sum(moved(p, "tandem_worker_kv_transfer_bytes_total", direction="sent")
+               for p in prefill)  # fmt: skip
+    received = sum(moved(p, "tandem_worker_kv_transfer_bytes_total", direction="received")
+                   for p in decode)  # fmt: skip
+    assert sent == received > 0
+    # Decode workers sample every token but the first (the prefill worker's).
+    assert sum(moved(p, "tandem_worker_generated_tokens_total") for p in decode) == completion - n
+    for p in prefill + decode:
+        assert total(after[p], "tandem_worker_kv_blocks_used") == 0, p
+        assert total(after[p], "tandem_worker_kv_usage_ratio") == 0, p
+        assert total(after[p], "tandem_worker_kv_blocks_capacity") == 256, p
+    for p in prefill:
+        queries = moved(p, "tandem_worker_prefix_cache_query_tokens_total")
+        hits = moved(p, "tandem_worker_prefix_cache_hit_tokens_total")
+        if queries:  # the worker that served the shared prefix (least-loaded picks both)
+            assert hits / queries > 0.8, (p, hits, queries)
+    # Labels an operator filters by, and none per request.
+    for p in prefill + decode:
+        labels = {k for s in after[p] if s.name.startswith("tandem_") for k in s.labels}
+        assert {"worker", "role", "model"} <= labels and "request_id" not in labels
+
+
+def test_every_metric_the_dashboard_queries_is_in_a_scrape(cluster):
+    from tests.deploy.test_dashboard import dashboard_metric_names
+
+    scraped = set()
+    for address in cluster.metrics_targets().values():
+        scraped |= declared(fetch(address))
+    assert dashboard_metric_names() - scraped == set()
+    assert {m.name for m in METRICS} - scraped == set()  # and the README's list is whole
+
+
+def test_tandem_top_renders_a_frame_of_the_running_cluster_without_a_tty(cluster):
+    router = cluster.metrics_targets()["router"]
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "top", "--target", router, "--once",
+         "--interval", "0.5"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    frame = out.stdout
+    assert "\x1b[" not in frame  # no screen control without a TTY
+    assert re.search(r"requests\s+0 in flight", frame), frame
+    assert "TTFT p50" in frame and "ITL p50" in frame
+    rows = [line for line in frame.splitlines() if re.match(r"(prefill|decode)-\S+\s", line)]
+    assert len(rows) == 4, frame
+    assert all(re.search(r"\s1\s+0\s+0\s+\[\.{10}\]\s+0%", row) for row in rows), frame

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,21 +18,45 @@ import yaml
 
 from tandem.client import TandemClient
 from tandem.client.errors import TandemClientError
+from tandem.metrics.scrape import scrape, total
 from tests.processes import survivors
 
 
 def test_serve_prints_the_address_serves_and_stops_every_process_on_sigint(tmp_path):
-    proc = _serve(_config(tmp_path, port=0))
+    proc = _serve(_config(tmp_path, port=0), "--metrics", "--log-format", "json")
     try:
         address = _serving_address(proc)
+        metrics = {}
+        for _ in range(3):  # then the targets file's line
+            name, url = re.fullmatch(r"tandem: (\S+) metrics on (http://\S+)\n",
+                                     proc.stdout.readline()).groups()  # fmt: skip
+            metrics[name] = url.removeprefix("http://").removesuffix("/metrics")
+        targets = re.fullmatch(r"tandem: Prometheus file_sd targets in (\S+)\n",
+                               proc.stdout.readline()).group(1)  # fmt: skip
+        assert sorted(metrics) == ["decode-0", "prefill-0", "router"]
+        groups = json.loads(open(targets).read())
+        assert {g["targets"][0]: g["labels"]["process"] for g in groups} == {
+            a: n for n, a in metrics.items()
+        }
         with TandemClient(address, timeout=30) as client:
             done = client.complete(prompt="hello", max_tokens=5, ignore_eos=True)
         assert done.usage.completion_tokens == 5 and done.finish_reason == "length"
+        router = scrape(metrics["router"])
+        assert total(router, "tandem_router_requests_total", code="OK") == 1
+        assert total(router, "tandem_router_generation_tokens_total") == 5
         children = psutil.Process(proc.pid).children()
         assert len(children) == 3, children  # router, prefill, decode
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         assert not survivors(children, within_s=10.0), "a worker outlived tandem serve"
+        # --log-format json: every process logged one JSON object per line.
+        run_dir = Path(targets).parent
+        for name in ("router", "prefill-0", "decode-0"):
+            lines = (run_dir / f"{name}.log").read_text().splitlines()
+            records = [json.loads(line) for line in lines if line.startswith("{")]
+            assert records and len(records) >= len(lines) // 2, lines[:5]
+            assert {r["process"] for r in records} == {name.split("-")[0]}
+            assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
     finally:
         _kill(proc)
 
@@ -115,9 +141,9 @@ def _config(tmp_path, port: int, num_blocks: int = 64):
     return config
 
 
-def _serve(config) -> subprocess.Popen:
+def _serve(config, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 

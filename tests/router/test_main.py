@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.config import RouterConfig, save_yaml
+from tandem.metrics.scrape import scrape, total
 from tandem.router.__main__ import parse_config
 
 
@@ -24,9 +25,19 @@ def test_flags_override_the_yaml(tmp_path):
     assert config.decode_workers == ("h:1", "h:2") and config.prefill_workers == ()
 
 
-def test_process_prints_ready_serves_health_and_exits_0_on_sigterm():
+def test_process_prints_ready_serves_health_and_metrics_and_exits_0_on_sigterm():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.router", "--model", "tiny-random", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "tandem.router",
+            "--model",
+            "tiny-random",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],  # fmt: skip
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -36,7 +47,11 @@ def test_process_prints_ready_serves_health_and_exits_0_on_sigterm():
         assert ready, "no READY line within 60 s"
         line = proc.stdout.readline()
         assert line.startswith("READY router grpc=127.0.0.1:"), line + proc.stderr.read()
-        address = line.split("grpc=")[1].strip()
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        address = fields["grpc"]
+        assert fields["metrics"].startswith("127.0.0.1:")
+        samples = scrape(fields["metrics"])
+        assert total(samples, "tandem_router_requests_in_flight", model="tiny-random") == 0
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=5

@@ -1,0 +1,79 @@
+"""Process logging: every line about a request carries its id; text or JSON lines.
+
+The gRPC handlers set ``request_id`` (a context variable, so it follows the
+handler's task and what it awaits) as soon as they know it; every record logged
+there gets it, as `` [request=ID]`` in text and as ``"request_id"`` in JSON.
+
+The format is ``text`` unless the process is started with ``TANDEM_LOG_FORMAT=json``
+(``tandem serve --log-format json`` sets it for every process it starts): then
+each line is one JSON object (``ts``, ``level``, ``process``, ``logger``,
+``request_id`` when there is one, ``message``, ``exception`` with the traceback),
+which log shippers read without parsing rules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from contextvars import ContextVar
+from datetime import datetime, timezone
+
+from tandem.errors import ConfigError
+
+request_id: ContextVar[str] = ContextVar("tandem_request_id", default="")
+FORMATS = ("text", "json")
+ENV = "TANDEM_LOG_FORMAT"
+
+
+class _RequestId(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = getattr(record, "request_id", None) or request_id.get()
+        record.request_id = rid
+        record.request = f" [request={rid}]" if rid else ""
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, process: str) -> None:
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(),
+            "level": record.levelname,
+            "process": self.process,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if getattr(record, "request_id", ""):
+            line["request_id"] = record.request_id
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def log_format(given: str | None = None) -> str:
+    fmt = given or os.environ.get(ENV) or "text"
+    if fmt not in FORMATS:
+        raise ConfigError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r} ({ENV})")
+    return fmt
+
+
+def configure(process: str, level: int = logging.INFO, fmt: str | None = None, stream=None) -> None:
+    """Log to ``stream`` (default stderr) as ``process`` ("router", "prefill", ...)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.addFilter(_RequestId())
+    if log_format(fmt) == "json":
+        handler.setFormatter(JsonFormatter(process))
+    else:
+        handler.setFormatter(
+            logging.Formatter(
+                f"tandem {process} %(asctime)s %(levelname)s %(name)s%(request)s: %(message)s"
+            )
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -30,6 +30,11 @@ def add_bench_parsers(bench_sub) -> None:
         default=None,
         help="at most this many requests in flight (a fixed concurrency)",
     )
+    load.add_argument(
+        "--metrics", default=None, metavar="HOST:PORT",
+        help="the router's metrics address: scrape it and its workers before and after the "
+             "run, compare with the client's figures, save them under --out/server-metrics",
+    )  # fmt: skip
     load.set_defaults(func=cmd_load)  # fmt: skip
 
     sweep = bench_sub.add_parser(
@@ -217,15 +222,28 @@ def load_config(args: argparse.Namespace, **overrides):
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from tandem.bench.load import report
+    from tandem.bench.load import report, server_metrics
     from tandem.bench.load.runner import run
 
     config = load_config(args)
     log.info("load: %s; %s", config.describe(), config.dataset.describe())
-    result = run(config)
+    before: dict[str, str] = {}
+
+    def scrape_before() -> None:  # after the warm-up: only the measured requests count
+        before.update(server_metrics.snapshot(args.metrics))
+
+    if args.metrics:
+        server_metrics.snapshot(args.metrics)  # a wrong address fails now, not after the run
+    result = run(config, scrape_before if args.metrics else None)
     print(report.table(result), flush=True)
+    after = server_metrics.snapshot(args.metrics) if args.metrics else None
+    if after is not None:
+        print(server_metrics.compare(before, after, result.summary), flush=True)
     if args.out:
-        for path in report.write(result, args.out):
+        paths = report.write(result, args.out)
+        if after is not None:
+            paths += server_metrics.write(before, after, args.out)
+        for path in paths:
             log.info("wrote %s", path)
     return 0
 

@@ -18,7 +18,7 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,11 +126,15 @@ class LoadResult:
     summary: Summary
 
 
-def run(config: LoadConfig) -> LoadResult:
-    return asyncio.run(run_async(config))
+def run(config: LoadConfig, before_measured: Callable[[], object] | None = None) -> LoadResult:
+    """``before_measured``: called (in a thread) after the warm-up, before the first
+    measured request (``--metrics`` scrapes the servers there)."""
+    return asyncio.run(run_async(config, before_measured))
 
 
-async def run_async(config: LoadConfig) -> LoadResult:
+async def run_async(
+    config: LoadConfig, before_measured: Callable[[], object] | None = None
+) -> LoadResult:
     async with AsyncTandemClient(
         config.target, timeout=config.timeout_s, **config.connect
     ) as client:
@@ -144,6 +148,8 @@ async def run_async(config: LoadConfig) -> LoadResult:
         if warmup:
             await asyncio.gather(*(_send(client, s, RequestRecord(-1, 0.0, s.input_len,
                                  s.output_len), config) for s in warmup))  # fmt: skip
+        if before_measured is not None:
+            await asyncio.to_thread(before_measured)
         return await _measure(client, config, model, measured)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -19,7 +20,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     config = ClusterConfig(
-        engine=EngineConfig(model="tiny-random", num_blocks=256), threads_per_worker=1
+        engine=EngineConfig(model="tiny-random", num_blocks=256),
+        threads_per_worker=1,
+        metrics=True,
     )
     config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=0))
     with LocalCluster(config, tmp_path_factory.mktemp("loadtest")) as c:
@@ -46,10 +49,22 @@ def test_a_short_load_writes_consistent_outputs(cluster, tmp_path, capsys):
     argv = ["bench", "load", "--target", cluster.address, "--num-requests", "12",
             "--request-rate", "40", "--burstiness", "0.5", "--max-concurrency", "4",
             "--input-len", "uniform:16-48", "--output-len", "uniform:4-12", "--seed", "3",
-            "--slo-ttft-ms", "10000", "--slo-tpot-ms", "10000", "--out", str(out)]  # fmt: skip
+            "--slo-ttft-ms", "10000", "--slo-tpot-ms", "10000", "--out", str(out),
+            "--metrics", cluster.metrics_targets()["router"]]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "12 completed, 0 failed" in table and "SLO attainment 100.0%" in table
+    # The router counted the same run, between its before and after scrapes.
+    assert re.search(r"^server: 12 ok, 0 failed, (\d+) output tokens; TTFT p50", table, re.M)
+    assert re.search(r"^client: 12 ok, 0 failed, (\d+) output tokens", table, re.M)
+    server, client = (re.search(rf"^{w}: .*?, (\d+) output tokens", table, re.M).group(1)
+                      for w in ("server", "client"))  # fmt: skip
+    assert server == client
+    for when in ("before", "after"):
+        saved = sorted(p.name for p in (out / "server-metrics" / when).iterdir())
+        assert len(saved) == 3 and "router.prom" in saved, saved  # and both workers
+        assert "tandem_router_requests_in_flight" in (out / "server-metrics" / when /
+                                                     "router.prom").read_text()  # fmt: skip
 
     summary = json.loads((out / "summary.json").read_text())
     s = summary["summary"]

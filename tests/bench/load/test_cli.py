@@ -73,7 +73,7 @@ def test_the_harness_imports_no_server_code():
     code = (
         "import sys\n"
         "import tandem.bench.load.cli, tandem.bench.load.runner, tandem.bench.load.report\n"
-        "import tandem.bench.load.sweep\n"
+        "import tandem.bench.load.sweep, tandem.bench.load.server_metrics\n"
         f"print([m for m in sys.modules if m.startswith({SERVER_SIDE!r})])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

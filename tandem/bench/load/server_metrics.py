@@ -1,0 +1,67 @@
+"""The servers' side of a load run: ``tandem bench load --metrics ADDRESS``.
+
+Before and after the run, the router's metrics (ADDRESS: its metrics address) and
+every worker's (found from the router's ``tandem_router_worker_info``) are
+scraped. With ``--out`` the texts are saved as ``server-metrics/{before,after}/
+<process>.prom``; either way one comparison is printed under the report's table:
+what the router counted during the run against what the client measured (requests,
+output tokens, TTFT and ITL percentiles from the router's histogram buckets,
+which are bucket-resolution estimates, as Prometheus' ``histogram_quantile`` is).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tandem.bench.load.metrics import Summary
+from tandem.metrics.scrape import buckets, delta, fetch, parse, quantile, total, worker_targets
+
+
+def snapshot(router_address: str) -> dict[str, str]:
+    """Process name ("router", or a worker's id) -> its metrics text, now."""
+    texts = {"router": fetch(router_address)}
+    for address, info in worker_targets(parse(texts["router"])).items():
+        texts[info.labels.get("worker_id") or address] = fetch(address)
+    return texts
+
+
+def write(before: dict[str, str], after: dict[str, str], out: str | Path) -> list[Path]:
+    paths = []
+    for when, texts in (("before", before), ("after", after)):
+        folder = Path(out) / "server-metrics" / when
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            path = folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.prom"
+            path.write_text(text)
+            paths.append(path)
+    return paths
+
+
+def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> str:
+    """Two lines: the router's counts over the run, and the client's same figures."""
+    b, a = parse(before["router"]), parse(after["router"])
+
+    def moved(name: str, **labels: str) -> float:
+        return total(a, name, **labels) - total(b, name, **labels)
+
+    percentiles = []
+    for label, metric in (("TTFT", "tandem_router_time_to_first_token_seconds"),
+                          ("ITL", "tandem_router_inter_token_latency_seconds")):  # fmt: skip
+        counts = delta(buckets(a, metric), buckets(b, metric))
+        p50, p99 = quantile(0.5, counts), quantile(0.99, counts)
+        percentiles.append(f"{label} p50 {_ms(p50)} p99 {_ms(p99)}")
+    ok = moved("tandem_router_requests_total", code="OK")
+    failed = moved("tandem_router_requests_total") - ok
+    server = (f"server: {ok:.0f} ok, {failed:.0f} failed, "
+              f"{moved('tandem_router_generation_tokens_total'):.0f} output tokens; "
+              + ", ".join(percentiles) + " (router histograms)")  # fmt: skip
+    c = client
+    ours = (f"client: {c.completed} ok, {c.failed} failed, {c.output_tokens} output tokens; "
+            f"TTFT p50 {c.ttft_ms.median:.0f} ms p99 {c.ttft_ms.p99:.0f} ms, "
+            f"ITL p50 {c.itl_ms.median:.0f} ms p99 {c.itl_ms.p99:.0f} ms")  # fmt: skip
+    return server + "\n" + ours
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"

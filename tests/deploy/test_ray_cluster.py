@@ -39,6 +39,7 @@ ray:
   router: {num_cpus: 0.5}
   monitor_interval_s: 0.5
   drain_timeout_s: 30
+  metrics: true
 """
 
 
@@ -61,7 +62,8 @@ class Deployment:
         self.home.mkdir()
         self.state_file = tmp / "ray-state.json"
         self.config_file = tmp / "ray.yaml"
-        self.config_file.write_text(CONFIG)
+        self.targets_file = tmp / "targets.json"
+        self.config_file.write_text(CONFIG + f"  metrics_targets_file: {self.targets_file}\n")
         self.router = ""
         self.head_procs: list = []
 
@@ -260,6 +262,33 @@ def test_a_killed_worker_is_restarted_by_ray_and_used_by_the_router_again(dep):
         timeout_s=30,
     )
     assert after[0]["pid"] == now["pid"]
+
+
+def test_metrics_targets_file_follows_the_actors_and_each_target_serves_metrics(dep):
+    import json
+
+    from tandem.metrics.scrape import scrape, total
+
+    def current():
+        st = dep.status()
+        groups = json.loads(dep.targets_file.read_text())
+        named = {g["labels"]["process"]: g["targets"][0] for g in groups}
+        serving = {w["name"]: w["metrics_address"] for w in st["workers"]
+                   if w["state"] == "serving"}  # fmt: skip
+        want = {"router": st["router_metrics"], **serving}
+        return named == want and all(want.values()) and (named, st)
+
+    # The restarted decode worker's new address included (the controller rewrites the file).
+    named, st = _wait_for(current, "the targets file to list every serving actor", 30)
+    assert st["metrics_targets_file"] == str(dep.targets_file)
+    router = scrape(named.pop("router"))
+    assert total(router, "tandem_router_requests_total", code="OK") >= 3
+    for name, address in named.items():
+        samples = scrape(address)
+        role = "decode" if name.startswith("decode") else "prefill"
+        assert total(samples, "tandem_worker_kv_blocks_capacity", role=role) == 256, name
+    out = _tandem("ray", "status", "--state-file", str(dep.state_file), home=dep.home)
+    assert str(dep.targets_file) in out.stdout and "metrics" in out.stdout
 
 
 def test_status_cli_then_down_leaves_no_tandem_actors_and_no_processes(dep):

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tandem import logs
 from tandem.config import RouterConfig
 from tandem.deploy.ray_cluster.config import RayDeployConfig
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
@@ -69,10 +70,8 @@ def _node() -> dict[str, str]:
     }
 
 
-def _setup_process() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
-    )
+def _setup_process(process: str) -> None:
+    logs.configure(process)  # request ids on every line, as in a local cluster
     ucx_env_defaults()
 
 
@@ -87,7 +86,7 @@ class WorkerActor:
         controller: str | None = None,
         credentials: ClusterCredentials | None = None,
     ) -> None:
-        _setup_process()
+        _setup_process(pool)
         self.pool, self.name = pool, name
         self.node = _node()
         worker_config = config.worker_config(pool, host=self.node["node_ip"])
@@ -120,6 +119,7 @@ class WorkerActor:
             "pool": self.pool,
             "address": self.server.address,
             "kv_address": self.server.kv_address,
+            "metrics_address": self.server.metrics_address or "",
             "incarnation": self.incarnation,
             "started_at": self.started_at,
             "draining": self.draining,
@@ -148,7 +148,7 @@ class RouterActor:
     """The router's server. Membership changes arrive as actor calls from the controller."""
 
     def __init__(self, config: RouterConfig, credentials: ClusterCredentials | None = None):
-        _setup_process()
+        _setup_process("router")
         from tandem.router.server import Router
 
         self.node = _node()
@@ -158,11 +158,14 @@ class RouterActor:
         host = config.host
         advertised = self.node["node_ip"] if host in ("", "0.0.0.0", "::", "[::]") else host
         self.address = f"{advertised}:{self.router.port}"
+        metrics = self.router.metrics_address
+        self.metrics_address = f"{advertised}:{metrics.rsplit(':', 1)[1]}" if metrics else ""
         self.incarnation = uuid.uuid4().hex
         log.info("router serving on %s", self.address)
 
     def info(self) -> dict[str, Any]:
-        return {"address": self.address, "incarnation": self.incarnation, **self.node}
+        return {"address": self.address, "metrics_address": self.metrics_address,
+                "incarnation": self.incarnation, **self.node}  # fmt: skip
 
     def add_worker(self, pool: str, address: str) -> None:
         self._loop.call(lambda: self.router.add_worker(pool, address))

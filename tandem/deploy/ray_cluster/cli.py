@@ -126,7 +126,8 @@ def format_status(st: dict[str, Any]) -> str:
     t = st["targets"]
     ctrl = st.get("controller", {})
     lines = [
-        f"router  {st['router']} (node {st['router_node']})",
+        f"router  {st['router']} (node {st['router_node']})"
+        + (f"  metrics {st['router_metrics']}" if st.get("router_metrics") else ""),
         f"controller pid {ctrl.get('pid', '-')} on node {ctrl.get('node_id', '-')[:12]}",
         f"targets prefill={t['prefill']} decode={t['decode']}  "
         f"autoscale={'on' if st['autoscale'] else 'off'}",
@@ -148,6 +149,9 @@ def format_status(st: dict[str, Any]) -> str:
     for pool, p in st.get("pools", {}).items():
         if p["waiting"]:
             lines.append(f"{pool}: {p['serving']} of {p['target']} serving; {p['waiting']}")
+    if st.get("metrics_targets_file"):
+        lines += ["", f"metrics: Prometheus file_sd targets in {st['metrics_targets_file']} "
+                      f"(on the controller's node); tandem top --file it"]  # fmt: skip
     if st.get("events"):
         lines += ["", "recent events:"] + [f"  {e}" for e in st["events"][-8:]]
     return "\n".join(lines)

@@ -15,6 +15,8 @@ YAML (every section optional; role sections are the same as for ``tandem serve``
       decode:  {replicas: 2, num_cpus: 8, num_gpus: 1, resources: {decode: 1}}
       router:  {num_cpus: 1}                    # on the head node unless resources are given
       autoscale: {enabled: true, prefill: {max_replicas: 8, target: 2}, ...}
+      metrics: true                             # every actor serves Prometheus metrics;
+      metrics_targets_file: /etc/prometheus/tandem.json   # kept current by the controller
 
 Placement: each worker asks for ``num_cpus``, ``num_gpus`` and its pool's custom
 resources, so an operator dedicates node types to a pool by giving those nodes
@@ -125,6 +127,12 @@ class RayDeployConfig:
     monitor_interval_s: float = 1.0  # how often the controller checks its actors
     drain_timeout_s: float = 30.0  # a worker removed by scale-down finishes its requests in this
     request_nodes: bool = True  # tell Ray's autoscaler the pools' resource needs
+    # Every router and worker actor serves Prometheus metrics on a free port (a role
+    # section's own metrics_port wins), and the controller keeps a file_sd targets file
+    # current on its node (the head): metrics_targets_file, default
+    # <tmp>/tandem-<namespace>-targets.json. `tandem ray status` names it.
+    metrics: bool = False
+    metrics_targets_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.namespace:
@@ -155,9 +163,25 @@ class RayDeployConfig:
         threads = max(1, int(self.pool(pool).num_cpus))
         engine = dataclasses.replace(self.engine, num_threads=self.engine.num_threads or threads)
         where = {"engine": engine, "host": host, "port": 0, "cluster": self.cluster}
+        role = self.prefill if pool == "prefill" else self.decode
+        where.update(self._metrics(role))
         if pool == "prefill":
-            return dataclasses.replace(self.prefill, **where)
-        return dataclasses.replace(self.decode, **where, kv_port=0)
+            return dataclasses.replace(role, **where)
+        return dataclasses.replace(role, **where, kv_port=0)
+
+    def _metrics(self, role) -> dict[str, Any]:
+        if self.metrics and role.metrics_port is None:
+            return {"metrics_port": 0}
+        return {}
+
+    @property
+    def targets_file(self) -> str:
+        """Where the controller writes the Prometheus file_sd targets (its own node)."""
+        import tempfile
+        from pathlib import Path
+
+        default = Path(tempfile.gettempdir()) / f"tandem-{self.namespace}-targets.json"
+        return self.metrics_targets_file or str(default)
 
     def router_config(self) -> RouterConfig:
         return dataclasses.replace(
@@ -167,6 +191,7 @@ class RayDeployConfig:
             prefill_workers=(),
             decode_workers=(),
             cluster=self.cluster,
+            **self._metrics(self.router),
         )
 
 

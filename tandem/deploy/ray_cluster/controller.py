@@ -57,7 +57,7 @@ from tandem.deploy.ray_cluster.state import (
     _why,
     _Worker,
 )
-from tandem.deploy.ray_cluster.status import status_report
+from tandem.deploy.ray_cluster.status import status_report, write_targets
 from tandem.errors import ConfigError
 from tandem.security.cluster import ClusterCredentials
 
@@ -80,6 +80,7 @@ class Controller:
         self.router_info: dict[str, Any] = {}
         self.autoscaler = Autoscaler(config.autoscale, config.pools)
         self.events: deque[str] = deque(maxlen=50)  # recent membership changes, for status
+        self.targets_written: list | None = None  # the metrics targets file's last contents
         self._next_id = 0  # worker names are <pool>-<n>, never reused
         self._lock: asyncio.Lock | None = None  # made on the actor's event loop
         self._tasks: list[asyncio.Task] = []
@@ -106,6 +107,8 @@ class Controller:
         failed = await self._reconcile()
         if failed:
             raise NotStarted("; ".join(failed))
+        if self.config.metrics:
+            write_targets(self)
         self._start_loops()
         return self.router_info["address"]
 
@@ -244,6 +247,8 @@ class Controller:
         )
         if self.config.request_nodes:
             self._request_capacity(empty=True)
+        if self.config.metrics:
+            write_targets(self, stopped=True)
         recovery.forget(self.config.namespace)
         self._event("shut down")
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tandem.deploy.autoscale import POOLS
 from tandem.deploy.ray_cluster import membership
 from tandem.deploy.ray_cluster.state import _log_crash
+from tandem.deploy.ray_cluster.status import write_targets
 
 if TYPE_CHECKING:
     from tandem.deploy.ray_cluster.controller import Controller
@@ -66,6 +67,8 @@ async def monitor_once(ctrl: Controller) -> None:
         if w.state == "serving" and w.answering and w.routed != w.address
     ]
     await asyncio.gather(*(membership.sync_router(ctrl, w) for w in owed))
+    if ctrl.config.metrics:
+        write_targets(ctrl)
     if _short(ctrl) and (ctrl._top_up is None or ctrl._top_up.done()):
         # Replacements, or a start that failed before. In the background: a start may
         # take ``startup_timeout_s``, and the stats and the router need watching

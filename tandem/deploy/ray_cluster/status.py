@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.deploy.autoscale import POOLS
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tandem.deploy.ray_cluster.controller import Controller
@@ -18,6 +23,7 @@ def status_report(ctrl: Controller, router_view: list[dict[str, Any]]) -> dict[s
         "router": ctrl.router_info.get("address", ""),
         "router_node": ctrl.router_info.get("node_ip", ""),
         "router_pid": ctrl.router_info.get("pid"),
+        "router_metrics": ctrl.router_info.get("metrics_address", ""),
         "targets": dict(ctrl.targets),
         "autoscale": ctrl.config.autoscale.enabled,
         "workers": [
@@ -32,8 +38,40 @@ def status_report(ctrl: Controller, router_view: list[dict[str, Any]]) -> dict[s
             for w in workers
         ],  # fmt: skip
         "router_workers": router_view,  # the router's own membership and health
+        "metrics_targets_file": ctrl.config.targets_file if ctrl.config.metrics else "",
         "events": list(ctrl.events),
     }
+
+
+def metrics_targets(ctrl: Controller) -> list[dict[str, Any]]:
+    """Prometheus file_sd groups: the router and every serving worker with a metrics
+    address, labelled by process name and role (as the local launcher's file)."""
+    groups = []
+    if ctrl.router_info.get("metrics_address"):
+        groups.append({"targets": [ctrl.router_info["metrics_address"]],
+                       "labels": {"process": "router", "role": "router"}})  # fmt: skip
+    for w in sorted(ctrl.workers.values(), key=lambda w: w.name):
+        address = w.info.get("metrics_address")
+        if w.state == "serving" and address:
+            groups.append({"targets": [address], "labels": {"process": w.name, "role": w.pool}})
+    return groups
+
+
+def write_targets(ctrl: Controller, stopped: bool = False) -> None:
+    """Rewrite the targets file when membership changed (atomically: Prometheus may read
+    it at any moment); ``stopped``: the deployment is gone, no targets."""
+    groups = [] if stopped else metrics_targets(ctrl)
+    if groups == ctrl.targets_written:
+        return
+    path = Path(ctrl.config.targets_file)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(groups, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot write the metrics targets file %s: %s", path, exc)
+        return
+    ctrl.targets_written = groups
 
 
 def _pools(ctrl: Controller) -> dict[str, dict[str, Any]]:

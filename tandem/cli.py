@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the router also serves the OpenAI-compatible HTTP API here (0: a free port)",
+    )
     serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     serve.add_argument(
         "--metrics",
@@ -366,7 +372,9 @@ def serve_config(args: argparse.Namespace):
                                            "mode": mode}  # fmt: skip
         values["router"] = router_values
     cfg = cluster_config(values, where=args.config or "")
-    router = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    given = (("host", args.host), ("port", args.port),
+             ("http_port", getattr(args, "http_port", None)))  # fmt: skip
+    router = {k: v for k, v in given if v is not None}
     router.update(router_security_settings(args))
     if args.model is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=args.model))
@@ -415,6 +423,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         print(f"tandem: serving {config.engine.model} on {address}", flush=True)
+        if cluster.http_address:
+            scheme = "https" if config.router.tls_cert_file else "http"
+            print(f"tandem: OpenAI-compatible API on {scheme}://{cluster.http_address}/v1",
+                  flush=True)  # fmt: skip
         for name, target in cluster.metrics_targets().items():
             print(f"tandem: {name} metrics on http://{target}/metrics", flush=True)
         if cluster.metrics_targets():

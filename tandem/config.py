@@ -241,6 +241,9 @@ class RouterConfig:
     port: int = 50051
     # Prometheus metrics over HTTP on ``host`` (tandem/metrics/); 0: a free port; None: off.
     metrics_port: int | None = None
+    # The OpenAI-compatible HTTP API on ``host`` (tandem/router/http/), same TLS and keys
+    # as the gRPC port; 0: a free port; None: off.
+    http_port: int | None = None
     prefill_workers: tuple[str, ...] = ()  # "host:port" gRPC addresses
     decode_workers: tuple[str, ...] = ()
     # The router's credentials as a cluster member: mutual TLS to the workers.
@@ -323,6 +326,9 @@ class RouterConfig:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         check_metrics_port(self.metrics_port)
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port must be in [0, 65535] (0: any free port), got "
+                              f"{self.http_port}")  # fmt: skip
         if self.status_interval_s <= 0 or self.worker_timeout_s <= 0:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
         if self.queue_timeout_s < 0:

@@ -150,6 +150,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[_Process] = []
         self.address: str | None = None
+        self.http_address: str | None = None  # the router's OpenAI-compatible API, if on
         self._lifeline: Lifeline | None = None  # open from start() to the end of stop()
         self._own_credentials: Path | None = None  # the throw-away set's directory
         self.security = ClusterSecurityConfig()  # what every process got (set by start)
@@ -203,6 +204,8 @@ class LocalCluster:
             self.stop()
             raise
         self.address = router.ready["grpc"]
+        http = router.ready.get("http", "-")
+        self.http_address = None if http == "-" else http
         if self.metrics_targets():
             self._write_targets()
         return self.address

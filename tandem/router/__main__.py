@@ -7,11 +7,12 @@
         --tls-cert router.pem --tls-key router-key.pem --api-keys-file keys.txt
 
 Flags override the YAML (a mapping of ``RouterConfig`` fields). Prints
-``READY router grpc=HOST:PORT metrics=HOST:PORT|-`` on stdout once it serves; on SIGTERM or SIGINT
-it stops accepting, drains in-flight requests for up to ``drain_timeout_s`` and
-exits 0. A bad setting exits 2 with the setting named, and so does a host that
-is not loopback without TLS and authentication (API keys or a client CA) unless
-``--insecure`` is given (tandem/router/public_port.py).
+``READY router grpc=HOST:PORT metrics=HOST:PORT|- http=HOST:PORT|-`` on stdout
+once it serves; on SIGTERM or SIGINT it stops accepting, drains in-flight
+requests for up to ``drain_timeout_s`` and exits 0. A bad setting exits 2 with
+the setting named, and so does a host that is not loopback without TLS and
+authentication (API keys or a client CA) unless ``--insecure`` is given
+(tandem/router/public_port.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--metrics-port", type=int, help="Prometheus metrics (0: a free port)")
+    parser.add_argument("--http-port", type=int, help="OpenAI-compatible API (0: a free port)")
     parser.add_argument("--prefill", action="append", help="prefill worker host:port (repeat)")
     parser.add_argument("--decode", action="append", help="decode worker host:port (repeat)")
     parser.add_argument("--placement", help="least-loaded or round-robin")
@@ -52,6 +54,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         "host": args.host,
         "port": args.port,
         "metrics_port": args.metrics_port,
+        "http_port": args.http_port,
         "prefill_workers": tuple(args.prefill) if args.prefill else None,
         "decode_workers": tuple(args.decode) if args.decode else None,
         "placement": args.placement,
@@ -68,8 +71,8 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"READY router grpc={router.address} metrics={router.metrics_address or '-'}",
-          flush=True)  # fmt: skip
+    print(f"READY router grpc={router.address} metrics={router.metrics_address or '-'} "
+          f"http={router.http_address or '-'}", flush=True)  # fmt: skip
     await stop.wait()
     log.info("draining (up to %g s)", config.drain_timeout_s)
     await router.stop()

@@ -28,6 +28,7 @@ from tandem.router.admission import Admission
 from tandem.router.auth import AuthInterceptor
 from tandem.router.disaggregation import PrefillRouting
 from tandem.router.frontend import Frontend
+from tandem.router.gateway import Gateway
 from tandem.router.placement import Pool, make_policy
 from tandem.router.public_port import PublicPort
 from tandem.router.registry import WorkerRegistry
@@ -73,6 +74,8 @@ class Router:
         )
         self.metrics.watch(self.registry.workers, self.relay)
         self._metrics_endpoint: MetricsEndpoint | None = None
+        self._http = None  # the OpenAI-compatible API (http/server.py), when http_port is set
+        self._ready = False  # the Tandem service's health, for the HTTP /health
         self.port: int | None = None
         self._owns_frontend = False
         self._server: grpc.aio.Server | None = None
@@ -90,6 +93,11 @@ class Router:
         """Where Prometheus scrapes the router ("host:port"), or None when off."""
         return self._metrics_endpoint.address if self._metrics_endpoint else None
 
+    @property
+    def http_address(self) -> str | None:
+        """The OpenAI-compatible HTTP API's "host:port", or None when off."""
+        return self._http.address if self._http is not None else None
+
     async def start(self) -> None:
         public = PublicPort.load(self.config)  # first: a bad setting starts nothing
         if self.frontend is None:
@@ -97,6 +105,7 @@ class Router:
             self._owns_frontend = True
         else:
             self.frontend = self.frontend.with_limits(self.config)
+        self.gateway = Gateway(self.frontend, self.admission, self.relay, self.metrics)
         for address in self.config.prefill_workers:
             self.registry.add_worker(Pool.PREFILL, address)
         for address in self.config.decode_workers:
@@ -110,9 +119,7 @@ class Router:
             ],
             interceptors=[AuthInterceptor(public.keys)] if public.keys else None,
         )
-        tandem_pb2_grpc.add_TandemServicer_to_server(
-            TandemService(self.frontend, self.admission, self.relay, self.metrics), server
-        )
+        tandem_pb2_grpc.add_TandemServicer_to_server(TandemService(self.gateway), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -140,6 +147,16 @@ class Router:
                 await self.registry.stop()
                 raise
             self._metrics_endpoint = endpoint
+        if self.config.http_port is not None:
+            from tandem.router.http.server import HttpApi
+
+            self._http = HttpApi(self.gateway, public.keys, lambda: self._ready)
+            try:
+                await self._http.start(self.config, self.config.http_port)
+            except ConfigError:
+                self._http = None
+                await self.registry.stop()
+                raise
         await server.start()
         self._server = server
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -163,6 +180,7 @@ class Router:
         the decode pool, and the prefill pool unless decode workers may prefill."""
         pools = [Pool.DECODE] + [Pool.PREFILL] * self.relay.routing.needs_prefill_pool
         ready = all(self.registry.placeable(pool) for pool in pools)
+        self._ready = ready and self._server is not None
         status = health_pb2.HealthCheckResponse
         if self._health is not None and self._server is not None:
             await self._health.set(SERVICE_NAME, status.SERVING if ready else status.NOT_SERVING)
@@ -176,11 +194,13 @@ class Router:
     async def stop(self, grace: float | None = None) -> None:
         """Drains in-flight requests for up to ``grace`` seconds (None: the configured drain)."""
         if self._server is not None:
+            self._ready = False
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
             grace = self.config.drain_timeout_s if grace is None else grace
-            await self._server.stop(grace)
-            self._server = None
+            http = self._http.stop(grace) if self._http is not None else asyncio.sleep(0)
+            await asyncio.gather(self._server.stop(grace), http)  # both drain at once
+            self._server = self._http = None
         await self.registry.stop()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()

@@ -68,7 +68,16 @@ def add_bench_parsers(bench_sub) -> None:
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
     from tandem.client.flags import add_client_flags
 
-    p.add_argument("--target", required=True, metavar="HOST:PORT", help="a Tandem router")
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="HOST:PORT",
+        help="a Tandem router's gRPC address; with --api openai, the server's "
+        "base URL (http://HOST:PORT)",
+    )
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: Tandem's API (default); openai: any OpenAI-compatible HTTP "
+                        "server (Tandem's --http-port, vLLM, SGLang, ...)")  # fmt: skip
     add_client_flags(p)
     g = p.add_argument_group("arrivals")
     g.add_argument(
@@ -203,6 +212,7 @@ def load_config(args: argparse.Namespace, **overrides):
         num_requests = 100
     values = dict(
         target=args.target,
+        api=args.api,
         request_rate=getattr(args, "request_rate", math.inf),
         burstiness=args.burstiness,
         max_concurrency=getattr(args, "max_concurrency", None),

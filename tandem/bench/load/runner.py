@@ -62,7 +62,8 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    target: str  # HOST:PORT of a router
+    target: str  # HOST:PORT of a router (api openai: the server's base URL)
+    api: str = "grpc"  # grpc: Tandem's API; openai: any OpenAI-compatible HTTP server
     request_rate: float = math.inf  # requests/s; inf: all at once (pace set by concurrency)
     burstiness: float = 1.0  # gamma shape; 1 is Poisson
     max_concurrency: int | None = None
@@ -80,6 +81,8 @@ class LoadConfig:
     connect: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api not in ("grpc", "openai"):
+            raise InvalidRequestError("api", f"--api must be grpc or openai, got {self.api!r}")
         arrivals.validate(self.request_rate, self.burstiness)
         if (self.num_requests is None) == (self.duration_s is None):
             raise InvalidRequestError("num_requests", "give one of --num-requests or --duration")
@@ -135,9 +138,11 @@ def run(config: LoadConfig, before_measured: Callable[[], object] | None = None)
 async def run_async(
     config: LoadConfig, before_measured: Callable[[], object] | None = None
 ) -> LoadResult:
-    async with AsyncTandemClient(
-        config.target, timeout=config.timeout_s, **config.connect
-    ) as client:
+    if config.api == "openai":
+        from tandem.bench.load.openai_api import OpenAIClient as client_cls
+    else:
+        client_cls = AsyncTandemClient
+    async with client_cls(config.target, timeout=config.timeout_s, **config.connect) as client:
         try:
             model = await client.model_info(timeout=min(config.timeout_s, 30.0))
         except TandemClientError as exc:

@@ -24,7 +24,8 @@ def cluster(tmp_path_factory):
         threads_per_worker=1,
         metrics=True,
     )
-    config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=0))
+    router = dataclasses.replace(config.router, port=0, http_port=0)
+    config = dataclasses.replace(config, router=router)
     with LocalCluster(config, tmp_path_factory.mktemp("loadtest")) as c:
         yield c
 
@@ -152,3 +153,39 @@ def test_capacity_stops_at_the_first_point_below_target():
     assert sweep.capacity_index(points, 0.9) == 1  # 8 req/s recovering does not count
     assert sweep.capacity_index(points[2:], 0.9) is None
     assert sweep.capacity_index([point(1, None)], 0.9) is None
+
+
+def test_the_openai_api_and_grpc_measure_the_same_run_alike(cluster, tmp_path, capsys):
+    """One harness, two APIs of one cluster: the same requests, tokens and SLO count."""
+    common = ["--num-requests", "8", "--max-concurrency", "2", "--input-len", "uniform:16-40",
+              "--output-len", "6", "--seed", "5", "--quiet"]  # fmt: skip
+    summaries = {}
+    for api, target in (("grpc", cluster.address), ("openai", f"http://{cluster.http_address}")):
+        out = tmp_path / api
+        assert main(["bench", "load", "--api", api, "--target", target, *common,
+                     "--out", str(out)]) == 0  # fmt: skip
+        summaries[api] = json.loads((out / "summary.json").read_text())["summary"]
+    capsys.readouterr()
+    grpc_s, http_s = summaries["grpc"], summaries["openai"]
+    for key in ("num_requests", "completed", "failed", "input_tokens", "output_tokens"):
+        assert grpc_s[key] == http_s[key], key
+    assert http_s["completed"] == 8 and http_s["output_tokens"] == 48
+    assert http_s["ttft_ms"]["median"] > 0 and http_s["itl_ms"]["median"] > 0
+
+
+def test_without_a_tokenize_endpoint_prompts_are_counted_by_usage(cluster):
+    import asyncio
+
+    from tandem.bench.load.openai_api import OpenAIClient
+
+    async def counts():
+        async with OpenAIClient(cluster.http_address) as client:
+            info = await client.model_info()
+            fast = await client.tokenize(prompt="hello there, general")
+            client._tokenize_endpoint = False  # as against a server with no /tokenize
+            slow = await client.tokenize(prompt="hello there, general")
+            return info, len(fast), len(slow)
+
+    info, fast, slow = asyncio.run(counts())
+    assert info.model_id == "tiny-random" and info.context_length > 1000
+    assert fast == slow > 0

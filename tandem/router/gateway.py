@@ -1,0 +1,90 @@
+"""The one path a generation takes through the router, whatever API it came in by.
+
+    key's rate → the checks that need no tokenizer (InvalidRequestError, nothing
+    allocated) → admission, per key and for the router (RESOURCE_EXHAUSTED beyond
+    a bound) → tokenizing off the event loop and the context-length check →
+    ``Relay.generate``, whose responses are yielded as they come
+
+The gRPC service (service.py) and the OpenAI-compatible HTTP API (http/) both
+call ``Gateway.generate`` with a ``tandem.v1.GenerateRequest``, so both get the
+same validation, limits, placement, metrics and request-id logging; each maps
+the errors to its own wire (gRPC status, HTTP status). Closing the generator
+(a client that cancels or disconnects) cancels the worker calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from tandem import logs
+from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.errors import InvalidRequestError
+from tandem.metrics import RouterMetrics
+from tandem.router.admission import Admission
+from tandem.router.auth import ApiKey
+from tandem.router.errors import RouterError
+from tandem.router.frontend import Frontend
+from tandem.router.relay import Relay
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(
+        self, frontend: Frontend, admission: Admission, relay: Relay, metrics: RouterMetrics
+    ) -> None:
+        self.frontend = frontend
+        self.admission = admission
+        self.relay = relay
+        self.metrics = metrics
+
+    async def generate(
+        self,
+        request: tandem_pb2.GenerateRequest,
+        key: ApiKey | None,
+        timeout: float | None,
+    ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        """``timeout``: the client's remaining seconds (None: no deadline). Raises
+        InvalidRequestError or RouterError; either way the request is counted."""
+        request_id = ""
+        track = self.metrics.track()
+        code, reason = "OK", ""
+        try:
+            self.admission.check_rate(key)
+            checked = self.frontend.check(request)
+            request_id = checked.request_id
+            logs.request_id.set(request_id)  # this task's log lines carry it
+            with self.admission.admit(key):
+                prepared = await self.frontend.prepare(checked)
+                stream = self.relay.generate(prepared, timeout, track.arrived)
+                async with aclosing(stream):
+                    async for response in stream:
+                        track.response(response)
+                        yield response
+        except InvalidRequestError:
+            code = "INVALID_ARGUMENT"
+            raise
+        except RouterError as exc:
+            code, reason = exc.code.name, exc.reason
+            who = f" (key {key.name})" if key is not None else ""
+            log.info("request %s%s failed: %s: %s", request_id or "-", who, exc.code.name,
+                     exc.message)  # fmt: skip
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled or timed out
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            track.end(code, reason)
+
+    async def tokenize(self, request, key: ApiKey | None) -> list[int]:
+        """The token ids of a ``GenerateRequest``'s or ``TokenizeRequest``'s input."""
+        self.admission.check_rate(key)
+        text = self.frontend.check_input(request)
+        with self.admission.admit(key):
+            return await self.frontend.encode(text)

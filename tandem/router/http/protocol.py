@@ -1,0 +1,248 @@
+"""OpenAI's request and response shapes, mapped onto ``tandem.v1``.
+
+A chat or completions body becomes a ``GenerateRequest`` (the router's one
+request path then checks its values as it does for gRPC); responses are built
+from ``GenerateResponse``s in OpenAI's exact shapes. What is checked here is
+only what ``tandem.v1`` cannot express: JSON types, ``model``, ``n``, the
+choice between ``max_tokens`` and ``max_completion_tokens``, the content-part
+form of chat messages. Unknown fields are ignored, as OpenAI does; ``user`` is
+accepted and ignored. Errors are ``ApiError``: an HTTP status and OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tandem._proto.tandem.v1 import tandem_pb2
+
+FINISH = {tandem_pb2.FINISH_REASON_STOP: "stop", tandem_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type, code,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+def bad(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A request body, checked and mapped."""
+
+    chat: bool
+    request: tandem_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+    max_tokens_param: str  # which name the client used, for error messages
+
+
+_NUMBER = (int, float)
+_TYPES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+          list: "an array", dict: "an object"}  # fmt: skip
+
+
+def _field(body: dict, name: str, kind: type, where: str = "") -> Any:
+    """``body[name]`` if present and not null, of JSON type ``kind`` (float: any number)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, _NUMBER) if kind is float else isinstance(value, kind)
+    if isinstance(value, bool) and kind is not bool:
+        ok = False  # JSON true is not a number
+    if not ok:
+        raise bad(where + name, f"{where + name} must be {_TYPES[kind]}, got "
+                                f"{type(value).__name__} {_short(value)}")  # fmt: skip
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def parse(body: Any, chat: bool, model_id: str) -> Parsed:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    model = _field(body, "model", str)
+    if model is None:
+        raise bad("model", "model is required")
+    if model != model_id:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{model_id}`)", "model", code="model_not_found")  # fmt: skip
+    n = _field(body, "n", int)
+    if n is not None and n != 1:
+        raise bad("n", f"n must be 1 (one choice per request), got {n}")
+    request = tandem_pb2.GenerateRequest(request_id=uuid.uuid4().hex)
+    if chat:
+        _messages(body, request)
+    else:
+        _prompt(body, request)
+    param = _sampling(body, request.sampling, chat)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad("logprobs", "logprobs are not supported by this server yet")
+    stream = bool(_field(body, "stream", bool))
+    options = _field(body, "stream_options", dict) or {}
+    include_usage = bool(_field(options, "include_usage", bool, "stream_options."))
+    return Parsed(chat, request, stream, include_usage, param)
+
+
+def _messages(body: dict, request: tandem_pb2.GenerateRequest) -> None:
+    messages = _field(body, "messages", list)
+    if messages is None:
+        raise bad("messages", "messages is required")
+    request.chat.SetInParent()  # an empty list stays a chat (the router then says why)
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]."
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object")
+        role = _field(m, "role", str, where)
+        if role is None:
+            raise bad(where + "role", f"{where}role is required")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(f"{where}content[{j}]", f"{where}content[{j}] must be a text "
+                              "part ({\"type\": \"text\", \"text\": ...}): this model reads "
+                              "text only")  # fmt: skip
+                texts.append(_field(part, "text", str, f"{where}content[{j}].") or "")
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad(where + "content", f"{where}content must be a string or an array of "
+                                         "text parts")  # fmt: skip
+        request.chat.messages.add(role=role, content=content or "")
+
+
+def _prompt(body: dict, request: tandem_pb2.GenerateRequest) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise bad("prompt", "prompt must be a string (or an array of exactly one string)")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad("prompt", "prompt is required and must be a string")
+    request.prompt = prompt
+
+
+def _sampling(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> str:
+    """Fills ``s``; returns the name the client gave the token limit."""
+    param = "max_tokens"
+    limit = _field(body, "max_tokens", int)
+    if chat and body.get("max_completion_tokens") is not None:
+        limit, param = _field(body, "max_completion_tokens", int), "max_completion_tokens"
+    if limit is not None:
+        s.max_tokens = _int32(param, limit)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = _field(body, name, float)
+        if value is not None:
+            setattr(s, name, value)
+    top_k = _field(body, "top_k", int)
+    if top_k is not None:
+        s.top_k = max(0, _int32("top_k", top_k))  # vLLM's -1 means off, as 0 does here
+    seed = _field(body, "seed", int)
+    if seed is not None:
+        if not -(2**63) <= seed < 2**63:
+            raise bad("seed", f"seed must fit in 64 bits, got {seed}")
+        s.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise bad("stop", "stop must be a string or an array of strings")
+        s.stop.extend(stop)
+    if _field(body, "ignore_eos", bool):
+        s.ignore_eos = True
+    return param
+
+
+def _int32(name: str, value: int) -> int:
+    if not -(2**31) <= value < 2**31:
+        raise bad(name, f"{name} must be a 32-bit integer, got {value}")
+    return value
+
+
+def param_of(field: str, parsed: Parsed | None) -> str:
+    """A tandem.v1 field name (an InvalidRequestError's) as the client named it."""
+    if field.startswith("chat.messages"):
+        return field.removeprefix("chat.")
+    if field == "input":
+        return "messages" if parsed is None or parsed.chat else "prompt"
+    if field == "max_tokens" and parsed is not None:
+        return parsed.max_tokens_param
+    return field
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class Shaper:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, parsed: Parsed, model: str) -> None:
+        self.chat = parsed.chat
+        self.model = model
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        self.id = prefix + parsed.request.request_id
+        self.created = int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def complete(self, text: str, finish: int, usage: tandem_pb2.Usage) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": FINISH.get(finish)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._base(self.object), "choices": [choice], "usage": usage_json(usage)}
+
+    def chunk(self, text: str, finish: int = 0, role: bool = False) -> dict[str, Any]:
+        """One streamed choice delta (chat: the first has ``role`` and empty content;
+        the last has finish_reason, and content only if it brings text)."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": FINISH.get(finish)}  # fmt: skip
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+            obj = "chat.completion.chunk"
+        else:
+            choice["text"] = text
+            obj = "text_completion"
+        return {**self._base(obj), "choices": [choice]}
+
+    def usage_chunk(self, usage: tandem_pb2.Usage) -> dict[str, Any]:
+        """``stream_options.include_usage``: the last chunk, with no choices."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage_json(usage)}
+
+
+def usage_json(usage: tandem_pb2.Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}  # fmt: skip

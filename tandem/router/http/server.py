@@ -1,0 +1,296 @@
+"""The OpenAI-compatible HTTP API, served by the router process next to gRPC.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET /health (no key needed)  GET /metrics (the router's Prometheus metrics)
+
+Why this stack: Starlette (the ASGI toolkit FastAPI is built on; small, typed,
+maintained by Encode) served by uvicorn **on the router's own event loop**. A
+request then goes from the HTTP handler to ``Gateway.generate`` — the same
+admission queue, limits, placement and relay as gRPC — and its tokens come back
+through the same asyncio streams, with no thread hop or second process in
+between; one loop keeps one count of what is in flight. FastAPI's pydantic
+models would add a validation layer whose errors are not OpenAI's; the bodies
+are checked in protocol.py instead, with OpenAI's error shape.
+
+Each request: API key (``Authorization: Bearer``, the router's keys; /health is
+exempt) → body → protocol.parse → ``Gateway.generate``. Nothing is sent before
+the first token: errors before it are proper HTTP statuses (400 naming the
+field, 401, 404 for another model, 429 with ``Retry-After``, 503, 504), and a
+failure after it ends the event stream with an ``error`` event. A client that
+disconnects — mid-stream or while waiting for a whole response — cancels the
+request on every worker, as a gRPC cancel does. TLS and client certificates are
+the public port's (``tls_cert_file``, ``tls_key_file``, ``tls_client_ca_file``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tandem.config import RouterConfig
+from tandem.errors import ConfigError, InvalidRequestError
+from tandem.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from tandem.router.errors import RouterError
+from tandem.router.gateway import Gateway
+from tandem.router.http import protocol
+from tandem.router.http.protocol import ApiError, Parsed, Shaper
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
+
+
+class HttpApi:
+    """Starlette app + uvicorn server; ``start`` binds, ``stop`` drains."""
+
+    def __init__(self, gateway: Gateway, keys: ApiKeys | None, ready) -> None:
+        """``ready()``: whether the router can serve now (for /health)."""
+        self.gateway = gateway
+        self.keys = keys
+        self.ready = ready
+        self.started = int(time.time())
+        self.address: str | None = None
+        self._server = None
+        self._task: asyncio.Task | None = None
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ])  # fmt: skip
+
+    # ---- life cycle --------------------------------------------------------------------
+
+    async def start(self, config: RouterConfig, port: int) -> str:
+        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((config.host, port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot serve HTTP on {config.host}:{port} (setting http_port): "
+                              f"{exc}") from exc  # fmt: skip
+        tls = {}
+        if config.tls_cert_file:
+            tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+            if config.tls_client_ca_file:
+                tls.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        server = _Server(uvicorn.Config(
+            self.app, lifespan="off", log_level="warning", access_log=False, **tls,
+        ))  # fmt: skip
+        self._server = server
+        self._task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if self._task.done():  # it failed to start: say why
+                self._task.result()
+                raise ConfigError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        bound = sock.getsockname()[1]
+        host = config.host
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        log.info("OpenAI-compatible HTTP API on %s://%s/v1", "https" if tls else "http",
+                 self.address)  # fmt: skip
+        return self.address
+
+    async def stop(self, grace: float) -> None:
+        """No new connections; open ones get ``grace`` seconds, then are closed."""
+        if self._server is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(grace, 0.001)
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._task
+        self._server = self._task = None
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._key(request)
+        except ApiError as exc:
+            return _error(exc)
+        f = self.gateway.frontend
+        return JSONResponse({"object": "list", "data": [
+            {"id": f.model_id, "object": "model", "created": self.started, "owned_by": "tandem",
+             "max_model_len": f.context_length}  # vLLM's extension: the context length
+        ]})  # fmt: skip
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: a prompt's or chat's token ids as generation sees them."""
+        parsed: Parsed | None = None
+        try:
+            key = self._key(request)
+            body = _json(await request.body())
+            chat = isinstance(body, dict) and "messages" in body
+            parsed = protocol.parse({**body, "max_tokens": 1} if chat else body, chat,
+                                    self.gateway.frontend.model_id)  # fmt: skip
+            ids = await self.gateway.tokenize(parsed.request, key)
+        except (ApiError, InvalidRequestError, RouterError) as exc:
+            return _error(_api_error(exc, parsed))
+        return JSONResponse({"count": len(ids), "max_model_len":
+                             self.gateway.frontend.context_length, "tokens": ids})  # fmt: skip
+
+    async def _health(self, request: Request) -> Response:
+        ok = self.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        registry = self.gateway.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _key(self, request: Request):
+        if self.keys is None:
+            return None
+        header = request.headers.get("authorization", "")
+        key = self.keys.identify([("authorization", header)])
+        if key is None:
+            raise ApiError(401, UNAUTHENTICATED_MESSAGE, None, "authentication_error",
+                           "invalid_api_key")  # fmt: skip
+        return key
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        parsed: Parsed | None = None
+        try:
+            key = self._key(request)
+            body = _json(await request.body())
+            parsed = protocol.parse(body, chat, self.gateway.frontend.model_id)
+            responses = self.gateway.generate(parsed.request, key, None)
+            try:
+                first = await anext(responses)  # errors before the first token: a status
+            except BaseException:
+                await responses.aclose()
+                raise
+        except (ApiError, InvalidRequestError, RouterError) as exc:
+            return _error(_api_error(exc, parsed))
+        shaper = Shaper(parsed, self.gateway.frontend.model_id)
+        if parsed.stream:
+            return StreamingResponse(
+                _events(first, responses, shaper, parsed.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        whole = asyncio.ensure_future(_collect(first, responses))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not whole.done():  # the client left: stop every worker call now
+            whole.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await whole
+            return Response(status_code=499)  # nobody reads it
+        try:
+            text, last = whole.result()
+        except (InvalidRequestError, RouterError) as exc:
+            return _error(_api_error(exc, parsed))
+        return JSONResponse(shaper.complete(text, last.finish_reason, last.usage))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server without its signal handling: the router process owns SIGTERM
+    and SIGINT (it drains gRPC and HTTP together)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def _collect(first, responses) -> tuple[str, object]:
+    parts, last = [first.text], first
+    async with aclosing(responses):
+        async for response in responses:
+            parts.append(response.text)
+            last = response
+    return "".join(parts), last
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _events(first, responses, shaper: Shaper, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; Starlette cancels this (and so the request) on a disconnect."""
+    async with aclosing(responses):
+        if shaper.chat:
+            yield _sse(shaper.chunk("", role=True))
+        response = first
+        while True:
+            if response.text or response.finish_reason:
+                yield _sse(shaper.chunk(response.text, response.finish_reason))
+            if response.finish_reason:
+                if include_usage:
+                    yield _sse(shaper.usage_chunk(response.usage))
+                break
+            try:
+                response = await anext(responses)
+            except StopAsyncIteration:
+                break
+            except (InvalidRequestError, RouterError) as exc:
+                yield _sse(_api_error(exc, None).body())
+                break
+    yield "data: [DONE]\n\n"
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise protocol.bad(None, f"the request body is not valid JSON: {exc}") from None
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _api_error(exc: Exception, parsed: Parsed | None) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        param = protocol.param_of(exc.field, parsed)
+        message = str(exc).replace("chat.messages", "messages")
+        if parsed is not None and parsed.max_tokens_param != "max_tokens":
+            message = message.replace("max_tokens", parsed.max_tokens_param)
+        return ApiError(400, message, param)
+    status = _STATUS.get(exc.code, 500)
+    return ApiError(status, exc.message, None, _TYPE.get(status, "server_error"),
+                    exc.code.name.lower())  # fmt: skip
+
+
+def _error(exc: ApiError) -> Response:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse(exc.body(), exc.status, headers=headers)

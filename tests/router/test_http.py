@@ -1,0 +1,185 @@
+"""The OpenAI-compatible HTTP API against scripted workers: shapes, errors, keys, cancels.
+
+Driven by the official ``openai`` client where it can be (its parsing of our
+bodies is the check), and by plain HTTP (httpx) for what the client hides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
+
+MODEL = "tiny-random"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _client(c, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://{c.router.http_address}/v1",
+                              api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)  # fmt: skip
+
+
+def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:
+            api = _client(c)
+            chat = await api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
+            # The fakes' script: the first token 10, then 11, 12, 13, 14 (length).
+            assert chat.choices[0].message.content == "<10><11><12><13><14>"
+            assert chat.choices[0].finish_reason == "length" and chat.object == "chat.completion"
+            assert chat.usage.completion_tokens == 5
+            assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5
+            assert chat.id.startswith("chatcmpl-") and chat.model == MODEL
+
+            chunks = [
+                ch
+                async for ch in await api.chat.completions.create(
+                    model=MODEL, messages=CHAT, stream=True, stream_options={"include_usage": True}
+                )
+            ]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert text == "<10><11><12><13><14>"
+            finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+            assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+            assert len({ch.id for ch in chunks}) == 1
+
+            done = await api.completions.create(model=MODEL, prompt="hi", max_tokens=5)
+            assert done.object == "text_completion" and done.choices[0].text.startswith("<10>")
+            streamed = [ch async for ch in await api.completions.create(
+                model=MODEL, prompt="hi", stream=True)]  # fmt: skip
+            assert "".join(ch.choices[0].text for ch in streamed) == done.choices[0].text
+            assert all(ch.usage is None for ch in streamed)  # no include_usage: no usage chunk
+
+            models = await api.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ({"max_completion_tokens": 0}, 400, "max_completion_tokens",
+         "max_completion_tokens must be >= 1"),
+        ({"temperature": "hot"}, 400, "temperature", "must be a number"),
+        ({"temperature": -1}, 400, "temperature", "temperature"),
+        ({"n": 2}, 400, "n", "n must be 1"),
+        ({"stop": [1]}, 400, "stop", "array of strings"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
+         "must be one of"),
+        ({"messages": []}, 400, "messages", "must not be empty"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages[0].content[0]", "text part"),
+        ({"model": "gpt-9"}, 404, "model", "does not exist"),
+        ({"stream": "yes"}, 400, "stream", "must be a boolean"),
+    ],
+)  # fmt: skip
+def test_bad_requests_name_the_field_in_openais_error_body(frontend, body, status, param, words):
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                r = await http.post("/v1/chat/completions",
+                                    json={"model": MODEL, "messages": CHAT, **body})  # fmt: skip
+            error = r.json()["error"]
+            assert r.status_code == status, r.text
+            assert error["param"] == param and words in error["message"], error
+            assert set(error) == {"message", "type", "param", "code"}
+            assert c.worker_calls() == 0  # nothing reached a worker
+
+    run(scenario())
+
+
+def test_statuses_map_overload_to_429_with_retry_after_and_no_worker_to_503(frontend):
+    async def scenario():
+        gate = asyncio.Event()
+        async with cluster(frontend, decode=[FakeDecode(gate=gate)], max_queue=1,
+                           http_port=0) as c:  # fmt: skip
+            api = _client(c)
+            held = asyncio.ensure_future(api.chat.completions.create(model=MODEL, messages=CHAT))
+            await wait_until(lambda: c.decode[0].calls, what="the first request in flight")
+            with pytest.raises(openai.RateLimitError) as info:
+                await api.chat.completions.create(model=MODEL, messages=CHAT)
+            assert info.value.response.headers["retry-after"] == "1"
+            assert "max_queue=1" in info.value.body["message"]
+            gate.set()
+            await held
+        async with cluster(frontend, decode=[], http_port=0) as c:
+            with pytest.raises(openai.InternalServerError) as info:
+                await _client(c).chat.completions.create(model=MODEL, messages=CHAT)
+            assert info.value.status_code == 503 and "no decode worker" in info.value.message
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                assert (await http.get("/health")).status_code == 503  # a pool is empty
+
+    run(scenario())
+
+
+def test_a_client_that_disconnects_cancels_the_worker_calls(frontend):
+    async def scenario():
+        async with cluster(frontend, decode=[FakeDecode(hang=True)], http_port=0) as c:
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                body = {"model": MODEL, "messages": CHAT, "stream": True}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    while "<14>" not in await anext(lines):  # the script's last token
+                        pass
+                # Closed mid-stream (the fake never finishes): the decode call goes.
+                await wait_until(lambda: c.decode[0].calls[0].cancelled_at, what="cancel")
+                # Not streamed: the router notices the disconnect while it waits.
+                body["stream"] = False
+                task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+                await wait_until(lambda: len(c.decode[0].calls) == 2, what="the second call")
+                task.cancel()
+                await wait_until(lambda: c.decode[0].calls[1].cancelled_at, what="cancel 2")
+
+    run(scenario())
+
+
+def test_api_keys_are_the_routers_and_health_needs_none(frontend, tmp_path):
+    key = "k" * 32
+    keys = tmp_path / "keys"
+    keys.write_text(f"{key} name=app\n")
+
+    async def scenario():
+        async with cluster(frontend, api_keys_file=str(keys), http_port=0,
+                           connect={"api_key": key}) as c:  # fmt: skip
+            with pytest.raises(openai.AuthenticationError) as info:
+                await _client(c, api_key="wrong" * 8).models.list()
+            assert info.value.body["code"] == "invalid_api_key"
+            done = await _client(c, api_key=key).completions.create(model=MODEL, prompt="hi")
+            assert done.choices[0].finish_reason == "length"
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                assert (await http.get("/health")).json() == {"status": "ok"}
+                metrics = (await http.get("/metrics")).text
+            assert 'tandem_router_requests_total{code="OK"' in metrics
+
+    run(scenario())
+
+
+def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(frontend):
+    async def scenario():
+        decode = FakeDecode(fail_with=grpc.StatusCode.INTERNAL, chunks=[([11], 0)])
+        async with cluster(frontend, prefill=[FakePrefill()], decode=[decode],
+                           http_port=0) as c:  # fmt: skip
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                body = {"model": MODEL, "prompt": "hi", "stream": True}
+                r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200  # the stream had started
+            events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert "scripted failure" in error["message"] and error["code"] == "internal"
+
+    run(scenario())

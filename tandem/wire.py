@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import FinishReason
 from tandem.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # the sampler imports torch; the wire types must not
+    from tandem.engine.sampler import TokenLogprob
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -32,6 +37,7 @@ def sampling_from_proto(p: tandem_pb2.SamplingParams) -> SamplingParams:
         seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
 
 
@@ -49,7 +55,17 @@ def sampling_to_proto(s: SamplingParams) -> tandem_pb2.SamplingParams:
     )
     if s.seed is not None:
         p.seed = s.seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
     return p
+
+
+def logprob_to_proto(lp: TokenLogprob) -> tandem_pb2.TokenLogprob:
+    return tandem_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[tandem_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 def chat_from_proto(chat: tandem_pb2.Chat) -> list[dict[str, str]]:

@@ -21,7 +21,14 @@ from tandem.client.errors import (
     Unavailable,
 )
 from tandem.client.sync import TandemClient
-from tandem.client.types import ChatMessage, Completion, GenerateChunk, ModelInfo, Usage
+from tandem.client.types import (
+    ChatMessage,
+    Completion,
+    GenerateChunk,
+    ModelInfo,
+    TokenLogprob,
+    Usage,
+)
 
 __all__ = [
     "AsyncTandemClient",
@@ -35,6 +42,7 @@ __all__ = [
     "Overloaded",
     "TandemClient",
     "TandemClientError",
+    "TokenLogprob",
     "Unauthenticated",
     "Unavailable",
     "Usage",

@@ -15,6 +15,7 @@ from tandem.client.types import (
     GenerateChunk,
     Message,
     ModelInfo,
+    TokenLogprob,
     Usage,
 )
 
@@ -40,6 +41,7 @@ def generate_request(
     repetition_penalty: float | None,
     stop: Iterable[str],
     ignore_eos: bool,
+    logprobs: int | None = None,
 ) -> tandem_pb2.GenerateRequest:
     request = tandem_pb2.GenerateRequest(request_id=request_id)
     _set_input(request, prompt, messages)
@@ -53,6 +55,7 @@ def generate_request(
         ("min_p", min_p),
         ("seed", seed),
         ("repetition_penalty", repetition_penalty),
+        ("logprobs", logprobs),
     ):
         if value is not None:
             setattr(s, name, value)
@@ -96,6 +99,10 @@ def chunk(response: tandem_pb2.GenerateResponse) -> GenerateChunk:
         usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
         if last
         else None,
+        logprobs=tuple(
+            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in response.logprobs
+        ),
     )
 
 
@@ -109,11 +116,13 @@ class CompletionBuilder:
     def __init__(self) -> None:
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._last: GenerateChunk | None = None
 
     def add(self, c: GenerateChunk) -> None:
         self._text.append(c.text)
         self._ids.extend(c.token_ids)
+        self._logprobs.extend(c.logprobs)
         self._last = c
 
     def build(self) -> Completion:
@@ -123,5 +132,6 @@ class CompletionBuilder:
                 grpc.StatusCode.INTERNAL, "the stream ended without a final response"
             )
         return Completion(
-            last.request_id, "".join(self._text), tuple(self._ids), last.finish_reason, last.usage
-        )
+            last.request_id, "".join(self._text), tuple(self._ids), last.finish_reason,
+            last.usage, tuple(self._logprobs),
+        )  # fmt: skip

@@ -59,6 +59,7 @@ class AsyncTandemClient:
         repetition_penalty: float | None = None,
         stop: Iterable[str] = (),
         ignore_eos: bool = False,
+        logprobs: int | None = None,
         request_id: str = "",
         timeout: float | None = None,
     ) -> AsyncIterator[GenerateChunk]:
@@ -67,7 +68,7 @@ class AsyncTandemClient:
             prompt, messages, request_id,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, stop=stop,
-            ignore_eos=ignore_eos,
+            ignore_eos=ignore_eos, logprobs=logprobs,
         )  # fmt: skip
         return self._stream(request, self._timeout(timeout))
 

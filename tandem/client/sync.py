@@ -67,6 +67,7 @@ class TandemClient:
         repetition_penalty: float | None = None,
         stop: Iterable[str] = (),
         ignore_eos: bool = False,
+        logprobs: int | None = None,
         request_id: str = "",
         timeout: float | None = None,
     ) -> Iterator[GenerateChunk]:
@@ -75,7 +76,7 @@ class TandemClient:
             prompt, messages, request_id,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, stop=stop,
-            ignore_eos=ignore_eos,
+            ignore_eos=ignore_eos, logprobs=logprobs,
         )  # fmt: skip
         return self._stream(request, self._timeout(timeout))
 

@@ -26,6 +26,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution, and the
+    ``top`` most likely alternatives as (token_id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One streamed piece: new text and its tokens; the last one has finish_reason and usage."""
 
@@ -34,6 +44,7 @@ class GenerateChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids, with logprobs=N
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from tandem.engine.engine import RequestOutput
 from tandem.engine.sequence import FinishReason
 from tandem.errors import InvalidRequestError, OutOfBlocksError
 from tandem.kv_transfer import TransferError
-from tandem.wire import finish_to_proto
+from tandem.wire import finish_to_proto, logprob_to_proto
 from tandem.worker.request import parse_request
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ def _chunk(out: RequestOutput, first_token_sent: bool = False) -> worker_pb2.Dec
             text=text,
             finish_reason=finish_to_proto(out.finish_reason if out.finished else None),
             completion_tokens=out.num_output_tokens,
+            logprobs=[logprob_to_proto(lp) for lp in out.logprobs or ()] if tokens else [],
         )
     )
 

@@ -44,7 +44,7 @@ from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampler import Sampler, draw_seed, new_seed
+from tandem.engine.sampler import Sampler, TokenLogprob, draw_seed, new_seed, token_logprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import FinishReason, Sequence, Status
@@ -69,6 +69,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     # prefill_only requests: where the prompt's KV waits for transfer (until release()).
     held_block_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids, when the request asks
 
 
 @dataclass
@@ -382,10 +383,19 @@ class LLMEngine:
             [s.token_ids for s in seqs],
         )
         stats.generated_tokens += len(seqs)
+        logprobs = self._logprobs(seqs, logits, tokens)
         return [
-            self._postprocess(self._requests[s.request_id], t)
-            for s, t in zip(seqs, tokens, strict=True)
+            self._postprocess(self._requests[s.request_id], t, logprobs.get(i))
+            for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
         ]
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """Row -> the chosen token's logprob, for the rows whose requests ask for them."""
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asked:
+            return {}
+        return token_logprobs(logits, asked, tokens, [seqs[i].params.logprobs for i in asked])
 
     def _layer_hook(self, work: list[tuple[Sequence, int]]) -> Callable[[int], None] | None:
         """``on_prefill_layer`` bound to this step's completing prefill_only prompts (not
@@ -402,7 +412,9 @@ class LLMEngine:
         ]
         return (lambda layer: hook(layer, done)) if done else None
 
-    def _postprocess(self, req: _Request, token: int) -> RequestOutput:
+    def _postprocess(
+        self, req: _Request, token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         seq = req.seq
         seq.token_ids.append(token)
         params = seq.params
@@ -441,6 +453,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             held_block_ids=held,
+            logprobs=None if logprob is None else [logprob],
         )
 
     # ---- conveniences -----------------------------------------------------------------

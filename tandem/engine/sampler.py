@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -201,3 +202,34 @@ def _column(
 ) -> torch.Tensor:
     """[n, 1], to broadcast one value per row over the vocab."""
     return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+class TokenLogprob(NamedTuple):
+    """A chosen token's log-probability and the ``top`` most likely (id, logprob), most
+    likely first, under the model's distribution for that position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]
+) -> dict[int, TokenLogprob]:
+    """For each of ``rows`` of ``logits`` ([batch, vocab]): the log-softmax of the raw
+    logits (before temperature, penalties and filters, as vLLM reports them by default)
+    at the chosen token, and its ``tops`` best alternatives. One copy to the CPU."""
+    index = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[index].to(torch.float32), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[r]] for r in rows], device=lp.device))
+    k = max(tops)
+    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen, values, ids = chosen.cpu().tolist(), values.cpu().tolist(), ids.cpu().tolist()
+    return {
+        r: TokenLogprob(
+            tokens[r],
+            chosen[j][0],
+            tuple(zip(ids[j][: tops[j]], values[j][: tops[j]], strict=True)),
+        )  # fmt: skip
+        for j, r in enumerate(rows)
+    }

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from tandem.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +29,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities of each chosen token (None: off) and of this many most likely
+    # alternatives (0: the chosen token's only), from the model's own distribution.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from YAML, JSON and protobuf; store tuples so the object stays hashable.
@@ -47,6 +52,8 @@ class SamplingParams:
                 "repetition_penalty",
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}",
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             _bad("stop", "stop strings must be non-empty, got an empty string")
 

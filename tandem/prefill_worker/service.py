@@ -38,7 +38,7 @@ from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.errors import InvalidRequestError
 from tandem.kv_transfer import Destination, TransferError, TransferStatus
-from tandem.wire import finish_to_proto
+from tandem.wire import finish_to_proto, logprob_to_proto
 from tandem.worker.request import WorkRequest, parse_request
 
 if TYPE_CHECKING:
@@ -233,8 +233,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     @staticmethod
     def _first(first: RequestOutput) -> worker_pb2.PrefillResponse:
-        return worker_pb2.PrefillResponse(
+        response = worker_pb2.PrefillResponse(
             first_token_id=first.token_ids[0],
             text=first.text,
             finish_reason=finish_to_proto(first.finish_reason),
         )
+        if first.logprobs:
+            response.first_logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        return response

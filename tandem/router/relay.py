@@ -239,7 +239,9 @@ class Relay:
                 # The rest of the call: the KV's way to the decode worker, then its end.
                 shipped = asyncio.ensure_future(self._shipped(worker, call, prefill, renewing))
                 streamed.append(result.first_token_id)
-                first = _response(req, [result.first_token_id], result.text, result.finish_reason)
+                first = _response(req, [result.first_token_id], result.text, result.finish_reason,
+                                  [result.first_logprob] if result.HasField("first_logprob")
+                                  else ())  # fmt: skip
                 if result.finish_reason:
                     _set_usage(first, req, len(streamed), len(streamed))
                 yield first
@@ -501,7 +503,8 @@ class Relay:
                 )
             chunk = message.chunk
             streamed.extend(chunk.token_ids)
-            response = _response(req, chunk.token_ids, chunk.text, chunk.finish_reason)
+            response = _response(req, chunk.token_ids, chunk.text, chunk.finish_reason,
+                                 chunk.logprobs)  # fmt: skip
             if chunk.finish_reason:
                 # The worker's count includes tokens it held back (a stop string).
                 _set_usage(response, req, chunk.completion_tokens, len(streamed))
@@ -542,10 +545,10 @@ class Relay:
 
 
 def _response(
-    req: PreparedRequest, token_ids, text: str, finish_reason: int
+    req: PreparedRequest, token_ids, text: str, finish_reason: int, logprobs=()
 ) -> tandem_pb2.GenerateResponse:
     response = tandem_pb2.GenerateResponse(
-        request_id=req.request_id, text=text, token_ids=token_ids
+        request_id=req.request_id, text=text, token_ids=token_ids, logprobs=logprobs
     )
     if finish_reason:
         response.finish_reason = finish_reason

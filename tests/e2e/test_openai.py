@@ -102,3 +102,30 @@ def test_overload_is_429_and_a_bad_request_is_400_naming_the_field(cluster):
     for stream in held:
         stream.close()
     _assert_no_blocks_used(cluster, within_s=5.0)
+
+
+def test_logprobs_through_both_apis_are_the_same_and_greedy_picks_the_maximum(cluster):
+    with TandemClient(cluster.address, timeout=60) as client:
+        want = client.complete(messages=CHAT, max_tokens=8, temperature=0, logprobs=3)
+    assert len(want.logprobs) == len(want.token_ids) > 0
+    assert [lp.token_id for lp in want.logprobs] == list(want.token_ids)
+    api = _api(cluster)
+    chat = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == len(want.logprobs)
+    for entry, ours in zip(content, want.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(ours.logprob, abs=1e-5)
+        assert len(entry.top_logprobs) == 3
+        best = max(t.logprob for t in entry.top_logprobs)
+        assert entry.logprob == pytest.approx(best, abs=1e-6)  # greedy: the maximum
+        assert entry.bytes == list(entry.token.encode())
+    stream = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                    temperature=0, logprobs=2, stream=True,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    tokens = [t for c in stream if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.token_logprobs]  # fmt: skip
+    assert len(tokens) == 6 and all(t <= 0 for t in tokens)
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs"

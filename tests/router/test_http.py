@@ -85,6 +85,8 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
          "messages[0].content[0]", "text part"),
         ({"model": "gpt-9"}, 404, "model", "does not exist"),
         ({"stream": "yes"}, 400, "stream", "must be a boolean"),
+        ({"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20], got 21"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field_in_openais_error_body(frontend, body, status, param, words):

@@ -19,6 +19,7 @@ from typing import Any
 
 from tandem._proto.tandem.v1 import tandem_pb2
 
+MAX_LOGPROBS = 20
 FINISH = {tandem_pb2.FINISH_REASON_STOP: "stop", tandem_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -98,8 +99,7 @@ def parse(body: Any, chat: bool, model_id: str) -> Parsed:
     else:
         _prompt(body, request)
     param = _sampling(body, request.sampling, chat)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad("logprobs", "logprobs are not supported by this server yet")
+    _logprobs(body, request.sampling, chat)
     stream = bool(_field(body, "stream", bool))
     options = _field(body, "stream_options", dict) or {}
     include_usage = bool(_field(options, "include_usage", bool, "stream_options."))
@@ -179,6 +179,26 @@ def _sampling(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> str:
     return param
 
 
+def _logprobs(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0-20); completions: ``logprobs``
+    (the number of alternatives, 0-20; OpenAI's own limit there is 5)."""
+    if chat:
+        top = _field(body, "top_logprobs", int)
+        if not _field(body, "logprobs", bool):
+            if top is not None:
+                raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+            return
+        top = 0 if top is None else top
+        name = "top_logprobs"
+    else:
+        top, name = _field(body, "logprobs", int), "logprobs"
+        if top is None:
+            return
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise bad(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {top}")
+    s.logprobs = top
+
+
 def _int32(name: str, value: int) -> int:
     if not -(2**31) <= value < 2**31:
         raise bad(name, f"{name} must be a 32-bit integer, got {value}")
@@ -202,9 +222,12 @@ def param_of(field: str, parsed: Parsed | None) -> str:
 class Shaper:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, parsed: Parsed, model: str) -> None:
+    def __init__(self, parsed: Parsed, model: str, token_text) -> None:
+        """``token_text(id)``: a token's text (the router's tokenizer)."""
         self.chat = parsed.chat
         self.model = model
+        self.token_text = token_text
+        self.offset = 0  # completions' text_offset: characters before the next token
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         self.id = prefix + parsed.request.request_id
         self.created = int(time.time())
@@ -213,18 +236,44 @@ class Shaper:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def complete(self, text: str, finish: int, usage: tandem_pb2.Usage) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": FINISH.get(finish)}
+    def logprobs(self, logprobs) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for these ``tandem.v1.TokenLogprob``s."""
+        if not logprobs:
+            return None
+        text = self.token_text
+        if self.chat:
+            return {"content": [
+                {**_token(text(lp.token_id), lp.logprob),
+                 "top_logprobs": [_token(text(t.token_id), t.logprob) for t in lp.top]}
+                for lp in logprobs
+            ], "refusal": None}  # fmt: skip
+        tokens = [text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def complete(
+        self, text: str, finish: int, usage: tandem_pb2.Usage, logprobs=()
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs),
+                                  "finish_reason": FINISH.get(finish)}  # fmt: skip
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         return {**self._base(self.object), "choices": [choice], "usage": usage_json(usage)}
 
-    def chunk(self, text: str, finish: int = 0, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str, finish: int = 0, role: bool = False, logprobs=()) -> dict[str, Any]:
         """One streamed choice delta (chat: the first has ``role`` and empty content;
         the last has finish_reason, and content only if it brings text)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs),
                                   "finish_reason": FINISH.get(finish)}  # fmt: skip
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -241,6 +290,10 @@ class Shaper:
         """``stream_options.include_usage``: the last chunk, with no choices."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage_json(usage)}
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def usage_json(usage: tandem_pb2.Usage) -> dict[str, int]:

@@ -195,7 +195,8 @@ class HttpApi:
                 raise
         except (ApiError, InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
-        shaper = Shaper(parsed, self.gateway.frontend.model_id)
+        tokenizer = self.gateway.frontend.tokenizer
+        shaper = Shaper(parsed, self.gateway.frontend.model_id, lambda i: tokenizer.decode([i]))
         if parsed.stream:
             return StreamingResponse(
                 _events(first, responses, shaper, parsed.include_usage),
@@ -212,10 +213,10 @@ class HttpApi:
                 await whole
             return Response(status_code=499)  # nobody reads it
         try:
-            text, last = whole.result()
+            text, last, logprobs = whole.result()
         except (InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
-        return JSONResponse(shaper.complete(text, last.finish_reason, last.usage))
+        return JSONResponse(shaper.complete(text, last.finish_reason, last.usage, logprobs))
 
 
 class _Server(uvicorn.Server):
@@ -227,13 +228,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _collect(first, responses) -> tuple[str, object]:
-    parts, last = [first.text], first
+async def _collect(first, responses) -> tuple[str, object, list]:
+    parts, last, logprobs = [first.text], first, list(first.logprobs)
     async with aclosing(responses):
         async for response in responses:
             parts.append(response.text)
+            logprobs.extend(response.logprobs)
             last = response
-    return "".join(parts), last
+    return "".join(parts), last, logprobs
 
 
 async def _disconnected(request: Request) -> None:
@@ -250,8 +252,9 @@ async def _events(first, responses, shaper: Shaper, include_usage: bool) -> Asyn
             yield _sse(shaper.chunk("", role=True))
         response = first
         while True:
-            if response.text or response.finish_reason:
-                yield _sse(shaper.chunk(response.text, response.finish_reason))
+            if response.text or response.finish_reason or response.logprobs:
+                yield _sse(shaper.chunk(response.text, response.finish_reason,
+                                        logprobs=response.logprobs))  # fmt: skip
             if response.finish_reason:
                 if include_usage:
                     yield _sse(shaper.usage_chunk(response.usage))

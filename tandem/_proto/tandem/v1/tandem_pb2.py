@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\xb2\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x8e\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x15\n\x13GetModelInfoRequest\"I\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"M\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xda\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\xd6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x8e\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"I\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"M\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xda\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1018
-  _globals['_FINISHREASON']._serialized_end=1167
+  _globals['_FINISHREASON']._serialized_start=1233
+  _globals['_FINISHREASON']._serialized_end=1382
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_CHAT']._serialized_start=83
   _globals['_CHAT']._serialized_end=131
   _globals['_SAMPLINGPARAMS']._serialized_start=134
-  _globals['_SAMPLINGPARAMS']._serialized_end=440
-  _globals['_GENERATEREQUEST']._serialized_start=443
-  _globals['_GENERATEREQUEST']._serialized_end=585
-  _globals['_USAGE']._serialized_start=587
-  _globals['_USAGE']._serialized_end=644
-  _globals['_GENERATERESPONSE']._serialized_start=647
-  _globals['_GENERATERESPONSE']._serialized_end=799
-  _globals['_GETMODELINFOREQUEST']._serialized_start=801
-  _globals['_GETMODELINFOREQUEST']._serialized_end=822
-  _globals['_MODELINFO']._serialized_start=824
-  _globals['_MODELINFO']._serialized_end=897
-  _globals['_TOKENIZEREQUEST']._serialized_start=899
-  _globals['_TOKENIZEREQUEST']._serialized_end=976
-  _globals['_TOKENIZERESPONSE']._serialized_start=978
-  _globals['_TOKENIZERESPONSE']._serialized_end=1015
-  _globals['_TANDEM']._serialized_start=1170
-  _globals['_TANDEM']._serialized_end=1388
+  _globals['_SAMPLINGPARAMS']._serialized_end=476
+  _globals['_TOKENLOGPROB']._serialized_start=478
+  _globals['_TOKENLOGPROB']._serialized_end=563
+  _globals['_TOPLOGPROB']._serialized_start=565
+  _globals['_TOPLOGPROB']._serialized_end=612
+  _globals['_GENERATEREQUEST']._serialized_start=615
+  _globals['_GENERATEREQUEST']._serialized_end=757
+  _globals['_USAGE']._serialized_start=759
+  _globals['_USAGE']._serialized_end=816
+  _globals['_GENERATERESPONSE']._serialized_start=819
+  _globals['_GENERATERESPONSE']._serialized_end=1014
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1016
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1037
+  _globals['_MODELINFO']._serialized_start=1039
+  _globals['_MODELINFO']._serialized_end=1112
+  _globals['_TOKENIZEREQUEST']._serialized_start=1114
+  _globals['_TOKENIZEREQUEST']._serialized_end=1191
+  _globals['_TOKENIZERESPONSE']._serialized_start=1193
+  _globals['_TOKENIZERESPONSE']._serialized_end=1230
+  _globals['_TANDEM']._serialized_start=1385
+  _globals['_TANDEM']._serialized_end=1603
 # @@protoc_insertion_point(module_scope)

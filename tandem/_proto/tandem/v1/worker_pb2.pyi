@@ -64,18 +64,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "text", "finish_reason", "kv_bytes", "kv_transfer_seconds")
+    __slots__ = ("first_token_id", "text", "finish_reason", "kv_bytes", "kv_transfer_seconds", "first_logprob")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     text: str
     finish_reason: _tandem_pb2.FinishReason
     kv_bytes: int
     kv_transfer_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ...) -> None: ...
+    first_logprob: _tandem_pb2.TokenLogprob
+    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[_tandem_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "prefill_here")
@@ -94,16 +96,18 @@ class DecodeResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[KvDestination, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "completion_tokens")
+    __slots__ = ("token_ids", "text", "finish_reason", "completion_tokens", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _tandem_pb2.FinishReason
     completion_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_tandem_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_tandem_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -157,9 +157,9 @@ def _histogram(registry: CollectorRegistry, name: str, buckets, labels: dict[str
 
 
 class RouterMetrics:
-    """The router's registry. The service calls ``request()`` per Generate; the relay
-    counts retries and queue time; the rest is read from the registry and the
-    disaggregation policy at scrape time (``watch``)."""
+    """The router's registry. The gateway calls ``track()`` per generation (gRPC or
+    HTTP); the relay counts retries and queue time; the rest is read from the
+    worker registry and the disaggregation policy at scrape time (``watch``)."""
 
     def __init__(self, model: str) -> None:
         self.registry = r = CollectorRegistry()
@@ -191,8 +191,8 @@ class RouterMetrics:
     def rejected(self, reason: str) -> None:
         self._rejections.labels(model=self.model, reason=reason).inc()
 
-    def retried(self, pool: str) -> None:
-        self._retries.labels(role=pool).inc()
+    def retried(self, role: str) -> None:
+        self._retries.labels(role=role).inc()
 
     def watch(self, workers: Callable[[], Iterable], relay) -> None:
         """Export the registry's workers (``Worker`` objects) and the relay's counts."""

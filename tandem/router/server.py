@@ -152,7 +152,7 @@ class Router:
 
             self._http = HttpApi(self.gateway, public.keys, lambda: self._ready)
             try:
-                await self._http.start(self.config, self.config.http_port)
+                await self._http.start(self.config)
             except ConfigError:
                 self._http = None
                 await self.registry.stop()

@@ -185,3 +185,33 @@ def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(fro
             assert "scripted failure" in error["message"] and error["code"] == "internal"
 
     run(scenario())
+
+
+def test_with_the_public_ports_tls_and_client_ca_only_a_member_is_served(frontend, certs):
+    settings = dict(tls_cert_file=certs.router_cert, tls_key_file=certs.router_key,
+                    tls_client_ca_file=certs.ca)  # fmt: skip
+
+    async def scenario():
+        async with cluster(frontend, http_port=0, connect={"ca_file": certs.ca,
+                           "cert_file": certs.client_cert, "key_file": certs.client_key},
+                           **settings) as c:  # fmt: skip
+            url = f"https://{c.router.http_address}"
+            member = httpx.AsyncClient(base_url=url, verify=_context(certs, client=True))
+            async with member:
+                r = await member.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+                assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+            stranger = httpx.AsyncClient(base_url=url, verify=_context(certs, client=False))
+            async with stranger:
+                with pytest.raises(httpx.HTTPError):  # the handshake refuses it
+                    await stranger.get("/v1/models")
+
+    run(scenario())
+
+
+def _context(certs, client: bool):
+    import ssl
+
+    context = ssl.create_default_context(cafile=certs.ca)
+    if client:
+        context.load_cert_chain(certs.client_cert, certs.client_key)
+    return context

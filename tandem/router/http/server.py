@@ -88,7 +88,9 @@ class HttpApi:
 
     # ---- life cycle --------------------------------------------------------------------
 
-    async def start(self, config: RouterConfig, port: int) -> str:
+    async def start(self, config: RouterConfig) -> str:
+        """Bind ``config.host:config.http_port`` (0: a free port) and serve; "host:port"."""
+        port = config.http_port
         sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

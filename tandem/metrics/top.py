@@ -123,7 +123,7 @@ class ClusterView:
         prev = self.polls[-2] if len(self.polls) > 1 else None
         lines = [f"tandem top  {time.strftime('%Y-%m-%d %H:%M:%S')}  "
                  f"router metrics {self.router_address or '-'}"]  # fmt: skip
-        lines += self._router_lines(now, prev, first)
+        lines += self._router_lines(now, first)
         lines.append("")
         lines.append(f"{'WORKER':<28} {'ROLE':<8} {'UP':>2} {'QUEUE':>5} {'RUN':>4}  "
                      f"{'KV USAGE':<17} {'TOK/S':>7} {'KV MB/S':>8} {'HIT':>5}")  # fmt: skip
@@ -135,18 +135,18 @@ class ClusterView:
         lines += [f"! {e}" for e in now.errors]
         return "\n".join(lines)
 
-    def _router_lines(self, now: Poll, prev: Poll | None, first: Poll) -> list[str]:
+    def _router_lines(self, now: Poll, first: Poll) -> list[str]:
+        """Rates and percentiles between ``first`` (the window's oldest poll) and ``now``."""
         r = now.router
         if r is None:
             return ["router: unreachable" if self.router_address else "router: none listed"]
+        old = first.router if first is not now and now.at > first.at else None
         name = "tandem_router_requests_total"
         ok, all_ = total(r, name, code="OK"), total(r, name)
-        window = first if first is not now else None
-        span = now.at - window.at if window else 0.0
-        if window is not None and window.router is not None and span > 0:
-            rate = (all_ - total(window.router, name)) / span
-            errors = (all_ - ok) - (total(window.router, name) - total(window.router, name,
-                                                                       code="OK"))  # fmt: skip
+        if old is not None:
+            span = now.at - first.at
+            rate = (all_ - total(old, name)) / span
+            errors = (all_ - ok) - (total(old, name) - total(old, name, code="OK"))
             where = f"last {span:.0f} s"
         else:
             rate, errors, where = 0.0, all_ - ok, "since start"
@@ -156,8 +156,8 @@ class ClusterView:
         for label, metric in (("TTFT", "tandem_router_time_to_first_token_seconds"),
                               ("ITL", "tandem_router_inter_token_latency_seconds")):  # fmt: skip
             counts = buckets(r, metric)
-            if window is not None and window.router is not None:
-                counts = delta(counts, buckets(window.router, metric))
+            if old is not None:
+                counts = delta(counts, buckets(old, metric))
             p50, p99 = quantile(0.5, counts), quantile(0.99, counts)
             lat.append(f"{label} p50 {_seconds(p50)} p99 {_seconds(p99)}")
         return [line, "latency   " + "   ".join(lat) + f"  ({where})"]

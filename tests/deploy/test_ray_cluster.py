@@ -38,7 +38,7 @@ ray:
   decode: {num_cpus: 1}
   router: {num_cpus: 0.5}
   monitor_interval_s: 0.5
-  drain_timeout_s: 30
+  drain_timeout_s: 90  # the drain test: its long stream must end on its own worker
   metrics: true
 """
 

@@ -149,6 +149,25 @@ def test_a_client_that_disconnects_cancels_the_worker_calls(frontend):
     run(scenario())
 
 
+def test_a_client_that_leaves_before_the_first_token_cancels_its_reservation(frontend):
+    async def scenario():
+        prefill = FakePrefill(hang=True)  # a busy prefill pool: the first token never comes
+        decode = FakeDecode(gate=asyncio.Event())  # holds its reservation open
+        async with cluster(frontend, prefill=[prefill], decode=[decode], http_port=0) as c:
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                for n, stream in enumerate((True, False), start=1):
+                    body = {"model": MODEL, "messages": CHAT, "stream": stream}
+                    task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+                    await wait_until(lambda n=n: len(prefill.calls) == n, what="the prefill")
+                    task.cancel()
+                    await wait_until(lambda: prefill.calls[-1].cancelled_at, what="prefill gone")
+                    # and the decode worker's reservation with it
+                    await wait_until(lambda: c.decode[0].calls[-1].cancelled_at,
+                                     what="reservation gone")  # fmt: skip
+
+    run(scenario())
+
+
 def test_api_keys_are_the_routers_and_health_needs_none(frontend, tmp_path):
     key = "k" * 32
     keys = tmp_path / "keys"

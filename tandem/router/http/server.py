@@ -42,6 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem import logs
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError, InvalidRequestError
 from tandem.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
@@ -189,12 +190,15 @@ class HttpApi:
             key = self._key(request)
             body = _json(await request.body())
             parsed = protocol.parse(body, chat, self.gateway.frontend.model_id)
+            logs.request_id.set(parsed.request.request_id)  # before any task copies the context
             responses = self.gateway.generate(parsed.request, key, None)
-            try:
-                first = await anext(responses)  # errors before the first token: a status
+            try:  # errors before the first token: a status
+                first = await _unless_gone(request, anext(responses))
             except BaseException:
                 await responses.aclose()
                 raise
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
         except (ApiError, InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
         tokenizer = self.gateway.frontend.tokenizer
@@ -205,17 +209,10 @@ class HttpApi:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        whole = asyncio.ensure_future(_collect(first, responses))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not whole.done():  # the client left: stop every worker call now
-            whole.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await whole
-            return Response(status_code=499)  # nobody reads it
         try:
-            text, last, logprobs = whole.result()
+            text, last, logprobs = await _unless_gone(request, _collect(first, responses))
+        except _ClientGone:
+            return Response(status_code=499)
         except (InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
         return JSONResponse(shaper.complete(text, last.finish_reason, last.usage, logprobs))
@@ -238,6 +235,30 @@ async def _collect(first, responses) -> tuple[str, object, list]:
             logprobs.extend(response.logprobs)
             last = response
     return "".join(parts), last, logprobs
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _unless_gone(request: Request, awaitable):
+    """``awaitable``'s result; if the client disconnects first, it is cancelled (and so
+    are the request's worker calls) and _ClientGone is raised."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler is cancelled (the server stops)
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        raise _ClientGone
+    return work.result()
 
 
 async def _disconnected(request: Request) -> None:

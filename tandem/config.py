@@ -175,6 +175,11 @@ class DecodeConfig:
             raise ConfigError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
 
 
+def host_port(host: str, port: int) -> str:
+    """A listening address as peers dial it: "host:port", an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_metrics_port(port: int | None) -> None:
     if port is not None and not 0 <= port < 65536:
         raise ConfigError(f"metrics_port must be in [0, 65535] (0: any free port), got {port}")

@@ -35,7 +35,6 @@ no orphan keeps a port or memory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -62,6 +61,7 @@ from tandem.config import (
 from tandem.deploy.lifeline import Lifeline
 from tandem.errors import ConfigError, TandemError
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+from tandem.metrics import targets
 from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
@@ -223,17 +223,12 @@ class LocalCluster:
             p.name: p.ready["metrics"] for p in self.processes if p.ready.get("metrics", "-") != "-"
         }
 
-    def _write_targets(self) -> Path:
+    def _write_targets(self) -> None:
         """``<run dir>/prometheus-targets.json``: Prometheus file_sd, one group per process."""
-        path = self.run_dir / "prometheus-targets.json"
-        groups = [
-            {"targets": [address], "labels": {"process": name, "role": name.split("-")[0]}}
+        targets.write(self.run_dir / "prometheus-targets.json", [
+            targets.group(address, name, name.split("-")[0])
             for name, address in self.metrics_targets().items()
-        ]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(groups, indent=2) + "\n")
-        tmp.replace(path)  # Prometheus may read it at any time: never half-written
-        return path
+        ])  # fmt: skip
 
     def _cluster_security(self) -> ClusterSecurityConfig:
         """The operator's files (checked now), none (``insecure``), or a throw-away set."""

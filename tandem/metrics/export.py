@@ -40,6 +40,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from tandem.config import host_port
+from tandem.errors import ConfigError
+
 log = logging.getLogger(__name__)
 # No <name>_created series: they double the scrape and no dashboard reads them.
 disable_created_metrics()
@@ -360,16 +363,13 @@ class MetricsEndpoint:
 
     def start(self, host: str, port: int) -> str:
         """Bind ``host:port`` (0: a free port) and serve; returns "host:port"."""
-        from tandem.errors import ConfigError
-
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port} (setting metrics_port): {exc}"
             ) from exc
-        bound = self._server.server_port
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.address = host_port(host, self._server.server_port)
         log.info("metrics on http://%s/metrics", self.address)
         return self.address
 

@@ -17,7 +17,6 @@ are printed one after another, without clearing the screen.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from tandem.metrics import targets
 from tandem.metrics.scrape import (
     Sample,
     ScrapeError,
@@ -100,18 +100,16 @@ class ClusterView:
         if self.targets_file is None:
             return self.target, [], {}
         try:
-            groups = json.loads(self.targets_file.read_text())
+            listed = targets.read(self.targets_file)
         except (OSError, ValueError) as exc:
             raise ScrapeError(f"cannot read targets file {self.targets_file}: {exc}") from exc
         router, workers, roles = self.target, [], {}
-        for group in groups:
-            role = group.get("labels", {}).get("role", "?")
-            for address in group.get("targets", []):
-                if role == "router":
-                    router = router or address
-                else:
-                    workers.append(address)
-                    roles[address] = role
+        for address, role in listed:
+            if role == "router":
+                router = router or address
+            else:
+                workers.append(address)
+                roles[address] = role
         return router, workers, roles
 
     # ---- rendering -------------------------------------------------------------------

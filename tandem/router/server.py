@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from tandem.config import RouterConfig
+from tandem.config import RouterConfig, host_port
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS, channel_options
 from tandem.metrics import MetricsEndpoint, RouterMetrics
@@ -85,8 +85,7 @@ class Router:
     def address(self) -> str:
         if self.port is None:
             raise RuntimeError("the router is not started")
-        host = self.config.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     @property
     def metrics_address(self) -> str | None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.deploy.autoscale import POOLS
+from tandem.metrics import targets
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +47,11 @@ def metrics_targets(ctrl: Controller) -> list[dict[str, Any]]:
     address, labelled by process name and role (as the local launcher's file)."""
     groups = []
     if ctrl.router_info.get("metrics_address"):
-        groups.append({"targets": [ctrl.router_info["metrics_address"]],
-                       "labels": {"process": "router", "role": "router"}})  # fmt: skip
+        groups.append(targets.group(ctrl.router_info["metrics_address"], "router", "router"))
     for w in sorted(ctrl.workers.values(), key=lambda w: w.name):
         address = w.info.get("metrics_address")
         if w.state == "serving" and address:
-            groups.append({"targets": [address], "labels": {"process": w.name, "role": w.pool}})
+            groups.append(targets.group(address, w.name, w.pool))
     return groups
 
 
@@ -63,13 +61,10 @@ def write_targets(ctrl: Controller, stopped: bool = False) -> None:
     groups = [] if stopped else metrics_targets(ctrl)
     if groups == ctrl.targets_written:
         return
-    path = Path(ctrl.config.targets_file)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(groups, indent=2) + "\n")
-        tmp.replace(path)
+        targets.write(ctrl.config.targets_file, groups)
     except OSError as exc:
-        log.warning("cannot write the metrics targets file %s: %s", path, exc)
+        log.warning("cannot write the metrics targets file %s: %s", ctrl.config.targets_file, exc)
         return
     ctrl.targets_written = groups
 

@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tandem import logs
-from tandem.config import RouterConfig
+from tandem.config import RouterConfig, host_port
 from tandem.errors import ConfigError, InvalidRequestError
 from tandem.router.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from tandem.router.errors import RouterError
@@ -115,9 +115,7 @@ class HttpApi:
                 self._task.result()
                 raise ConfigError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
-        bound = sock.getsockname()[1]
-        host = config.host
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.address = host_port(config.host, sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP API on %s://%s/v1", "https" if tls else "http",
                  self.address)  # fmt: skip
         return self.address

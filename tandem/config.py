@@ -7,6 +7,7 @@ value fails at start-up with the setting named.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,10 @@ class ClusterSecurityConfig:
     insecure: bool = False
 
 
+# bench/README.md "KV transfer" has the measurement behind the choice.
+DEFAULT_KV_BACKEND = "nixl"
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """A prefill worker: computes prompts and pushes their KV to decode workers."""
@@ -122,7 +127,10 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     port: int = 0  # gRPC port; 0 picks a free one
     worker_id: str = ""  # default: prefill-<host>:<port>
-    kv_backend: str = "ucx"  # ucx or inproc
+    # nixl (the decode worker reads the blocks in place over NIXL: no gather, staging
+    # or scatter copy; tandem/kv_transfer/ucx/nixl.py), ucx (payloads as UCX messages,
+    # for hosts without NIXL) or inproc (tests)
+    kv_backend: str = DEFAULT_KV_BACKEND
     kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
     kv_connect_timeout_s: float = 10.0  # connecting to a decode worker's KV receiver
     # Ship each layer's KV as soon as the prefill has computed it, so that the transfer
@@ -157,7 +165,7 @@ class DecodeConfig:
     host: str = "127.0.0.1"
     port: int = 0  # gRPC port; 0 picks a free one
     worker_id: str = ""  # default: decode-<host>:<port>
-    kv_backend: str = "ucx"
+    kv_backend: str = DEFAULT_KV_BACKEND  # as the prefill workers': both must agree
     kv_port: int = 0  # the KV receiver's listener; 0 picks a free one
     kv_lease_s: float = 30.0  # reserved blocks are freed if the KV has not arrived by then
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
@@ -386,8 +394,10 @@ class RouterConfig:
 def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"port must be in [0, 65535], got {port}")
-    if kv_backend not in ("ucx", "inproc"):
-        raise ConfigError(f"kv_backend must be ucx or inproc, got {kv_backend!r}")
+    if kv_backend not in ("ucx", "nixl", "inproc"):
+        raise ConfigError(f"kv_backend must be ucx, nixl or inproc, got {kv_backend!r}")
+    if kv_backend == "nixl" and importlib.util.find_spec("nixl_cu12") is None:
+        raise ConfigError("kv_backend nixl needs the nixl-cu12 package: pip install nixl-cu12")
     if drain_timeout_s < 0:
         raise ConfigError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
 

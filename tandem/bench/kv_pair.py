@@ -1,9 +1,11 @@
 """Both ends of ``tandem bench transfer --path backend``: Tandem's own KV transfer backend.
 
 Where ``ucx_pair.py`` times bare ucxx messages, this times what a request really
-costs between a prefill and a decode worker: the sender gathers the request's
-blocks and checksums them, UCX moves header and payload, the receiver stages the
-payload, verifies the checksum, scatters it into the reserved blocks and acks.
+costs between a prefill and a decode worker, over either backend: with ``ucx``
+the sender gathers the request's blocks and checksums them, UCX moves header and
+payload, the receiver stages the payload, verifies the checksum, scatters it into
+the reserved blocks and acks; with ``nixl`` the receiver reads the checksummed
+blocks straight into its own and verifies them there.
 One round trip is ``send()`` until its future resolves with the receiver's ack.
 
 The receiver runs in a spawned process driven over a pipe (``ReceiverProcess``);
@@ -47,13 +49,13 @@ def kv_tensor(shape, num_blocks: int, dtype: torch.dtype, random: bool) -> torch
     return kv
 
 
-def _receiver_main(conn, shape, num_blocks: int, dtype: torch.dtype) -> None:
+def _receiver_main(conn, backend: str, shape, num_blocks: int, dtype: torch.dtype) -> None:
     from tandem.engine.block_manager import BlockPool
     from tandem.kv_transfer import TransferState, make_receiver
 
     kv = kv_tensor(shape, num_blocks, dtype, random=False)
     pool = BlockPool(num_blocks, shape.block_size)
-    receiver = make_receiver("ucx", kv, fingerprint(shape, dtype))
+    receiver = make_receiver(backend, kv, fingerprint(shape, dtype))
     blocks: dict[str, list[int]] = {}
 
     def expect(request_id: str, n: int):
@@ -90,11 +92,11 @@ def _receiver_main(conn, shape, num_blocks: int, dtype: torch.dtype) -> None:
 class ReceiverProcess:
     """The decode worker's role, in a child process (spawned: ucxx must not be forked)."""
 
-    def __init__(self, shape, num_blocks: int, dtype: torch.dtype) -> None:
+    def __init__(self, backend: str, shape, num_blocks: int, dtype: torch.dtype) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_receiver_main, args=(child, shape, num_blocks, dtype), daemon=True
+            target=_receiver_main, args=(child, backend, shape, num_blocks, dtype), daemon=True
         )
         self.process.start()
         child.close()

@@ -16,11 +16,14 @@ same number of bytes between two preallocated buffers in this process.
 
 ``--path transport`` (the default) measures the UCX transport with the KV
 backend's message pattern: no handshake, checksum or block gather is timed.
-``--path backend`` times Tandem's KV transfer backend itself
-(``tandem/bench/kv_pair.py``): gather and checksum on the sender, staging,
-verification and scatter on the receiver, one request per round trip until its
-ack. bench/README.md has the figures and what moves them (transports, endpoint
-error handling, rendezvous, message split, progress mode).
+``--path backend`` times Tandem's KV transfer backends themselves
+(``tandem/bench/kv_pair.py``), one request per round trip until its ack, each
+backend in turn in the same run (``--backend``, default every one installed):
+``ucx`` gathers and checksums on the sender, stages, verifies and scatters on
+the receiver; ``nixl`` checksums the source blocks where they lie, and the
+receiver reads them straight into its blocks and verifies them there.
+bench/README.md has the figures and what moves them (transports, endpoint error
+handling, rendezvous, message split, progress mode).
 
 UCX reads ``UCX_*`` variables when its context is created, so ``--tls`` and
 ``--rndv-thresh`` are put into the environment before ucxx is imported here and
@@ -68,15 +71,16 @@ class KVShape:
 @dataclass(frozen=True)
 class Row:
     label: str
+    backend: str
     size_bytes: int
     blocks: int
     messages: int
-    ucx_gbps: float
+    gbps: float
     memcpy_gbps: float
 
     @property
     def ratio(self) -> float:
-        return self.ucx_gbps / self.memcpy_gbps
+        return self.gbps / self.memcpy_gbps
 
 
 def parse_size(text: str) -> int:
@@ -91,7 +95,12 @@ def parse_size(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB", help="comma-separated sizes")
-    p.add_argument("--backend", default="ucx", choices=["ucx"], help="transport (only ucx)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="with --path backend: comma-separated KV backends to time in turn, of ucx and "
+        "nixl (default: each one installed); --path transport times ucx only",
+    )
     p.add_argument(
         "--path",
         default="transport",
@@ -175,11 +184,26 @@ def _bench_size(
     ucx_s = statistics.median(times)
     memcpy_s = _memcpy_seconds(kv.nbytes, args.iters)
     return Row(
-        label, kv.nbytes, blocks, len(buffers), kv.nbytes / ucx_s / 1e9, kv.nbytes / memcpy_s / 1e9
+        label,
+        "ucx",
+        kv.nbytes,
+        blocks,
+        len(buffers),
+        kv.nbytes / ucx_s / 1e9,
+        kv.nbytes / memcpy_s / 1e9,
     )
 
 
 def _bench_backend(args: argparse.Namespace, shape: KVShape, labels, sizes) -> list[Row]:
+    rows = []
+    for backend in args.backends:
+        rows += _bench_one_backend(args, backend, shape, labels, sizes)
+    return rows
+
+
+def _bench_one_backend(
+    args: argparse.Namespace, backend: str, shape: KVShape, labels, sizes
+) -> list[Row]:
     import torch
 
     from tandem.bench.kv_pair import ReceiverProcess, fingerprint, kv_tensor
@@ -188,33 +212,57 @@ def _bench_backend(args: argparse.Namespace, shape: KVShape, labels, sizes) -> l
     dtype = getattr(torch, args.dtype)
     most = max(shape.blocks_for(size) for size in sizes)
     kv = kv_tensor(shape, most, dtype, random=True)
-    receiver = ReceiverProcess(shape, most, dtype)
+    receiver = ReceiverProcess(backend, shape, most, dtype)
     sender = None
     rows = []
     try:
-        sender = make_sender("ucx", kv, fingerprint(shape, dtype))
+        sender = make_sender(backend, kv, fingerprint(shape, dtype))
         sender.connect(receiver("address"))
         for label, size in zip(labels, sizes, strict=True):
-            print(f"{label} ...", file=sys.stderr)
+            print(f"{backend} {label} ...", file=sys.stderr)
             blocks = shape.blocks_for(size)
             times, arrived = round_trips(
                 sender, receiver, blocks, args.split, args.warmup + args.iters, label
             )
             sent = kv[:, :, :blocks].contiguous().view(torch.uint8).numpy().tobytes()
             if arrived != sent:
-                raise TandemError(f"transfer benchmark: {label} arrived changed")
+                raise TandemError(f"transfer benchmark: {backend} {label} arrived changed")
             nbytes = blocks * shape.block_bytes
-            ucx_s = statistics.median(times[args.warmup :])
+            seconds = statistics.median(times[args.warmup :])
             memcpy_s = _memcpy_seconds(nbytes, args.iters)
             messages = shape.layers if args.split == "layer" else 1
             rows.append(
-                Row(label, nbytes, blocks, messages, nbytes / ucx_s / 1e9, nbytes / memcpy_s / 1e9)
+                Row(
+                    label,
+                    backend,
+                    nbytes,
+                    blocks,
+                    messages,
+                    nbytes / seconds / 1e9,
+                    nbytes / memcpy_s / 1e9,
+                )
             )
     finally:
         if sender is not None:
             sender.close()
         receiver.stop()
     return rows
+
+
+def _backends(args: argparse.Namespace) -> list[str]:
+    from tandem.kv_transfer.ucx import nixl
+
+    if args.backend is None:
+        return ["ucx", "nixl"] if args.path == "backend" and nixl.available() else ["ucx"]
+    names = [b.strip() for b in args.backend.split(",") if b.strip()]
+    bad = [b for b in names if b not in ("ucx", "nixl")]
+    if not names or bad:
+        raise TandemError(f"--backend: choose from ucx and nixl, got {args.backend!r}")
+    if args.path == "transport" and names != ["ucx"]:
+        raise TandemError("--path transport times bare UCX only; time nixl with --path backend")
+    if "nixl" in names and not nixl.available():
+        raise TandemError("--backend nixl needs the nixl-cu12 package: pip install nixl-cu12")
+    return names
 
 
 def _bench_transport(args: argparse.Namespace, shape: KVShape, labels, sizes) -> list[Row]:
@@ -240,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(
             f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}"
         )
+    args.backends = _backends(args)
     _set_ucx_env(args)
     shape = KVShape(dtype_bytes=DTYPE_BYTES[args.dtype])
     log = sys.stderr
@@ -252,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
         ("thread", True) if args.path == "backend" else (args.progress, args.error_handling)
     )
     print(
-        f"path={args.path} UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} "
+        f"path={args.path} backends={','.join(args.backends)} "
+        f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} "
         f"split={args.split} progress={progress} error_handling={error_handling} "
         f"block={shape.block_bytes} B ({args.dtype}) iters={args.iters}",
         file=log,
@@ -264,8 +314,9 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 [
                     {
+                        "backend": r.backend,
                         "size_bytes": r.size_bytes,
-                        "ucx_gbps": r.ucx_gbps,
+                        "gbps": r.gbps,
                         "memcpy_gbps": r.memcpy_gbps,
                         "ratio": r.ratio,
                         "blocks": r.blocks,
@@ -276,10 +327,13 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(f"{'size':>8} {'bytes':>10} {'msgs':>5} {'ucx GB/s':>9} {'memcpy GB/s':>12} ratio")
+        print(
+            f"{'backend':>7} {'size':>8} {'bytes':>10} {'msgs':>5} {'GB/s':>6} "
+            f"{'memcpy GB/s':>12} ratio"
+        )
         for r in rows:
             print(
-                f"{r.label:>8} {r.size_bytes:>10} {r.messages:>5} {r.ucx_gbps:>9.2f} "
+                f"{r.backend:>7} {r.label:>8} {r.size_bytes:>10} {r.messages:>5} {r.gbps:>6.2f} "
                 f"{r.memcpy_gbps:>12.2f} {r.ratio:>6.2f}"
             )
     return 0

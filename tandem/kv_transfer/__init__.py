@@ -6,7 +6,9 @@ payload.py   gather/scatter of a request's blocks, message header, checksum
 receiver.py  reservations and their state machine, shared by every backend
 sender.py    request bookkeeping and message building, shared by every backend
 inproc.py    same-process backend (tests, colocated mode)
-ucx/         UCX backend (ucxx) for separate processes and machines
+ucx/         UCX backend (ucxx) for separate processes and machines; backend "nixl"
+             is the same connection with its payloads read in place by the decode
+             worker over NIXL (ucx/nixl.py): no gather, staging or scatter copy
 
 Pick a backend by name with ``make_sender`` / ``make_receiver``.
 
@@ -40,7 +42,7 @@ from tandem.kv_transfer.base import (
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("ucx", "inproc")
+BACKENDS = ("ucx", "nixl", "inproc")
 
 __all__ = [
     "BACKENDS",
@@ -67,7 +69,8 @@ def _check(backend: str) -> None:
 def make_sender(
     backend: str, kv: torch.Tensor, fingerprint: Fingerprint, **options: Any
 ) -> KVSender:
-    """options: metrics, fault_hook, secret; ucx also connect_timeout_s, ack_timeout_s."""
+    """options: metrics, fault_hook, secret; ucx and nixl also connect_timeout_s,
+    ack_timeout_s."""
     _check(backend)
     if backend == "inproc":
         from tandem.kv_transfer.inproc import InProcSender
@@ -75,7 +78,7 @@ def make_sender(
         return InProcSender(kv, fingerprint, **options)
     from tandem.kv_transfer.ucx.sender import UcxSender
 
-    return UcxSender(kv, fingerprint, **options)
+    return UcxSender(kv, fingerprint, transport=backend, **options)
 
 
 def make_receiver(
@@ -88,9 +91,9 @@ def make_receiver(
 ) -> KVReceiver:
     """options: metrics, secret, max_request_blocks (the largest reservation ``expect``
     takes, and so the bound on staging for late data; default: the whole pool); inproc
-    also name; ucx also handshake_timeout_s, sweep_interval_s.
+    also name; ucx and nixl also handshake_timeout_s, sweep_interval_s.
 
-    ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``); the
+    ``host``/``port`` only matter for ucx and nixl (port 0: any free port; see ``.address``); the
     listener accepts connections to ``host`` only ("0.0.0.0": every interface).
     """
     _check(backend)
@@ -100,4 +103,4 @@ def make_receiver(
         return InProcReceiver(kv, fingerprint, **options)
     from tandem.kv_transfer.ucx.receiver import UcxReceiver
 
-    return UcxReceiver(kv, fingerprint, host=host, port=port, **options)
+    return UcxReceiver(kv, fingerprint, host=host, port=port, transport=backend, **options)

@@ -81,6 +81,8 @@ class Fingerprint:
     block_size: int
     kv_layout: str = KV_LAYOUT
     protocol: int = PROTOCOL_VERSION
+    # How the payload crosses: "ucx" messages, or "nixl" reads of the blocks in place.
+    transport: str = "ucx"
 
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
         """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""
@@ -150,6 +152,9 @@ class KVSender(abc.ABC):
     """The prefill side. One instance per worker; connects once per receiver and reuses it."""
 
     metrics: TransferMetrics
+    # True: ``send`` copies the blocks out, so the caller may free them when it returns.
+    # False: the receiver reads them in place, so they stay held until the future is done.
+    copies_on_send: bool = True
 
     @abc.abstractmethod
     def send_layers(
@@ -172,7 +177,8 @@ class KVSender(abc.ABC):
         """Push the request's remaining layers (or ``layers``) and the first token.
 
         The future resolves to a DONE status once the receiver verified every layer,
-        or raises TransferError(reason); only then may the caller free its blocks.
+        or raises TransferError(reason). The blocks may change once this returns
+        when ``copies_on_send``, else only once the future is done.
         """
 
     @abc.abstractmethod

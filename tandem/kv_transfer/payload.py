@@ -21,6 +21,7 @@ The null block (index ``num_blocks``) is never a valid source or destination.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import threading
@@ -180,16 +181,11 @@ MAX_SLICE_RUNS = 32
 def _runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]] | None:
     """(payload row, first block id, length) of each run of consecutive ids, or None
     when there are more than MAX_SLICE_RUNS of them."""
-    runs: list[tuple[int, int, int]] = []
-    for row, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            first_row, first, n = runs[-1]
-            runs[-1] = (first_row, first, n + 1)
-            continue
-        if len(runs) == MAX_SLICE_RUNS:
-            return None
-        runs.append((row, block, 1))
-    return runs
+    runs = block_runs(block_ids)
+    if len(runs) > MAX_SLICE_RUNS:
+        return None
+    rows = itertools.accumulate((n for _, n in runs[:-1]), initial=0)
+    return [(row, first, n) for row, (first, n) in zip(rows, runs, strict=True)]
 
 
 def gather(
@@ -305,6 +301,63 @@ def checksum(payload: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(as_bytes(payload.cpu()))
 
 
+def block_runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
+    """(first block id, length) of each run of consecutive ids, in order, unbounded."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+def paired_runs(
+    src_block_ids: tuple[int, ...] | list[int], dst_block_ids: tuple[int, ...] | list[int]
+) -> list[tuple[int, int, int]]:
+    """(first source id, first destination id, length) of each stretch where both lists
+    run on consecutively: one contiguous copy per layer, K or V, and stretch."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(src_block_ids, dst_block_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def checksum_blocks(
+    kv: torch.Tensor, block_ids: tuple[int, ...] | list[int], layers: tuple[int, int]
+) -> int:
+    """``checksum(gather(kv, block_ids, layers))`` without the gather: xxh3_64 fed the
+    same bytes in the same order (layer, then K and V, then the blocks), one
+    contiguous run of blocks at a time, read where they lie.
+
+    This is how a transport that moves blocks in place (NIXL) verifies them: the
+    sender hashes its source blocks, the receiver its destination blocks, and the
+    digests match exactly when the bytes do. A GPU cache is copied to the host run
+    by run first.
+    """
+    digest = xxhash.xxh3_64()
+    runs = block_runs(block_ids)
+    if kv.is_cuda or not kv.is_contiguous():
+        for layer in range(*layers):
+            for k_or_v in (0, 1):
+                for first, n in runs:
+                    digest.update(as_bytes(kv[layer, k_or_v, first : first + n].cpu()))
+        return digest.intdigest()
+    # One view of the whole cache, sliced by offset: a tensor view per run costs more
+    # than hashing a small run does.
+    flat = as_bytes(kv)
+    block = kv[0, 0, 0].numel() * kv.element_size()
+    for layer in range(*layers):
+        for k_or_v in (0, 1):
+            base = (layer * 2 + k_or_v) * kv.shape[2] * block
+            for first, n in runs:
+                digest.update(flat[base + first * block : base + (first + n) * block])
+    return digest.intdigest()
+
+
 def make_header(
     request_id: str,
     layers: tuple[int, int],
@@ -313,10 +366,17 @@ def make_header(
     payload: torch.Tensor | None,
     first_token: int | None = None,
     final: bool = False,
+    kv: torch.Tensor | None = None,
 ) -> MessageHeader:
-    if payload is None or layers[0] == layers[1]:
+    """The header of ``payload`` (gathered blocks), or with ``kv`` instead, of the blocks
+    ``src_block_ids`` of ``kv`` as they lie (a transport that reads them in place)."""
+    if layers[0] == layers[1] or (payload is None and kv is None):
         shape: tuple[int, ...] = ()
         nbytes, digest, dtype = 0, checksum(torch.empty(0)), ""
+    elif payload is None:
+        shape = (layers[1] - layers[0], 2, len(src_block_ids), *kv.shape[3:])
+        nbytes = math.prod(shape) * kv.element_size()
+        digest, dtype = checksum_blocks(kv, src_block_ids, layers), dtype_name(kv.dtype)
     else:
         shape = tuple(payload.shape)
         nbytes = payload.numel() * payload.element_size()

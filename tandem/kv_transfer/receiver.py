@@ -21,6 +21,11 @@ A request's path on the decode side:
     poll(rid) -> TransferStatus              (a lease past its deadline: FAILED "lease expired")
     release(rid)                             the caller then frees or keeps the blocks
 
+A transport that moves blocks in place (NIXL, ucx/nixl.py) passes ``fill``
+instead of a staged payload: the decode side's own read of the sender's blocks
+into the reservation's blocks, run under the same write lock, then verified
+where it landed. For the UCX message path:
+
 Why the staging copy: the transport writes where it was told before it knows
 whether the request is still wanted. Received straight into the destination
 blocks, a payload in flight when the request is aborted (or its lease expires)
@@ -55,11 +60,19 @@ from tandem.kv_transfer.base import (
     Destination,
     Fingerprint,
     KVReceiver,
+    TransferError,
     TransferMetrics,
     TransferState,
     TransferStatus,
 )
-from tandem.kv_transfer.payload import HeaderError, MessageHeader, check_fits, checksum, scatter
+from tandem.kv_transfer.payload import (
+    HeaderError,
+    MessageHeader,
+    check_fits,
+    checksum,
+    checksum_blocks,
+    scatter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -247,13 +260,22 @@ class ReceiverCore:
         self._drain(res)
 
     def deliver(
-        self, header: MessageHeader, payload: torch.Tensor | None, source: object = None
+        self,
+        header: MessageHeader,
+        payload: torch.Tensor | None,
+        source: object = None,
+        fill: Callable[[], None] | None = None,
     ) -> TransferStatus | None:
         """Take one received message; returns the request's status if ``header.final``.
 
         ``payload``: the staged bytes (any dtype, ``header.nbytes`` long), None if empty.
-        The returned status is what the sender is told (its ack).
+        ``fill`` instead, for a transport that moves blocks in place (NIXL reads): called
+        under the reservation's write lock once it is known live, it copies the header's
+        source blocks into its destination blocks (TransferError if it cannot); they are
+        verified where they landed. The returned status is what the sender is told (its ack).
         """
+        if header.nbytes and (payload is None) == (fill is None):
+            raise ValueError("a message with KV needs exactly one of payload and fill")
         with self._lock:
             res = self._table.get(header.request_id)
             foreign = res is not None and res.source not in (None, source)
@@ -279,7 +301,7 @@ class ReceiverCore:
             return self._discard(header, res)
 
         # Verify before taking the write lock: hashing is the slow part and needs no blocks.
-        if header.nbytes and checksum(payload) != header.checksum:
+        if header.nbytes and payload is not None and checksum(payload) != header.checksum:
             with self._lock:
                 where = f"layers [{header.layer_start}, {header.layer_end})"
                 self._fail_locked(res, "checksum", where)
@@ -292,17 +314,30 @@ class ReceiverCore:
                     live = False
             if not live:
                 return self._discard(header, res)
-            if header.nbytes:
+            layers = (header.layer_start, header.layer_end)
+            if header.nbytes and fill is not None:
+                problem = self._fill(header, fill)
+                if problem is not None:
+                    with self._lock:
+                        self._fail_locked(res, *problem)
+                    return res.status() if header.final else None
+            elif header.nbytes:
                 staged = payload.reshape(-1).view(torch.uint8).view(self.kv.dtype)
-                scatter(
-                    self.kv,
-                    header.dst_block_ids,
-                    (header.layer_start, header.layer_end),
-                    staged.view(header.shape),
-                )
+                scatter(self.kv, header.dst_block_ids, layers, staged.view(header.shape))
             with self._lock:
                 self._arrived_locked(res, header)
         return res.status() if header.final else None
+
+    def _fill(self, header: MessageHeader, fill: Callable[[], None]) -> tuple[str, str] | None:
+        """Run ``fill`` and verify what landed; (reason, detail) when either fails."""
+        layers = (header.layer_start, header.layer_end)
+        try:
+            fill()
+        except TransferError as exc:
+            return exc.reason, str(exc)
+        if checksum_blocks(self.kv, header.dst_block_ids, layers) != header.checksum:
+            return "checksum", f"layers [{layers[0]}, {layers[1]})"
+        return None
 
     def sender_abort(self, request_id: str, source: object = None) -> None:
         """The sender gave up on a request: fail it unless another sender is feeding it."""

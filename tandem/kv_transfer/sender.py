@@ -258,15 +258,24 @@ class SenderBase(KVSender):
     ) -> Message:
         dst = out.destination.block_ids[: len(out.src_block_ids)]
         payload = None
-        if layers[0] < layers[1]:
+        if layers[0] < layers[1] and self.copies_on_send:
             shape = (layers[1] - layers[0], 2, len(out.src_block_ids), *self.kv.shape[3:])
             buffer = self.buffers.take(shape, self.kv.dtype, self.kv.device)
             payload = gather(self.kv, out.src_block_ids, layers, out=buffer)
         header = make_header(
-            out.request_id, layers, out.src_block_ids, dst, payload, first_token, final
+            out.request_id,
+            layers,
+            out.src_block_ids,
+            dst,
+            payload,
+            first_token,
+            final,
+            kv=None if self.copies_on_send else self.kv,
         )
-        if payload is not None and self.fault_hook is not None:
-            self.fault_hook(header, payload)
+        if header.nbytes and self.fault_hook is not None:
+            # Blocks read in place: the hook sees (and may change) the first source block.
+            first = self.kv[layers[0], 0, out.src_block_ids[0]]
+            self.fault_hook(header, payload if payload is not None else first)
         out.nbytes += header.nbytes
         return Message(header, payload)
 

@@ -38,7 +38,7 @@ class PrefillServer(WorkerServer):
 
     def _open_transfer(self) -> None:
         options = {"metrics": self.transfer_metrics, "secret": self.kv_secret}
-        if self.config.kv_backend == "ucx":
+        if self.config.kv_backend != "inproc":
             options["ack_timeout_s"] = self.config.kv_ack_timeout_s
             options["connect_timeout_s"] = self.config.kv_connect_timeout_s
         engine = self.engine

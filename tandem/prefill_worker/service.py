@@ -203,8 +203,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         ship_layer did not (the first token, and every layer when KV goes whole), so
         the decode worker never waits for the next step. Layers still to send are
         gathered here, a consistent snapshot; what goes out is copies, so the blocks go
-        back now. The transfer's future is in ``_transfers`` by the time the handler
-        sees the first token."""
+        back now, unless the decode worker reads them in place (``copies_on_send``
+        False: they go back when the call ends). The transfer's future is in
+        ``_transfers`` by the time the handler sees the first token."""
         for first in outputs:
             dest = self._destinations.get(first.request_id)
             if first.held_block_ids is None or dest is None:
@@ -216,7 +217,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 fut = Future()
                 fut.set_exception(exc)
             self._transfers[first.request_id] = fut
-            engine.release(first.request_id)
+            if self.server.sender.copies_on_send:
+                engine.release(first.request_id)
+            # else the decode worker reads the blocks in place: _end frees them
 
     def _end(self, engine: LLMEngine, rid: str) -> None:
         """Abort an unfinished transfer (nothing more is read from the blocks), then free them."""

@@ -28,23 +28,44 @@ def _bench(*flags: str) -> subprocess.CompletedProcess:
     [
         ("--split", "request"),
         ("--tls", "tcp,self", "--split", "layer"),
-        ("--path", "backend"),
-        ("--path", "backend", "--split", "layer"),
+        ("--path", "backend", "--backend", "ucx"),
+        ("--path", "backend", "--backend", "nixl", "--split", "layer"),
     ],
-    ids=["default-tls-per-request", "tcp-per-layer", "backend", "backend-per-layer"],
+    ids=["default-tls-per-request", "tcp-per-layer", "backend-ucx", "backend-nixl-per-layer"],
 )
 def test_json_rows_are_measured_and_consistent(flags):
+    if "nixl" in flags:
+        pytest.importorskip("nixl_cu12")
     run = _bench("--json", *flags)
     assert run.returncode == 0, run.stderr
     rows = json.loads(run.stdout)
+    assert {r["backend"] for r in rows} == {"nixl" if "nixl" in flags else "ucx"}
     # 64 KiB rounds up to one whole block; 1 MiB to the nearest, 3 blocks.
     assert [r["size_bytes"] for r in rows] == [BLOCK, 3 * BLOCK]
     assert [r["blocks"] for r in rows] == [1, 3]
     assert {r["messages"] for r in rows} == {30 if "layer" in flags else 1}
     for r in rows:
-        assert set(r) == {"size_bytes", "ucx_gbps", "memcpy_gbps", "ratio", "blocks", "messages"}
-        assert r["ucx_gbps"] > 0 and r["memcpy_gbps"] > 0
-        assert r["ratio"] == r["ucx_gbps"] / r["memcpy_gbps"]
+        assert set(r) == {
+            "backend", "size_bytes", "gbps", "memcpy_gbps", "ratio", "blocks", "messages"
+        }  # fmt: skip
+        assert r["gbps"] > 0 and r["memcpy_gbps"] > 0
+        assert r["ratio"] == r["gbps"] / r["memcpy_gbps"]
+
+
+def test_by_default_the_backend_path_times_every_backend_in_one_run():
+    pytest.importorskip("nixl_cu12")
+    run = _bench("--json", "--path", "backend")
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert [(r["backend"], r["blocks"]) for r in rows] == [
+        ("ucx", 1), ("ucx", 3), ("nixl", 1), ("nixl", 3)
+    ]  # fmt: skip
+
+
+def test_nixl_on_the_bare_transport_path_is_one_error_line():
+    run = _bench("--backend", "nixl")
+    assert run.returncode == 2
+    assert "time nixl with --path backend" in run.stderr
 
 
 def test_bad_size_is_one_error_line():

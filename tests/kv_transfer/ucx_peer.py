@@ -17,21 +17,29 @@ from tests.kv_transfer.conftest import fingerprint, make_side
 
 
 def _receiver_main(
-    conn, num_blocks: int, scatter_delay_s: float, fp_overrides: dict, secret: bytes | None
+    conn,
+    num_blocks: int,
+    scatter_delay_s: float,
+    fp_overrides: dict,
+    secret: bytes | None,
+    backend: str,
 ) -> None:
     if scatter_delay_s:
         # A slow copy into the blocks keeps a transfer "in flight" long enough to kill it.
         import tandem.kv_transfer.receiver as receiver_mod
+        from tandem.kv_transfer.ucx.nixl import NixlKV
 
-        real = receiver_mod.scatter
+        def slowed(real):
+            def slow(*args) -> None:
+                time.sleep(scatter_delay_s)
+                real(*args)
 
-        def slow(*args) -> None:
-            time.sleep(scatter_delay_s)
-            real(*args)
+            return slow
 
-        receiver_mod.scatter = slow
+        receiver_mod.scatter = slowed(receiver_mod.scatter)
+        NixlKV.read = slowed(NixlKV.read)
     side = make_side(num_blocks)
-    receiver = make_receiver("ucx", side.kv, fingerprint(**fp_overrides), secret=secret)
+    receiver = make_receiver(backend, side.kv, fingerprint(**fp_overrides), secret=secret)
     commands = {
         "address": lambda: receiver.address,
         "allocate": lambda n: side.pool.allocate(n),
@@ -48,9 +56,9 @@ def _receiver_main(
     receiver.close()
 
 
-def _sender_main(conn, num_blocks: int, seed: int, secret: bytes | None) -> None:
+def _sender_main(conn, num_blocks: int, seed: int, secret: bytes | None, backend: str) -> None:
     side = make_side(num_blocks, seed=seed)
-    sender = make_sender("ucx", side.kv, fingerprint(), secret=secret)
+    sender = make_sender(backend, side.kv, fingerprint(), secret=secret)
     futures: dict[str, Any] = {}
 
     def send(dest, src_ids, first_token):
@@ -95,6 +103,7 @@ class PeerProcess:
             if role == "receiver"
             else {"num_blocks": 128, "seed": 0, "secret": None}
         )
+        defaults["backend"] = "ucx"
         defaults.update(kwargs)
         self.process = ctx.Process(target=target, args=(child,), kwargs=defaults, daemon=True)
         self.process.start()

@@ -224,3 +224,40 @@ def test_the_kv_goes_out_right_after_the_step_not_behind_the_next_one(bg, pair):
     finally:
         runner.run, loop._deliver = real, deliver
         stop_worker(bg, worker)
+
+
+@pytest.mark.parametrize("backend", ["ucx", "nixl"])
+def test_blocks_stay_held_until_the_decode_side_has_read_them(bg, backend):
+    """With nixl the decode worker reads the prompt's blocks out of the prefill worker's
+    cache: they stay held until its ack, and go back once the call ends. With ucx what
+    goes out is a copy, so they go back as soon as it is taken."""
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12")
+    prefill_w = start_worker(bg, PrefillConfig(engine=engine_config(), kv_backend=backend))
+    decode_w = start_worker(bg, DecodeConfig(engine=engine_config(), kv_backend=backend))
+    receiver = decode_w.server.receiver.core
+    real_deliver, release = receiver.deliver, threading.Event()
+
+    def held_deliver(*args, **kwargs):  # the decode side takes its time with the KV
+        assert release.wait(TIMEOUT)
+        return real_deliver(*args, **kwargs)
+
+    receiver.deliver = held_deliver
+    try:
+        req = request([5] * 40, PARAMS)  # 3 blocks
+        stream = decode_w.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
+        dest = next(stream).destination
+        call = threading.Thread(target=prefill, args=(prefill_w, req, dest))
+        call.start()
+        wait_until(lambda: prefill_w.server.service._transfers, what="the KV on its way")
+        time.sleep(0.3)
+        assert prefill_w.used_blocks() == (3 if backend == "nixl" else 0)
+        release.set()
+        call.join(TIMEOUT)
+        assert len(list(stream)) >= 1  # decoded from the blocks it read
+        wait_until(lambda: prefill_w.used_blocks() == 0, what="prefill blocks freed")
+    finally:
+        release.set()
+        receiver.deliver = real_deliver
+        stop_worker(bg, prefill_w)
+        stop_worker(bg, decode_w)

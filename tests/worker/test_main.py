@@ -33,7 +33,7 @@ def test_bad_settings_exit_2_with_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err == "tandem: error: kv_ack_timeout_s must be > 0, got 0.0 (in flags)"
     assert main("decode", ["--kv-backend", "tcp"]) == 2
-    assert "kv_backend must be ucx or inproc" in capsys.readouterr().err
+    assert "kv_backend must be ucx, nixl or inproc" in capsys.readouterr().err
 
 
 def _spawn(role: str, config_path) -> subprocess.Popen:
@@ -53,7 +53,10 @@ def _ready(proc: subprocess.Popen, timeout: float = 60) -> dict[str, str]:
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
-    assert line and line[0].startswith("READY "), f"no READY line: {proc.stderr.read()[-2000:]}"
+    if not (line and line[0].startswith("READY ")):
+        proc.kill()  # stderr can only be read to its end once the process is gone
+        proc.wait()
+        raise AssertionError(f"no READY line but {line}: {proc.stderr.read()[-2000:]}")
     words = line[0].split()
     return {"role": words[1], **dict(w.split("=", 1) for w in words[2:])}
 

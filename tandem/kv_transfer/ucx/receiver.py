@@ -12,12 +12,14 @@ connection do not stall the others):
     PROOF (with a secret)    proof_s checked; wrong or missing: VERDICT refused, WARNING
                              with the peer's address, close. Nothing below runs for a
                              peer that has not proved the secret (auth.py)
+    nixl:  frame  b"M"+where  -> the sender's cache, for reading its blocks (nixl.py)
     loop:  frame  b"K"+header -> validate -> core.payload_limit: over it -> the request
                                  FAILED "bad header", the connection dropped; no
                                  staging allocated -> payload received into this
                                  connection's staging buffer (the one extra copy: see
                                  receiver.py) -> core.deliver(header, staged) -> ACK
-                                 if final
+                                 if final (nixl: no payload frame; core.deliver
+                                 reads the blocks in place, then verifies them)
            frame  b"A"+id     -> core.sender_abort(id)
     connection lost (peer killed, closed, protocol error) -> core.source_lost:
                                  every live request it fed is FAILED("peer lost")
@@ -29,6 +31,8 @@ A background sweep expires leases even when the engine does not poll.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +56,7 @@ class _Connection:
     def __init__(self, ep: object) -> None:
         self.ep = ep
         self.peer = sockets.peer_address(ep)  # "ip:port", for the log
+        self.remote = None  # nixl: the sender's cache (nixl.RemoteKV)
 
 
 class UcxReceiver(CoreReceiver):
@@ -66,11 +71,21 @@ class UcxReceiver(CoreReceiver):
         sweep_interval_s: float = 0.2,
         secret: bytes | None = None,
         max_request_blocks: int | None = None,
+        transport: str = "ucx",
     ) -> None:
         self.secret = auth.check_secret(secret)
+        if transport not in ("ucx", "nixl"):
+            raise ValueError(f"transport must be ucx or nixl, got {transport!r}")
+        fingerprint = dataclasses.replace(fingerprint, transport=transport)
         self.core = ReceiverCore(
             kv, fingerprint, address="", metrics=metrics, max_request_blocks=max_request_blocks
         )
+        # "nixl": payloads are read out of the sender's cache into the blocks (ucx/nixl.py).
+        self._nixl = None
+        if transport == "nixl":
+            from tandem.kv_transfer.ucx.nixl import NixlKV
+
+            self._nixl = NixlKV(kv, "decode")
         self.handshake_timeout_s = handshake_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self._frame_limit = wire.frame_limit(self.core.max_request_blocks)
@@ -82,6 +97,8 @@ class UcxReceiver(CoreReceiver):
             bound = self._rt.submit(self._start(host, port)).result(timeout=30)
         except BaseException:
             self._pool.shutdown(wait=False)
+            if self._nixl is not None:
+                self._nixl.close()
             raise
         self.core.address = f"{host}:{bound}"
 
@@ -135,6 +152,8 @@ class UcxReceiver(CoreReceiver):
                     conn.peer,
                     len(lost),
                 )
+            if conn.remote is not None:  # source_lost drained its reads
+                self._nixl.remove_remote(conn.remote)
             self._connections.discard(conn)  # after source_lost: close() waits for this
             ep.abort(period=_ABORT_PERIOD_NS)
 
@@ -191,6 +210,18 @@ class UcxReceiver(CoreReceiver):
         # Grown to the largest payload seen; one per connection, since a connection
         # receives its next payload only after the previous one was delivered.
         staging = torch.empty(0, dtype=torch.uint8, device=core.kv.device)
+        if self._nixl is not None:
+            frame = await wire.recv_msg(ep, self._frame_limit)
+            if frame[:1] != wire.NIXL_FRAME:
+                raise wire.ProtocolError(
+                    f"expected where the sender's cache lies, got {frame[:1]!r}"
+                )
+            try:
+                conn.remote = await loop.run_in_executor(
+                    self._pool, self._nixl.add_remote, frame[1:]
+                )
+            except ValueError as exc:
+                raise wire.ProtocolError(str(exc)) from None
         while True:
             frame = await wire.recv_msg(ep, self._frame_limit)
             kind, body = frame[:1], frame[1:]
@@ -204,7 +235,7 @@ class UcxReceiver(CoreReceiver):
                 header = decode_header(body)
             except HeaderError as exc:
                 raise wire.ProtocolError(f"bad header: {exc}") from None
-            payload = None
+            payload = fill = None
             if header.nbytes:
                 limit = core.payload_limit(header)
                 if header.nbytes > limit:
@@ -214,11 +245,23 @@ class UcxReceiver(CoreReceiver):
                     )
                     await loop.run_in_executor(self._pool, core.reject, header, conn, problem)
                     raise wire.ProtocolError(f"{header.request_id}: {problem}")
+            if header.nbytes and self._nixl is not None:
+                layers = (header.layer_start, header.layer_end)
+                fill = functools.partial(
+                    self._nixl.read,
+                    conn.remote,
+                    header.src_block_ids,
+                    header.dst_block_ids,
+                    layers,
+                )
+            elif header.nbytes:
                 if staging.numel() < header.nbytes:
                     staging = torch.empty(header.nbytes, dtype=torch.uint8, device=core.kv.device)
                 payload = staging[: header.nbytes]
                 await ep.recv(wire.wire_buffer(payload))
-            status = await loop.run_in_executor(self._pool, core.deliver, header, payload, conn)
+            status = await loop.run_in_executor(
+                self._pool, core.deliver, header, payload, conn, fill
+            )
             if status is not None:
                 await ep.send_obj(wire.encode_ack(header.request_id, status))
 
@@ -229,6 +272,8 @@ class UcxReceiver(CoreReceiver):
         self._rt.submit(self._stop()).result(timeout=30)
         self.core.close()
         self._pool.shutdown(wait=True)
+        if self._nixl is not None:
+            self._nixl.close()
 
     async def _stop(self) -> None:
         self._sweeper.cancel()

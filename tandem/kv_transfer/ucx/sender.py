@@ -2,13 +2,16 @@
 
 A request's path (caller thread, then the UCX loop thread):
 
-    send_layers / send        gather + checksum in the caller's thread (sender.py),
+    send_layers / send        gather + checksum in the caller's thread (sender.py;
+                              with transport "nixl" only the checksum: the receiver
+                              reads the blocks in place, ucx/nixl.py),
                               then call_soon -> the peer's queue, in call order
     first use of an address   a _Peer is created: connect, handshake (wire.py, auth.py):
                               a fingerprint mismatch, a missing secret on either side or
                               a receiver that cannot prove the secret -> HandshakeError
                               for everything queued, and not one frame is sent; then
-                              its writer drains the queue and its reader takes acks
+                              (nixl) where this cache lies, and its writer drains the
+                              queue and its reader takes acks
     writer                    for each message: header frame, then the payload, back to
                               back; the single writer is what keeps pairs unsplit
     reader                    ACK -> the request's future: DONE status or TransferError
@@ -23,6 +26,7 @@ Futures resolve on the UCX loop thread: done-callbacks run there and must not bl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -67,9 +71,20 @@ class UcxSender(SenderBase):
         connect_timeout_s: float = 10.0,
         ack_timeout_s: float = 30.0,
         secret: bytes | None = None,
+        transport: str = "ucx",
     ) -> None:
         super().__init__(kv, fingerprint, metrics, fault_hook)
         self.secret = auth.check_secret(secret)
+        # "nixl": payloads are not sent but read in place by the receiver (ucx/nixl.py).
+        self._nixl = None
+        if transport == "nixl":
+            from tandem.kv_transfer.ucx.nixl import NixlKV
+
+            self._nixl = NixlKV(kv, "prefill")
+            self.copies_on_send = False
+        elif transport != "ucx":
+            raise ValueError(f"transport must be ucx or nixl, got {transport!r}")
+        self.fingerprint = dataclasses.replace(fingerprint, transport=transport)
         self.connect_timeout_s = connect_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self._rt = get_runtime()
@@ -99,6 +114,8 @@ class UcxSender(SenderBase):
         self._closed = True
         self._fail_all(TransferError("closed", "sender closed"))
         self._rt.submit(self._shutdown()).result(timeout=30)
+        if self._nixl is not None:
+            self._nixl.close()
 
     # --- loop thread ---------------------------------------------------------------
 
@@ -148,6 +165,8 @@ class UcxSender(SenderBase):
             await self._handshake(peer)
         except wire.ProtocolError as exc:  # not a Tandem receiver, or another protocol
             raise HandshakeError(f"the receiver at {peer.address} answered badly: {exc}") from None
+        if self._nixl is not None:  # only to a receiver that passed the handshake
+            await peer.ep.send_obj(wire.NIXL_FRAME + self._nixl.describe())
 
     async def _handshake(self, peer: _Peer) -> None:
         """Returns once the receiver accepted us and, with a secret, proved it has it."""

@@ -7,9 +7,12 @@
     with a secret only:
     sender -> receiver   PROOF    proof_s, sent only if proof_r was right
     receiver -> sender   VERDICT  accepted, or "KV authentication failed" (then both close)
+    sender -> receiver   transport "nixl" (in the fingerprint) only: the first frame
+                           b"M" + where the sender's cache lies (nixl.NixlKV.describe)
     sender -> receiver   then any number of frames, each one ``send_obj`` message:
                            b"K" + header (payload.encode_header), then, if header.nbytes,
                                   the payload as one tagged message of exactly nbytes
+                                  (with "nixl": no payload; the receiver reads it)
                            b"A" + request id: the sender aborted that request
     receiver -> sender   ACK      one per final message: request id, state, reason, detail
 
@@ -35,6 +38,7 @@ from tandem.kv_transfer.base import Fingerprint, TransferState, TransferStatus
 
 KV_FRAME = b"K"
 ABORT_FRAME = b"A"
+NIXL_FRAME = b"M"
 # Bounds on messages other than payloads (payloads: ReceiverCore.payload_limit).
 HANDSHAKE_LIMIT = 64 << 10
 ACK_LIMIT = 1 << 20

@@ -12,10 +12,12 @@ from tandem.kv_transfer.payload import (
     PayloadBuffers,
     check_fits,
     checksum,
+    checksum_blocks,
     decode_header,
     encode_header,
     gather,
     make_header,
+    paired_runs,
     scatter,
 )
 from tests.kv_transfer.conftest import make_side
@@ -157,3 +159,23 @@ def test_payload_buffers_reuse_what_fits_and_bound_what_idles() -> None:
     assert pool.idle_bytes == 4000  # 12,000 B would exceed the bound: the largest goes
     pool.give(None)  # an empty message has no payload
     assert pool.idle_bytes == 4000
+
+
+@pytest.mark.parametrize(
+    "ids", [[0, 1, 2, 3], [5, 6, 1, 2, 9], [7, 3, 4, 0], [2]], ids=["one-run", "three", "four", "1"]
+)
+@pytest.mark.parametrize("layers", [(0, 4), (1, 3), (2, 3)])
+def test_blocks_checksummed_in_place_match_the_gathered_payload(ids, layers) -> None:
+    kv = torch.randn(4, 2, 11, 16, 2, 8)
+    assert checksum_blocks(kv, ids, layers) == checksum(gather(kv, ids, layers))
+    changed = kv.clone()
+    changed[layers[0], 1, ids[-1], 3, 1, 7] += 1  # one value of the last block's V
+    assert checksum_blocks(changed, ids, layers) != checksum_blocks(kv, ids, layers)
+
+
+def test_paired_runs_cover_both_lists_in_order() -> None:
+    src, dst = [4, 5, 6, 9, 10, 2], [0, 1, 7, 8, 9, 3]
+    runs = paired_runs(src, dst)
+    assert runs == [(4, 0, 2), (6, 7, 1), (9, 8, 2), (2, 3, 1)]
+    assert [s + i for s, _, n in runs for i in range(n)] == src
+    assert [d + i for _, d, n in runs for i in range(n)] == dst

@@ -1,0 +1,94 @@
+"""ReceiverCore.deliver with ``fill``: a transport that moves blocks in place (NIXL reads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tandem.kv_transfer import TransferError, TransferState
+from tandem.kv_transfer.payload import make_header
+from tandem.kv_transfer.receiver import ReceiverCore
+from tests.kv_transfer.conftest import LAYERS, fingerprint, make_side
+
+
+def _setup(n: int = 3):
+    src, dst = make_side(16, seed=4), make_side(16)
+    core = ReceiverCore(dst.kv, fingerprint(), "test")
+    src_ids, dst_ids = src.pool.allocate(n), dst.pool.allocate(n)[::-1]
+    core.expect("r", dst_ids, lease_s=30)
+    header = make_header("r", (0, LAYERS), tuple(src_ids), tuple(dst_ids), None, 7, True, kv=src.kv)
+    return src, dst, core, src_ids, dst_ids, header
+
+
+def _copy(src, dst, src_ids, dst_ids):
+    def fill() -> None:
+        dst.kv[:, :, dst_ids] = src.kv[:, :, src_ids]
+
+    return fill
+
+
+def test_a_fill_lands_and_is_verified_in_place() -> None:
+    src, dst, core, src_ids, dst_ids, header = _setup()
+    status = core.deliver(header, None, fill=_copy(src, dst, src_ids, dst_ids))
+    assert (status.state, status.first_token) == (TransferState.DONE, 7)
+    assert torch.equal(dst.kv[:, :, dst_ids], src.kv[:, :, src_ids])
+
+
+def test_a_fill_that_lands_other_bytes_fails_the_checksum() -> None:
+    src, dst, core, src_ids, dst_ids, header = _setup()
+    copy = _copy(src, dst, src_ids, dst_ids)
+
+    def corrupted() -> None:
+        copy()
+        dst.kv[1, 0, dst_ids[0], 0, 0, 0] += 1
+
+    status = core.deliver(header, None, fill=corrupted)
+    assert (status.state, status.reason) == (TransferState.FAILED, "checksum")
+
+
+def test_a_failed_read_fails_the_request_with_its_reason() -> None:
+    *_, core, _, _, header = _setup()
+
+    def lost() -> None:
+        raise TransferError("peer lost", "NIXL read: disconnected")
+
+    status = core.deliver(header, None, fill=lost)
+    assert (status.state, status.reason) == (TransferState.FAILED, "peer lost")
+
+
+def test_abort_returns_only_once_a_read_in_flight_has_landed() -> None:
+    src, dst, core, src_ids, dst_ids, header = _setup()
+    started, finished = threading.Event(), []
+    copy = _copy(src, dst, src_ids, dst_ids)
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.3)
+        copy()
+        finished.append(time.monotonic())
+
+    reader = threading.Thread(target=core.deliver, args=(header, None), kwargs={"fill": slow})
+    reader.start()
+    assert started.wait(5)
+    core.abort("r")
+    aborted_at = time.monotonic()
+    reader.join(5)
+    assert finished and finished[0] <= aborted_at  # nothing lands after abort returned
+    assert core.poll("r").reason == "aborted"
+
+
+def test_no_read_is_posted_for_a_request_that_is_gone() -> None:
+    *_, core, _, _, header = _setup()
+    core.release("r")
+    called = []
+    status = core.deliver(header, None, fill=lambda: called.append(1))
+    assert status.state is TransferState.FAILED and not called
+
+
+def test_a_message_with_kv_needs_one_of_payload_and_fill() -> None:
+    *_, core, _, _, header = _setup()
+    with pytest.raises(ValueError, match="exactly one"):
+        core.deliver(header, None)

@@ -83,13 +83,35 @@ def _mem_type(kv: torch.Tensor) -> tuple[str, int]:
 PROGRESS_INTERVAL_S = 0.005
 # Every NIXL call in the process holds it; never held while a read is waited on.
 _calls_lock = threading.RLock()
-# What NIXL's UCX reads differently from ucxx's (both read UCX_* when their context
-# is created). Keepalive-based failure detection on the shared-memory transports,
-# which the UCX control channel needs (runtime.ucx_env_defaults), made NIXL's UCX
-# crash in its keepalive (SIGSEGV in ucp_ep_is_cm_local_connected) a few seconds
-# after its first connection. NIXL reads through CMA, which detects a dead peer
-# without it (the read fails at once: tests/kv_transfer/test_ucx.py).
-NIXL_UCX_ENV = {"UCX_MM_ERROR_HANDLING": "n"}
+# What NIXL's UCX reads differently from ucxx's (both read UCX_* from the
+# environment when their context is created; None: unset for NIXL).
+# - UCX_MM_ERROR_HANDLING: keepalive-based failure detection on the shared-memory
+#   transports, which the UCX control channel needs (runtime.ucx_env_defaults),
+#   made NIXL's UCX crash in its keepalive (SIGSEGV in ucp_ep_is_cm_local_connected)
+#   a few seconds after its first connection. NIXL reads through CMA, which detects
+#   a dead peer without it (the read fails at once: tests/kv_transfer/test_ucx.py).
+# - UCX_RNDV_THRESH: ucxx sets 8192 in the environment when it starts, and with it
+#   UCX served NIXL's reads by software emulation over TCP loopback instead of one
+#   CMA copy (UCX_PROTO_INFO=y), about 5x slower at 64 MiB.
+NIXL_UCX_ENV: dict[str, str | None] = {"UCX_MM_ERROR_HANDLING": "n", "UCX_RNDV_THRESH": None}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]):
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _route_nixl_logs() -> None:
@@ -102,20 +124,6 @@ def _route_nixl_logs() -> None:
     nixl_log.propagate = True
     if not os.environ.get("NIXL_LOG_LEVEL"):
         nixl_log.setLevel(logging.WARNING)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class NixlKV:

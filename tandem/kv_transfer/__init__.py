@@ -20,6 +20,9 @@ authenticates the two ends: a stranger can neither write into a decode worker's
 blocks nor get a prefill worker to send it a prompt's KV. So keep the KV
 network trusted, and bind the listener to that network's interface (the decode
 worker's ``host``), never to every interface of a machine on a wider network.
+With backend "nixl" the prefill worker's whole cache is registered for remote
+reads, and the keys to it go to each authenticated decode worker over the same
+unencrypted connection: a watcher of the KV network could read that cache.
 ``secret=None`` turns authentication off: for tests and loopback-only setups.
 """
 

@@ -75,13 +75,13 @@ def _mem_type(kv: torch.Tensor) -> tuple[str, int]:
 
 # How often a process's agents progress UCX when nothing waits on them (a reader
 # progresses its own reads while it waits for them; this serves connection set-up
-# and the peer side of reads). NIXL's own progress thread is not used: in this
-# NIXL it busy-polls a whole core in every process, idle or not, and with two
-# agents in one process it crashed (SIGSEGV in ucp_worker_progress) as one of them
-# connected. Ours makes every agent call under one lock; idle, it costs about 2%
-# of a core, and a 16 MiB read took as long as with NIXL's thread.
+# and the peer side of reads). NIXL's own progress thread is not used: its Python
+# wrapper makes it busy-poll, a whole core in every process, idle or not. Ours
+# costs about 2% of a core idle, and a 16 MiB read took as long as with NIXL's.
 PROGRESS_INTERVAL_S = 0.005
-# Every NIXL call in the process holds it; never held while a read is waited on.
+# Every NIXL call in the process holds it (the agents run without NIXL's own
+# locking, which the wrapper only turns on with its listener thread); never held
+# while a read is waited on.
 _calls_lock = threading.RLock()
 # What NIXL's UCX reads differently from ucxx's (both read UCX_* from the
 # environment when their context is created; None: unset for NIXL).

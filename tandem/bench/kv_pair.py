@@ -39,21 +39,25 @@ def fingerprint(shape, dtype: torch.dtype):
     )
 
 
-def kv_tensor(shape, num_blocks: int, dtype: torch.dtype, random: bool) -> torch.Tensor:
+def kv_tensor(
+    shape, num_blocks: int, dtype: torch.dtype, random: bool, device: str = "cpu"
+) -> torch.Tensor:
     """A paged KV cache laid out as the engine's: the null block last, always zero."""
     dims = (shape.layers, 2, num_blocks + 1, shape.block_size, shape.kv_heads, shape.head_dim)
     if not random:
-        return torch.zeros(dims, dtype=dtype)
+        return torch.zeros(dims, dtype=dtype, device=device)
     kv = torch.randn(dims, generator=torch.Generator().manual_seed(0)).to(dtype)
     kv[:, :, -1] = 0
-    return kv
+    return kv.to(device)
 
 
-def _receiver_main(conn, backend: str, shape, num_blocks: int, dtype: torch.dtype) -> None:
+def _receiver_main(
+    conn, backend: str, shape, num_blocks: int, dtype: torch.dtype, device: str
+) -> None:
     from tandem.engine.block_manager import BlockPool
     from tandem.kv_transfer import TransferState, make_receiver
 
-    kv = kv_tensor(shape, num_blocks, dtype, random=False)
+    kv = kv_tensor(shape, num_blocks, dtype, random=False, device=device)
     pool = BlockPool(num_blocks, shape.block_size)
     receiver = make_receiver(backend, kv, fingerprint(shape, dtype))
     blocks: dict[str, list[int]] = {}
@@ -67,9 +71,9 @@ def _receiver_main(conn, backend: str, shape, num_blocks: int, dtype: torch.dtyp
         if status.state is not TransferState.DONE:
             raise TandemError(f"request {request_id} ended {status.state.value}: {status.reason}")
         ids = blocks.pop(request_id)
-        arrived = (
-            kv[:, :, ids].contiguous().view(torch.uint8).numpy().tobytes() if read_back else b""
-        )
+        arrived = b""
+        if read_back:
+            arrived = kv[:, :, ids].cpu().contiguous().view(torch.uint8).numpy().tobytes()
         receiver.release(request_id)
         pool.free(ids)
         return arrived
@@ -92,11 +96,15 @@ def _receiver_main(conn, backend: str, shape, num_blocks: int, dtype: torch.dtyp
 class ReceiverProcess:
     """The decode worker's role, in a child process (spawned: ucxx must not be forked)."""
 
-    def __init__(self, backend: str, shape, num_blocks: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, backend: str, shape, num_blocks: int, dtype: torch.dtype, device: str = "cpu"
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_receiver_main, args=(child, backend, shape, num_blocks, dtype), daemon=True
+            target=_receiver_main,
+            args=(child, backend, shape, num_blocks, dtype, device),
+            daemon=True,
         )
         self.process.start()
         child.close()

@@ -66,6 +66,9 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     b.run("prefill", "5 + 11", lambda: script.prefill_case(b, ops, 5, 11, mm_tflops=1.0))
     b.run("store", "7 tokens", lambda: script.store_case(b, ops, torch_ref, 7, copy_gbps=10.0))
     b.run("profile", "norms", lambda: script.norm_rope_case(b, 3))
+    monkeypatch.setattr(script, "KV_SHAPE", {"layers": 4, "kv_heads": 2, "head_dim": 16})
+    # The device-to-device check, host to host here (nixl's path: test_transfer_bench.py).
+    b.run("kvxfer", "ucx", lambda: script.kv_transfer_case(b, "ucx", 1, 10.0))
     tiles = {"block_n": 16, "num_warps": 1, "num_stages": 1}
     b.run("sweep", "tiles", lambda: script.decode_case(b, ops, 1, 20, 10.0, **tiles))
     b.run("broken", "raises", lambda: 1 / 0)
@@ -82,5 +85,7 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     for case in ("2 x 37", "9 new", "5 + 11", "7 tokens", "tiles"):
         assert rows[case]["ok"] is True, case
         assert rows[case]["ms"] > 0 and rows[case]["sdpa_ms"] > 0
+    assert rows["ucx"]["ok"] is True and rows["ucx"]["gbps"] > 0, rows["ucx"]
+    assert rows["ucx"]["bytes"] == 1 << 20  # 512 blocks of 2 KiB
     assert "sdpa_gbps" in rows["2 x 37"] and "sdpa_tflops" in rows["9 new"]
     assert rows["norms"]["ok"] is None and rows["norms"]["rmsnorm_ms"] > 0

@@ -3,6 +3,7 @@ test runs over "ucx" (payloads as messages) and "nixl" (read in place over NIXL)
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -25,7 +26,12 @@ pytest.importorskip("ucxx")
 SEED = 21
 
 
-NETWORK = [b for b in BACKENDS if b != "inproc"]
+# nixl in this process only on request: two full runs of the suite with NIXL agents
+# made in the test process crashed it (segfault, no traceback) some 20 tests after
+# the last of them; the nixl path still runs in subprocesses (tests/bench).
+NETWORK = [
+    b for b in BACKENDS if b != "inproc" and (b != "nixl" or os.environ.get("TANDEM_TEST_NIXL"))
+]
 
 
 @pytest.fixture(scope="module", params=NETWORK)
@@ -141,8 +147,8 @@ def test_nixl_reads_the_blocks_in_place(receiver, prefill, backend) -> None:
 
 def test_a_sender_of_the_other_transport_is_refused_by_name(receiver, backend) -> None:
     other = "ucx" if backend == "nixl" else "nixl"
-    if other == "nixl":
-        pytest.importorskip("nixl_cu12")
+    if other == "nixl" and "nixl" not in NETWORK:
+        pytest.skip("NIXL agents in the test process: TANDEM_TEST_NIXL=1")
     side = make_side(8, seed=SEED)
     sender = make_sender(other, side.kv, fingerprint())
     with pytest.raises(HandshakeError) as err:

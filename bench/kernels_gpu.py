@@ -17,9 +17,10 @@ In order, each case caught and reported on its own (a failure does not stop the 
 5. KV store; 6. a small sweep of tile sizes at the two target shapes (not with
    --quick or --no-sweep); 7. RMSNorm and RoPE as the engine runs them in torch, to
    weigh fusing them against one layer's attention; 8. KV transfer between two
-   processes, cache to cache on the device, through each backend (nixl, ucx) as a
-   prefill and a decode worker use it, layer by layer: bit-identical blocks, and
-   GB/s against a same-run device copy of the same bytes.
+   processes, cache to cache on the device, through the UCX backend as a prefill
+   and a decode worker use it (the decode side reads the blocks with UCX gets:
+   cuda_ipc on one node), layer by layer: bit-identical blocks, and GB/s against a
+   same-run device copy of the same bytes.
 Timings: CUDA events around each launch, L2 flushed before it, median of many runs
 after warm-up. Progress goes to stdout as it runs, then a table; the last line is
 JSON. Exit status 1 if any check or timed case is wrong or raised.
@@ -54,8 +55,8 @@ TARGET_DECODE = 0.70  # of copy bandwidth, batch 64 x 4k context
 TARGET_PREFILL = 0.50  # of the bf16 matmul rate, 8k tokens
 # One request's KV for the transfer cases: 7B-style, 2 MiB per block of 16 tokens.
 KV_SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128}
-# What each transfer backend imports beyond torch (the kernels need nothing else).
-KV_MODULES = {"ucx": ["ucxx", "xxhash"], "nixl": ["ucxx", "xxhash", "nixl_cu12"]}
+# What the transfer cases import beyond torch (the kernels need nothing else).
+KV_MODULES = ["ucxx", "xxhash"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # x max|ref|
 
 
@@ -374,11 +375,11 @@ def store_case(b: Bench, ops, ref, tokens: int, copy_gbps: float) -> Row:
     return row
 
 
-def kv_transfer_case(b: Bench, backend: str, size_mib: int, copy_gbps: float) -> Row:
+def kv_transfer_case(b: Bench, size_mib: int, copy_gbps: float) -> Row:
     """One request's KV, ``size_mib`` of it, from this process's cache to a spawned
-    receiver's, both on ``b.device``, through a real backend (``tandem bench transfer
-    --path backend`` on the device). The ratio is to a device copy of the same bytes
-    (the copy ceiling counts read + write)."""
+    receiver's, both on ``b.device``, through the UCX backend (``tandem bench transfer
+    --path backend --read get`` on the device). The ratio is to a device copy of the
+    same bytes (the copy ceiling counts read + write)."""
     from tandem.bench.kv_pair import ReceiverProcess, fingerprint, kv_tensor, round_trips
     from tandem.bench.transfer import KVShape
     from tandem.kv_transfer import make_sender
@@ -389,12 +390,12 @@ def kv_transfer_case(b: Bench, backend: str, size_mib: int, copy_gbps: float) ->
     blocks = shape.blocks_for(size_mib << 20)
     device = str(b.device)
     kv = kv_tensor(shape, blocks, torch.bfloat16, random=True, device=device)
-    receiver = ReceiverProcess(backend, shape, blocks, torch.bfloat16, device)
+    receiver = ReceiverProcess("get", shape, blocks, torch.bfloat16, device)
     sender = None
     try:
-        sender = make_sender(backend, kv, fingerprint(shape, torch.bfloat16))
+        sender = make_sender("ucx", kv, fingerprint(shape, torch.bfloat16))
         sender.connect(receiver("address"))
-        times, arrived = round_trips(sender, receiver, blocks, "layer", 6, backend)
+        times, arrived = round_trips(sender, receiver, blocks, "layer", 6, "kv")
     finally:
         if sender is not None:
             sender.close()
@@ -412,7 +413,7 @@ def kv_transfer_case(b: Bench, backend: str, size_mib: int, copy_gbps: float) ->
         rate=f"{gbps:.1f} GB/s",
         pct=100 * gbps / (copy_gbps / 2),
         note=("bit-identical" if same else "blocks differ") + f", {nbytes / 2**20:.0f} MiB",
-        data={"backend": backend, "bytes": nbytes, "gbps": round(gbps, 2)},
+        data={"bytes": nbytes, "gbps": round(gbps, 2)},
     )
 
 
@@ -574,14 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in (64, 8192):
         b.run("profile", f"norms + rope, {tokens} tokens", partial(norm_rope_case, b, tokens))
 
-    for backend in ("nixl", "ucx"):
-        missing = [m for m in KV_MODULES[backend] if importlib.util.find_spec(m) is None]
-        for mib in (64,) if args.quick else (16, 256):
-            name = f"{backend} {mib} MiB, layer by layer"
-            if missing:  # a bare GPU image: the kernels need torch and triton only
-                b.rows.append(Row("kvxfer", name, note=f"skipped: no {', '.join(missing)}"))
-                continue
-            b.run("kvxfer", name, partial(kv_transfer_case, b, backend, mib, copy_bw))
+    missing = [m for m in KV_MODULES if importlib.util.find_spec(m) is None]
+    for mib in (64,) if args.quick else (16, 256):
+        name = f"ucx {mib} MiB, layer by layer"
+        if missing:  # a bare GPU image: the kernels need torch and triton only
+            b.rows.append(Row("kvxfer", name, note=f"skipped: no {', '.join(missing)}"))
+            continue
+        b.run("kvxfer", name, partial(kv_transfer_case, b, mib, copy_bw))
     return report(b, summary)
 
 

@@ -7,7 +7,6 @@ value fails at start-up with the setting named.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +114,6 @@ class ClusterSecurityConfig:
     insecure: bool = False
 
 
-# nixl measured 1.2-2x faster (bench/README.md) but is opt-in until the crash seen
-# once at the end of a full test run is understood (tandem/kv_transfer/ucx/nixl.py).
 DEFAULT_KV_BACKEND = "ucx"
 
 
@@ -128,9 +125,8 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     port: int = 0  # gRPC port; 0 picks a free one
     worker_id: str = ""  # default: prefill-<host>:<port>
-    # ucx (payloads as UCX messages), nixl (the decode worker reads the blocks in
-    # place over NIXL: no gather, staging or scatter copy; tandem/kv_transfer/ucx/
-    # nixl.py) or inproc (tests)
+    # ucx (the decode worker reads the blocks straight out of this worker's cache:
+    # tandem/kv_transfer/ucx/rma.py) or inproc (tests)
     kv_backend: str = DEFAULT_KV_BACKEND
     kv_ack_timeout_s: float = 30.0  # wait for the decode side to confirm a transfer
     kv_connect_timeout_s: float = 10.0  # connecting to a decode worker's KV receiver
@@ -395,10 +391,8 @@ class RouterConfig:
 def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:
     if not 0 <= port < 65536:
         raise ConfigError(f"port must be in [0, 65535], got {port}")
-    if kv_backend not in ("ucx", "nixl", "inproc"):
-        raise ConfigError(f"kv_backend must be ucx, nixl or inproc, got {kv_backend!r}")
-    if kv_backend == "nixl" and importlib.util.find_spec("nixl_cu12") is None:
-        raise ConfigError("kv_backend nixl needs the nixl-cu12 package: pip install nixl-cu12")
+    if kv_backend not in ("ucx", "inproc"):
+        raise ConfigError(f"kv_backend must be ucx or inproc, got {kv_backend!r}")
     if drain_timeout_s < 0:
         raise ConfigError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
 

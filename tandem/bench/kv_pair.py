@@ -1,12 +1,11 @@
 """Both ends of ``tandem bench transfer --path backend``: Tandem's own KV transfer backend.
 
 Where ``ucx_pair.py`` times bare ucxx messages, this times what a request really
-costs between a prefill and a decode worker, over either backend: with ``ucx``
-the sender gathers the request's blocks and checksums them, UCX moves header and
-payload, the receiver stages the payload, verifies the checksum, scatters it into
-the reserved blocks and acks; with ``nixl`` the receiver reads the checksummed
-blocks straight into its own and verifies them there.
-One round trip is ``send()`` until its future resolves with the receiver's ack.
+costs between a prefill and a decode worker: the sender checksums the request's
+blocks where they lie and sends a header; the receiver reads the blocks out of the
+sender's cache into its reserved ones (mapped, or with UCX gets: ``read``),
+verifies them there and acks. One round trip is ``send()`` until its future
+resolves with the receiver's ack.
 
 The receiver runs in a spawned process driven over a pipe (``ReceiverProcess``);
 the blocks it reserves and the arrival it reports are untimed bookkeeping.
@@ -42,24 +41,27 @@ def fingerprint(shape, dtype: torch.dtype):
 def kv_tensor(
     shape, num_blocks: int, dtype: torch.dtype, random: bool, device: str = "cpu"
 ) -> torch.Tensor:
-    """A paged KV cache laid out as the engine's: the null block last, always zero."""
+    """A paged KV cache laid out as the engine's, the null block last and always zero,
+    allocated as a prefill worker's is (ucx/rma.py: UCX shared memory on the host)."""
+    from tandem.kv_transfer.ucx.rma import allocate_kv
+
     dims = (shape.layers, 2, num_blocks + 1, shape.block_size, shape.kv_heads, shape.head_dim)
-    if not random:
-        return torch.zeros(dims, dtype=dtype, device=device)
-    kv = torch.randn(dims, generator=torch.Generator().manual_seed(0)).to(dtype)
-    kv[:, :, -1] = 0
-    return kv.to(device)
+    kv = allocate_kv(dims, dtype, torch.device(device))
+    if random:
+        kv.copy_(torch.randn(dims, generator=torch.Generator().manual_seed(0)).to(dtype))
+        kv[:, :, -1] = 0
+    return kv
 
 
 def _receiver_main(
-    conn, backend: str, shape, num_blocks: int, dtype: torch.dtype, device: str
+    conn, read: str, shape, num_blocks: int, dtype: torch.dtype, device: str
 ) -> None:
     from tandem.engine.block_manager import BlockPool
     from tandem.kv_transfer import TransferState, make_receiver
 
     kv = kv_tensor(shape, num_blocks, dtype, random=False, device=device)
     pool = BlockPool(num_blocks, shape.block_size)
-    receiver = make_receiver(backend, kv, fingerprint(shape, dtype))
+    receiver = make_receiver("ucx", kv, fingerprint(shape, dtype), map_peers=read == "mapped")
     blocks: dict[str, list[int]] = {}
 
     def expect(request_id: str, n: int):
@@ -97,13 +99,14 @@ class ReceiverProcess:
     """The decode worker's role, in a child process (spawned: ucxx must not be forked)."""
 
     def __init__(
-        self, backend: str, shape, num_blocks: int, dtype: torch.dtype, device: str = "cpu"
+        self, read: str, shape, num_blocks: int, dtype: torch.dtype, device: str = "cpu"
     ) -> None:
+        """``read``: how the receiver reads the sender's blocks, "mapped" or "get"."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_receiver_main,
-            args=(child, backend, shape, num_blocks, dtype, device),
+            args=(child, read, shape, num_blocks, dtype, device),
             daemon=True,
         )
         self.process.start()

@@ -14,14 +14,14 @@ message per layer, all posted at once. The median of ``--iters`` round trips
 (after ``--warmup``) gives UCX GB/s; the memcpy figure is ``numpy.copyto`` of the
 same number of bytes between two preallocated buffers in this process.
 
-``--path transport`` (the default) measures the UCX transport with the KV
-backend's message pattern: no handshake, checksum or block gather is timed.
-``--path backend`` times Tandem's KV transfer backends themselves
-(``tandem/bench/kv_pair.py``), one request per round trip until its ack, each
-backend in turn in the same run (``--backend``, default every one installed):
-``ucx`` gathers and checksums on the sender, stages, verifies and scatters on
-the receiver; ``nixl`` checksums the source blocks where they lie, and the
-receiver reads them straight into its blocks and verifies them there.
+``--path transport`` (the default) measures bare UCX messages of the request's
+size: no handshake, checksum or block layout is timed. ``--path backend`` times
+Tandem's KV transfer backend itself (``tandem/bench/kv_pair.py``), one request
+per round trip until its ack: the sender checksums the blocks where they lie,
+the receiver reads them out of the sender's cache into its own blocks and
+verifies them there. Each read path (``--read``) runs in turn in the same run:
+``mapped`` (the sender's cache mapped into the receiver, as between workers on
+one host) and ``get`` (UCX one-sided reads, the path across hosts and GPUs).
 bench/README.md has the figures and what moves them (transports, endpoint error
 handling, rendezvous, message split, progress mode).
 
@@ -96,17 +96,17 @@ def parse_size(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB", help="comma-separated sizes")
     p.add_argument(
-        "--backend",
-        default=None,
-        help="with --path backend: comma-separated KV backends to time in turn, of ucx and "
-        "nixl (default: each one installed); --path transport times ucx only",
+        "--read",
+        default="mapped,get",
+        help="with --path backend: how the receiver reads the sender's blocks, comma-"
+        "separated and timed in turn: mapped (same host) and get (UCX one-sided reads)",
     )
     p.add_argument(
         "--path",
         default="transport",
         choices=["transport", "backend"],
         help="time bare UCX messages (default) or Tandem's KV transfer backend end to end "
-        "(gather, checksum, send, verify, scatter, ack)",
+        "(checksum, header, read into the blocks, verify, ack)",
     )
     p.add_argument(
         "--tls",
@@ -196,13 +196,13 @@ def _bench_size(
 
 def _bench_backend(args: argparse.Namespace, shape: KVShape, labels, sizes) -> list[Row]:
     rows = []
-    for backend in args.backends:
-        rows += _bench_one_backend(args, backend, shape, labels, sizes)
+    for read in args.reads:
+        rows += _bench_one_read(args, read, shape, labels, sizes)
     return rows
 
 
-def _bench_one_backend(
-    args: argparse.Namespace, backend: str, shape: KVShape, labels, sizes
+def _bench_one_read(
+    args: argparse.Namespace, read: str, shape: KVShape, labels, sizes
 ) -> list[Row]:
     import torch
 
@@ -212,29 +212,30 @@ def _bench_one_backend(
     dtype = getattr(torch, args.dtype)
     most = max(shape.blocks_for(size) for size in sizes)
     kv = kv_tensor(shape, most, dtype, random=True)
-    receiver = ReceiverProcess(backend, shape, most, dtype)
+    receiver = ReceiverProcess(read, shape, most, dtype)
     sender = None
     rows = []
+    label = f"ucx-{read}"
     try:
-        sender = make_sender(backend, kv, fingerprint(shape, dtype))
+        sender = make_sender("ucx", kv, fingerprint(shape, dtype))
         sender.connect(receiver("address"))
-        for label, size in zip(labels, sizes, strict=True):
-            print(f"{backend} {label} ...", file=sys.stderr)
+        for size_label, size in zip(labels, sizes, strict=True):
+            print(f"{label} {size_label} ...", file=sys.stderr)
             blocks = shape.blocks_for(size)
             times, arrived = round_trips(
-                sender, receiver, blocks, args.split, args.warmup + args.iters, label
+                sender, receiver, blocks, args.split, args.warmup + args.iters, size_label
             )
             sent = kv[:, :, :blocks].contiguous().view(torch.uint8).numpy().tobytes()
             if arrived != sent:
-                raise TandemError(f"transfer benchmark: {backend} {label} arrived changed")
+                raise TandemError(f"transfer benchmark: {label} {size_label} arrived changed")
             nbytes = blocks * shape.block_bytes
             seconds = statistics.median(times[args.warmup :])
             memcpy_s = _memcpy_seconds(nbytes, args.iters)
             messages = shape.layers if args.split == "layer" else 1
             rows.append(
                 Row(
+                    size_label,
                     label,
-                    backend,
                     nbytes,
                     blocks,
                     messages,
@@ -249,20 +250,12 @@ def _bench_one_backend(
     return rows
 
 
-def _backends(args: argparse.Namespace) -> list[str]:
-    from tandem.kv_transfer.ucx import nixl
-
-    if args.backend is None:
-        return ["ucx", "nixl"] if args.path == "backend" and nixl.available() else ["ucx"]
-    names = [b.strip() for b in args.backend.split(",") if b.strip()]
-    bad = [b for b in names if b not in ("ucx", "nixl")]
-    if not names or bad:
-        raise TandemError(f"--backend: choose from ucx and nixl, got {args.backend!r}")
-    if args.path == "transport" and names != ["ucx"]:
-        raise TandemError("--path transport times bare UCX only; time nixl with --path backend")
-    if "nixl" in names and not nixl.available():
-        raise TandemError("--backend nixl needs the nixl-cu12 package: pip install nixl-cu12")
-    return names
+def _reads(args: argparse.Namespace) -> list[str]:
+    reads = [r.strip() for r in args.read.split(",") if r.strip()]
+    bad = [r for r in reads if r not in ("mapped", "get")]
+    if not reads or bad:
+        raise TandemError(f"--read: choose from mapped and get, got {args.read!r}")
+    return reads
 
 
 def _bench_transport(args: argparse.Namespace, shape: KVShape, labels, sizes) -> list[Row]:
@@ -288,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(
             f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}"
         )
-    args.backends = _backends(args)
+    args.reads = _reads(args)
     _set_ucx_env(args)
     shape = KVShape(dtype_bytes=DTYPE_BYTES[args.dtype])
     log = sys.stderr
@@ -301,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         ("thread", True) if args.path == "backend" else (args.progress, args.error_handling)
     )
     print(
-        f"path={args.path} backends={','.join(args.backends)} "
+        f"path={args.path} read={','.join(args.reads) if args.path == 'backend' else '-'} "
         f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')} "
         f"split={args.split} progress={progress} error_handling={error_handling} "
         f"block={shape.block_bytes} B ({args.dtype}) iters={args.iters}",
@@ -328,12 +321,12 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"{'backend':>7} {'size':>8} {'bytes':>10} {'msgs':>5} {'GB/s':>6} "
+            f"{'backend':>10} {'size':>8} {'bytes':>10} {'msgs':>5} {'GB/s':>6} "
             f"{'memcpy GB/s':>12} ratio"
         )
         for r in rows:
             print(
-                f"{r.backend:>7} {r.label:>8} {r.size_bytes:>10} {r.messages:>5} {r.gbps:>6.2f} "
+                f"{r.backend:>10} {r.label:>8} {r.size_bytes:>10} {r.messages:>5} {r.gbps:>6.2f} "
                 f"{r.memcpy_gbps:>12.2f} {r.ratio:>6.2f}"
             )
     return 0

@@ -39,7 +39,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.device import resolve_device, resolve_dtype
-from tandem.engine.kv_cache import KVCache, bytes_per_block
+from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block
 from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
@@ -91,7 +91,10 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, kv_allocator: KVAllocator | None = None
+    ) -> None:
+        """``kv_allocator``: where the KV cache tensor is made (see ``KVCache``)."""
         self.config = config = config or EngineConfig()
         self.stats = EngineStats()
         if config.num_threads:
@@ -129,6 +132,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             config.enable_prefix_caching,
+            kv_allocator,
         )
         log.info(
             "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s), %s attention",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.engine.block_manager import BlockPool, hash_block
@@ -15,6 +17,14 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+# (shape, dtype, device) -> a zeroed tensor
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     def __init__(
         self,
@@ -24,7 +34,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         enable_prefix_caching: bool = True,
+        allocate: KVAllocator | None = None,
     ) -> None:
+        """``allocate``: makes the zeroed cache tensor (default ``torch.zeros``); a KV
+        transfer backend may place it where its peers can read it in place."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, block_size)
@@ -37,7 +50,7 @@ class KVCache:
         # K (or V) for all blocks is one contiguous tensor, so the attention ops see
         # the [num_blocks, block_size, kv_heads, head_dim] view they expect.
         shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = (allocate or _zeros)(shape, dtype, device)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -2,13 +2,13 @@
 
 base.py      the contract: states, errors, fingerprint, sender/receiver interfaces
 auth.py      the shared-secret handshake: nonces, proofs, which side lacks a secret
-payload.py   gather/scatter of a request's blocks, message header, checksum
+payload.py   the message header, checksums, gather/scatter of a request's blocks
 receiver.py  reservations and their state machine, shared by every backend
 sender.py    request bookkeeping and message building, shared by every backend
 inproc.py    same-process backend (tests, colocated mode)
-ucx/         UCX backend (ucxx) for separate processes and machines; backend "nixl"
-             is the same connection with its payloads read in place by the decode
-             worker over NIXL (ucx/nixl.py): no gather, staging or scatter copy
+ucx/         UCX backend (ucxx) for separate processes and machines: the decode worker
+             reads a request's blocks straight out of the prefill worker's cache
+             (ucx/rma.py): no gather, staging or scatter copy
 
 Pick a backend by name with ``make_sender`` / ``make_receiver``.
 
@@ -20,9 +20,9 @@ authenticates the two ends: a stranger can neither write into a decode worker's
 blocks nor get a prefill worker to send it a prompt's KV. So keep the KV
 network trusted, and bind the listener to that network's interface (the decode
 worker's ``host``), never to every interface of a machine on a wider network.
-With backend "nixl" the prefill worker's whole cache is registered for remote
-reads, and the keys to it go to each authenticated decode worker over the same
-unencrypted connection: a watcher of the KV network could read that cache.
+The prefill worker's whole cache is open to remote reads, and the key to it goes
+to each authenticated decode worker over the same unencrypted connection: a
+watcher of the KV network could read that cache.
 ``secret=None`` turns authentication off: for tests and loopback-only setups.
 """
 
@@ -45,7 +45,7 @@ from tandem.kv_transfer.base import (
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("ucx", "nixl", "inproc")
+BACKENDS = ("ucx", "inproc")
 
 __all__ = [
     "BACKENDS",
@@ -72,8 +72,7 @@ def _check(backend: str) -> None:
 def make_sender(
     backend: str, kv: torch.Tensor, fingerprint: Fingerprint, **options: Any
 ) -> KVSender:
-    """options: metrics, fault_hook, secret; ucx and nixl also connect_timeout_s,
-    ack_timeout_s."""
+    """options: metrics, fault_hook, secret; ucx also connect_timeout_s, ack_timeout_s."""
     _check(backend)
     if backend == "inproc":
         from tandem.kv_transfer.inproc import InProcSender
@@ -81,7 +80,7 @@ def make_sender(
         return InProcSender(kv, fingerprint, **options)
     from tandem.kv_transfer.ucx.sender import UcxSender
 
-    return UcxSender(kv, fingerprint, transport=backend, **options)
+    return UcxSender(kv, fingerprint, **options)
 
 
 def make_receiver(
@@ -93,10 +92,10 @@ def make_receiver(
     **options: Any,
 ) -> KVReceiver:
     """options: metrics, secret, max_request_blocks (the largest reservation ``expect``
-    takes, and so the bound on staging for late data; default: the whole pool); inproc
-    also name; ucx and nixl also handshake_timeout_s, sweep_interval_s.
+    takes; default: the whole pool); inproc also name; ucx also handshake_timeout_s,
+    sweep_interval_s, map_peers.
 
-    ``host``/``port`` only matter for ucx and nixl (port 0: any free port; see ``.address``); the
+    ``host``/``port`` only matter for ucx (port 0: any free port; see ``.address``); the
     listener accepts connections to ``host`` only ("0.0.0.0": every interface).
     """
     _check(backend)
@@ -106,4 +105,4 @@ def make_receiver(
         return InProcReceiver(kv, fingerprint, **options)
     from tandem.kv_transfer.ucx.receiver import UcxReceiver
 
-    return UcxReceiver(kv, fingerprint, host=host, port=port, transport=backend, **options)
+    return UcxReceiver(kv, fingerprint, host=host, port=port, **options)

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 # again, since seeded sampling no longer needs state from the prefill side; 4 makes
 # the handshake a mutual challenge-response over a shared secret (HELLO carries a
 # nonce, REPLY a nonce and a proof, then PROOF and VERDICT), which a version-3 peer
-# cannot speak: the version mismatch is named instead of a parse error.
-PROTOCOL_VERSION = 4
+# cannot speak: the version mismatch is named instead of a parse error; 5 sends no
+# payloads: after the handshake the sender describes its cache (frame b"M") and the
+# receiver reads each header's blocks out of it (ucx/rma.py).
+PROTOCOL_VERSION = 5
 # The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 
@@ -81,8 +83,6 @@ class Fingerprint:
     block_size: int
     kv_layout: str = KV_LAYOUT
     protocol: int = PROTOCOL_VERSION
-    # How the payload crosses: "ucx" messages, or "nixl" reads of the blocks in place.
-    transport: str = "ucx"
 
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
         """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""

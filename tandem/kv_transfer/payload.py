@@ -144,7 +144,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
         if h.nbytes != 0:
             raise HeaderError(f"nbytes {h.nbytes} for an empty layer range")
         return h
-    elem = torch.empty((), dtype=dtype_from_name(h.dtype)).element_size()
+    elem = dtype_from_name(h.dtype).itemsize
     if len(h.shape) != 6 or h.shape[:3] != (h.num_layers, 2, len(h.dst_block_ids)):
         raise HeaderError(f"shape {list(h.shape)} does not match layers and block count")
     if h.nbytes != math.prod(h.shape) * elem:
@@ -327,16 +327,20 @@ def paired_runs(
 
 
 def checksum_blocks(
-    kv: torch.Tensor, block_ids: tuple[int, ...] | list[int], layers: tuple[int, int]
+    kv: torch.Tensor,
+    block_ids: tuple[int, ...] | list[int],
+    layers: tuple[int, int],
+    kv_bytes: memoryview | None = None,
 ) -> int:
     """``checksum(gather(kv, block_ids, layers))`` without the gather: xxh3_64 fed the
     same bytes in the same order (layer, then K and V, then the blocks), one
     contiguous run of blocks at a time, read where they lie.
 
-    This is how a transport that moves blocks in place (NIXL) verifies them: the
+    This is how a transport that reads blocks in place (ucx/rma.py) verifies them: the
     sender hashes its source blocks, the receiver its destination blocks, and the
     digests match exactly when the bytes do. A GPU cache is copied to the host run
-    by run first.
+    by run first. ``kv_bytes``: ``as_bytes(kv)`` of a host cache, when the caller keeps
+    one (making it costs more than hashing a small request).
     """
     digest = xxhash.xxh3_64()
     runs = block_runs(block_ids)
@@ -348,8 +352,8 @@ def checksum_blocks(
         return digest.intdigest()
     # One view of the whole cache, sliced by offset: a tensor view per run costs more
     # than hashing a small run does.
-    flat = as_bytes(kv)
-    block = kv[0, 0, 0].numel() * kv.element_size()
+    flat = as_bytes(kv) if kv_bytes is None else kv_bytes
+    block = math.prod(kv.shape[3:]) * kv.element_size()
     for layer in range(*layers):
         for k_or_v in (0, 1):
             base = (layer * 2 + k_or_v) * kv.shape[2] * block
@@ -367,16 +371,19 @@ def make_header(
     first_token: int | None = None,
     final: bool = False,
     kv: torch.Tensor | None = None,
+    kv_bytes: memoryview | None = None,
 ) -> MessageHeader:
     """The header of ``payload`` (gathered blocks), or with ``kv`` instead, of the blocks
-    ``src_block_ids`` of ``kv`` as they lie (a transport that reads them in place)."""
+    ``src_block_ids`` of ``kv`` as they lie (a transport that reads them in place;
+    ``kv_bytes``: see ``checksum_blocks``)."""
     if layers[0] == layers[1] or (payload is None and kv is None):
         shape: tuple[int, ...] = ()
         nbytes, digest, dtype = 0, checksum(torch.empty(0)), ""
     elif payload is None:
         shape = (layers[1] - layers[0], 2, len(src_block_ids), *kv.shape[3:])
         nbytes = math.prod(shape) * kv.element_size()
-        digest, dtype = checksum_blocks(kv, src_block_ids, layers), dtype_name(kv.dtype)
+        digest = checksum_blocks(kv, src_block_ids, layers, kv_bytes)
+        dtype = dtype_name(kv.dtype)
     else:
         shape = tuple(payload.shape)
         nbytes = payload.numel() * payload.element_size()

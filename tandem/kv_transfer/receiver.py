@@ -7,43 +7,34 @@ A request's path on the decode side:
       -> Destination, state WAITING
                                              handshake(peer fingerprint) -> '' or mismatch text,
                                              then the shared secret proved (auth.py)
-                                             payload_limit(header): a payload larger than the
-                                             reservation (or than max_request_blocks for an
-                                             unknown request) is refused before staging
-                                             payload received into a *staging* buffer
-                                             deliver(header, staged, source):
+                                             deliver(header, payload | fill, source):
                                                header checked against the reservation
-                                               checksum verified on the staged bytes
-                                               scatter into the blocks, only if still live
+                                               under its write lock, only if still live:
+                                                 UCX: ``fill`` reads the header's blocks out
+                                                 of the sender's cache into the reserved ones
+                                                 (ucx/rma.py), verified where they landed;
+                                                 in-process: the sender's gathered copy,
+                                                 verified, then scattered into the blocks
                                              state TRANSFERRING; on the final message
                                              (every layer verified) DONE, else FAILED
     renew(rid, lease_s)                      the owner still waits: the lease runs on
     poll(rid) -> TransferStatus              (a lease past its deadline: FAILED "lease expired")
     release(rid)                             the caller then frees or keeps the blocks
 
-A transport that moves blocks in place (NIXL, ucx/nixl.py) passes ``fill``
-instead of a staged payload: the decode side's own read of the sender's blocks
-into the reservation's blocks, run under the same write lock, then verified
-where it landed. For the UCX message path:
+Every write into a reservation's blocks happens in ``deliver``, under that
+reservation's write lock, after re-checking that it is live; every path that
+fails a reservation (abort, lease expiry, peer lost, close) waits for that lock
+before returning to the caller. So once ``abort``/``poll``/``release`` has
+reported a request failed, nothing more lands in its blocks, and the caller may
+hand them to another request at once. Bytes that fail their checksum are never
+decoded: the request fails "checksum".
 
-Why the staging copy: the transport writes where it was told before it knows
-whether the request is still wanted. Received straight into the destination
-blocks, a payload in flight when the request is aborted (or its lease expires)
-would land in blocks that the decode worker has already handed to another
-request. Staging costs one extra copy per message (transport -> staging ->
-blocks) and buys two guarantees: bytes that fail their checksum never touch the
-blocks, and once ``abort``/``poll``/``release`` has reported a request failed, no
-write into its blocks happens any more. The last point is enforced by a
-per-reservation write lock: a scatter runs under it after re-checking that the
-reservation is live, and every path that fails a reservation waits for that
-lock before returning to the caller.
-
-Data for an unknown, released, aborted or expired request is drained by the
-transport (it must be read to keep the stream framed) and discarded here. The
-first sender to feed a reservation owns it: another sender's messages for it
-(a router that retried prefill on another worker) are discarded, and its final
-message is answered FAILED "another sender", never "done", so that two prefill
-workers can never both report the first token of one request.
+Data for an unknown, released, aborted or expired request is discarded here
+(nothing is read). The first sender to feed a reservation owns it: another
+sender's messages for it (a router that retried prefill on another worker) are
+discarded, and its final message is answered FAILED "another sender", never
+"done", so that two prefill workers can never both report the first token of one
+request.
 """
 
 from __future__ import annotations
@@ -68,12 +59,16 @@ from tandem.kv_transfer.base import (
 from tandem.kv_transfer.payload import (
     HeaderError,
     MessageHeader,
+    as_bytes,
     check_fits,
     checksum,
     checksum_blocks,
     scatter,
 )
 
+# Copies a message's blocks into the reservation; returns their checksum if it took
+# one on the way (payload.checksum_blocks of the destination), else None.
+Fill = Callable[[], int | None]
 log = logging.getLogger(__name__)
 
 TERMINAL = (TransferState.DONE, TransferState.FAILED)
@@ -132,6 +127,7 @@ class ReceiverCore:
         if max_request_blocks is not None and max_request_blocks < 1:
             raise ValueError(f"max_request_blocks must be >= 1, got {max_request_blocks}")
         self.kv = kv
+        self._kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
         self.fingerprint = fingerprint
         self.address = address
         self.metrics = metrics if metrics is not None else TransferMetrics()
@@ -233,46 +229,22 @@ class ReceiverCore:
         """'' if a sender with ``peer`` may connect, else the named differences."""
         return peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
 
-    def payload_limit(self, header: MessageHeader) -> int:
-        """The most payload bytes ``header`` may announce; the transport checks this before
-        it allocates or receives anything.
-
-        A live reservation's own blocks bound it: len(block_ids) blocks x the header's
-        layers (K and V). Data for an unknown or finished request (late data after an
-        abort: common, and it must be drained to keep the stream framed) is bounded by
-        the largest reservation this receiver ever accepts, ``max_request_blocks``.
-        """
-        with self._lock:
-            res = self._table.get(header.request_id)
-            live = res is not None and res.state not in TERMINAL
-            blocks = len(res.block_ids) if live else self.max_request_blocks
-        layers = min(header.num_layers, self.kv.shape[0])
-        return blocks * layers * self.block_layer_bytes
-
-    def reject(self, header: MessageHeader, source: object, detail: str) -> None:
-        """A message broke the protocol (its connection is being dropped): fail its request
-        "bad header", unless another connection feeds that request."""
-        with self._lock:
-            res = self._table.get(header.request_id)
-            if res is None or res.source not in (None, source):
-                return
-            self._fail_locked(res, "bad header", detail)
-        self._drain(res)
-
     def deliver(
         self,
         header: MessageHeader,
         payload: torch.Tensor | None,
         source: object = None,
-        fill: Callable[[], None] | None = None,
+        fill: Fill | None = None,
     ) -> TransferStatus | None:
         """Take one received message; returns the request's status if ``header.final``.
 
-        ``payload``: the staged bytes (any dtype, ``header.nbytes`` long), None if empty.
-        ``fill`` instead, for a transport that moves blocks in place (NIXL reads): called
-        under the reservation's write lock once it is known live, it copies the header's
-        source blocks into its destination blocks (TransferError if it cannot); they are
-        verified where they landed. The returned status is what the sender is told (its ack).
+        ``payload``: the in-process sender's gathered blocks (any dtype, ``header.nbytes``
+        long), None if empty. ``fill`` instead, for a transport that reads blocks in place
+        (UCX, ucx/rma.py): called under the reservation's write lock once it is known
+        live, it copies the header's source blocks into its destination blocks
+        (TransferError if it cannot) and returns the checksum of what it wrote, taken as
+        it copied, or None; then they are checksummed where they landed. The returned
+        status is what the sender is told (its ack).
         """
         if header.nbytes and (payload is None) == (fill is None):
             raise ValueError("a message with KV needs exactly one of payload and fill")
@@ -328,14 +300,16 @@ class ReceiverCore:
                 self._arrived_locked(res, header)
         return res.status() if header.final else None
 
-    def _fill(self, header: MessageHeader, fill: Callable[[], None]) -> tuple[str, str] | None:
+    def _fill(self, header: MessageHeader, fill: Fill) -> tuple[str, str] | None:
         """Run ``fill`` and verify what landed; (reason, detail) when either fails."""
         layers = (header.layer_start, header.layer_end)
         try:
-            fill()
+            digest = fill()
         except TransferError as exc:
             return exc.reason, str(exc)
-        if checksum_blocks(self.kv, header.dst_block_ids, layers) != header.checksum:
+        if digest is None:
+            digest = checksum_blocks(self.kv, header.dst_block_ids, layers, self._kv_bytes)
+        if digest != header.checksum:
             return "checksum", f"layers [{layers[0]}, {layers[1]})"
         return None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -39,7 +40,13 @@ from tandem.kv_transfer.base import (
     TransferState,
     TransferStatus,
 )
-from tandem.kv_transfer.payload import MessageHeader, PayloadBuffers, gather, make_header
+from tandem.kv_transfer.payload import (
+    MessageHeader,
+    PayloadBuffers,
+    as_bytes,
+    gather,
+    make_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +94,10 @@ def _ranges(flags: list[bool]) -> list[tuple[int, int]]:
 
 
 class SenderBase(KVSender):
+    # A message carries at most this much KV (whole layers; one layer may be more): a
+    # large request goes as several, so the receiver reads one while the next is built.
+    max_message_bytes = 64 << 20
+
     def __init__(
         self,
         kv: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
@@ -97,6 +108,9 @@ class SenderBase(KVSender):
         if kv.dim() != 6 or kv.shape[1] != 2:
             raise ValueError(f"kv must be [layers, 2, blocks + 1, ...], got {list(kv.shape)}")
         self.kv = kv
+        # A host cache's bytes, kept for checksums of blocks read in place.
+        self._kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
+        self._block_bytes = math.prod(kv.shape[3:]) * kv.element_size()  # one layer's K (or V)
         self.fingerprint = fingerprint
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.fault_hook = fault_hook
@@ -115,7 +129,8 @@ class SenderBase(KVSender):
         out, _ = self._open(destination, src_block_ids, (layers,), final=False)
         if out is None:
             return  # the request already failed or was aborted; its future says why
-        self._transmit(out, [self._message(out, layers, final=False)])
+        for chunk in self._chunks(out, [layers]):
+            self._transmit(out, [self._message(out, chunk, final=False)])
 
     def send(
         self,
@@ -130,9 +145,12 @@ class SenderBase(KVSender):
             return self._requests_done_future(destination.request_id)
         if not todo:  # everything went out with send_layers: a final message with no KV
             todo = [(len(out.sent), len(out.sent))]
-        msgs = [self._message(out, r, final=False) for r in todo[:-1]]
-        msgs.append(self._message(out, todo[-1], True, first_token))
-        self._transmit(out, msgs)
+        chunks = self._chunks(out, todo)
+        # Each message goes as soon as it is built: its checksum is the slow part, and
+        # the receiver reads one chunk while the next is being checksummed here.
+        for chunk in chunks[:-1]:
+            self._transmit(out, [self._message(out, chunk, final=False)])
+        self._transmit(out, [self._message(out, chunks[-1], True, first_token)])
         return out.future
 
     def abort(self, request_id: str) -> None:
@@ -148,6 +166,16 @@ class SenderBase(KVSender):
         self._aborted[request_id] = None
         while len(self._aborted) > _ABORTED_MEMORY:
             self._aborted.popitem(last=False)
+
+    def _chunks(self, out: Outgoing, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` cut into layer ranges of at most ``max_message_bytes`` each (at
+        least one layer), in order; an empty range stays as it is."""
+        step = max(1, self.max_message_bytes // (2 * len(out.src_block_ids) * self._block_bytes))
+        return [
+            (start, min(start + step, l1))
+            for l0, l1 in ranges
+            for start in (range(l0, l1, step) if l1 > l0 else [l0])
+        ]
 
     # --- for backends --------------------------------------------------------------
 
@@ -271,6 +299,7 @@ class SenderBase(KVSender):
             first_token,
             final,
             kv=None if self.copies_on_send else self.kv,
+            kv_bytes=self._kv_bytes,
         )
         if header.nbytes and self.fault_hook is not None:
             # Blocks read in place: the hook sees (and may change) the first source block.

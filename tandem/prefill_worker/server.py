@@ -7,6 +7,7 @@ import grpc
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.config import PrefillConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_cache import KVAllocator
 from tandem.kv_transfer import KVSender, make_sender
 from tandem.prefill_worker.service import PrefillService
 from tandem.security.cluster import ClusterCredentials
@@ -32,6 +33,14 @@ class PrefillServer(WorkerServer):
     @property
     def kv_address(self) -> str:
         return ""
+
+    def _kv_allocator(self) -> KVAllocator | None:
+        if self.config.kv_backend != "ucx":
+            return None
+        # Decode workers on this host map the cache and copy blocks straight out of it.
+        from tandem.kv_transfer.ucx.rma import allocate_kv
+
+        return allocate_kv
 
     def _add_servicer(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)

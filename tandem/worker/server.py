@@ -40,6 +40,7 @@ from grpc_health.v1.health import aio as health_aio
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_cache import KVAllocator
 from tandem.engine.loop import EngineLoop
 from tandem.errors import ConfigError
 from tandem.keepalive import SERVER_OPTIONS
@@ -104,6 +105,10 @@ class WorkerServer(abc.ABC):
     def worker_id(self) -> str:
         return self.config.worker_id or f"{self.role}-{self.address}"
 
+    def _kv_allocator(self) -> KVAllocator | None:
+        """Where the engine's KV cache is made (None: torch.zeros)."""
+        return None
+
     @property
     @abc.abstractmethod
     def kv_address(self) -> str:
@@ -116,7 +121,9 @@ class WorkerServer(abc.ABC):
     async def start(self) -> None:
         self._load_credentials()
         if self.engine is None:
-            self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+            self.engine = await asyncio.to_thread(
+                LLMEngine, self.config.engine, self._kv_allocator()
+            )
         self.loop = EngineLoop(self.engine)
         await asyncio.to_thread(self._open_transfer)
         self.loop.add_hook(self._publish_load)

@@ -67,8 +67,8 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     b.run("store", "7 tokens", lambda: script.store_case(b, ops, torch_ref, 7, copy_gbps=10.0))
     b.run("profile", "norms", lambda: script.norm_rope_case(b, 3))
     monkeypatch.setattr(script, "KV_SHAPE", {"layers": 4, "kv_heads": 2, "head_dim": 16})
-    # The device-to-device check, host to host here (nixl's path: test_transfer_bench.py).
-    b.run("kvxfer", "ucx", lambda: script.kv_transfer_case(b, "ucx", 1, 10.0))
+    # The device-to-device check, host to host here (UCX gets, as between GPUs).
+    b.run("kvxfer", "ucx", lambda: script.kv_transfer_case(b, 1, 10.0))
     tiles = {"block_n": 16, "num_warps": 1, "num_stages": 1}
     b.run("sweep", "tiles", lambda: script.decode_case(b, ops, 1, 20, 10.0, **tiles))
     b.run("broken", "raises", lambda: 1 / 0)

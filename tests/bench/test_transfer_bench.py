@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from tandem.bench.transfer import KVShape, parse_size
-from tandem.kv_transfer.ucx import nixl
 
 BLOCK = KVShape().block_bytes  # 368,640 B: 30 layers x K,V x 16 tokens x 3 heads x 64 x bf16
 
@@ -29,19 +28,17 @@ def _bench(*flags: str) -> subprocess.CompletedProcess:
     [
         ("--split", "request"),
         ("--tls", "tcp,self", "--split", "layer"),
-        ("--path", "backend", "--backend", "ucx"),
-        ("--path", "backend", "--backend", "nixl", "--split", "layer"),
+        ("--path", "backend", "--read", "mapped"),
+        ("--path", "backend", "--read", "get", "--split", "layer"),
     ],
-    ids=["default-tls-per-request", "tcp-per-layer", "backend-ucx", "backend-nixl-per-layer"],
+    ids=["default-tls-per-request", "tcp-per-layer", "backend-mapped", "backend-get-per-layer"],
 )
 def test_json_rows_are_measured_and_consistent(flags):
-    if "nixl" in flags:
-        if not nixl.available():  # find_spec: never load NIXL in this process
-            pytest.skip("nixl-cu12 is not installed")
     run = _bench("--json", *flags)
     assert run.returncode == 0, run.stderr
     rows = json.loads(run.stdout)
-    assert {r["backend"] for r in rows} == {"nixl" if "nixl" in flags else "ucx"}
+    backend = f"ucx-{flags[3]}" if "backend" in flags else "ucx"
+    assert {r["backend"] for r in rows} == {backend}
     # 64 KiB rounds up to one whole block; 1 MiB to the nearest, 3 blocks.
     assert [r["size_bytes"] for r in rows] == [BLOCK, 3 * BLOCK]
     assert [r["blocks"] for r in rows] == [1, 3]
@@ -54,21 +51,19 @@ def test_json_rows_are_measured_and_consistent(flags):
         assert r["ratio"] == r["gbps"] / r["memcpy_gbps"]
 
 
-def test_by_default_the_backend_path_times_every_backend_in_one_run():
-    if not nixl.available():  # find_spec: never load NIXL in this process
-        pytest.skip("nixl-cu12 is not installed")
+def test_by_default_the_backend_path_times_both_read_paths_in_one_run():
     run = _bench("--json", "--path", "backend")
     assert run.returncode == 0, run.stderr
     rows = json.loads(run.stdout)
     assert [(r["backend"], r["blocks"]) for r in rows] == [
-        ("ucx", 1), ("ucx", 3), ("nixl", 1), ("nixl", 3)
+        ("ucx-mapped", 1), ("ucx-mapped", 3), ("ucx-get", 1), ("ucx-get", 3)
     ]  # fmt: skip
 
 
-def test_nixl_on_the_bare_transport_path_is_one_error_line():
-    run = _bench("--backend", "nixl")
+def test_an_unknown_read_path_is_one_error_line():
+    run = _bench("--path", "backend", "--read", "mapped,dma")
     assert run.returncode == 2
-    assert "time nixl with --path backend" in run.stderr
+    assert "--read: choose from mapped and get, got 'mapped,dma'" in run.stderr
 
 
 def test_bad_size_is_one_error_line():

@@ -201,7 +201,7 @@ def test_a_saturated_cluster_queues_and_refuses_but_never_reports_a_worker_down(
                 with TandemClient(c.address, timeout=120) as client:
                     client.complete(
                         messages=[{"role": "user", "content": _prompt(i)}],
-                        max_tokens=96, ignore_eos=True,
+                        max_tokens=192, ignore_eos=True,
                     )  # fmt: skip
                 outcomes.append("done")
             except Overloaded:

@@ -44,13 +44,20 @@ class Side:
         assert not self.kv[:, :, -1].any(), "the null block was written"
 
 
-def make_side(num_blocks: int = 64, seed: int | None = None, layers: int = LAYERS) -> Side:
-    """Zero KV, or random KV from ``seed`` (reproducible in another process)."""
+def make_side(
+    num_blocks: int = 64, seed: int | None = None, layers: int = LAYERS, ucx: bool = False
+) -> Side:
+    """Zero KV, or random KV from ``seed`` (reproducible in another process). ``ucx``:
+    the cache allocated as a prefill worker's is (UCX shared memory, ucx/rma.py)."""
     shape = (layers, 2, num_blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    if seed is None:
-        kv = torch.zeros(shape)
+    if ucx:
+        from tandem.kv_transfer.ucx.rma import allocate_kv
+
+        kv = allocate_kv(shape, torch.float32, torch.device("cpu"))
     else:
-        kv = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        kv = torch.zeros(shape)
+    if seed is not None:
+        kv.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
         kv[:, :, -1] = 0  # the null block is always zero
     return Side(BlockPool(num_blocks, BLOCK_SIZE), kv)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
+import struct
 
 import pytest
 
@@ -104,23 +104,23 @@ def test_an_old_peers_hello_is_named_by_its_protocol_version() -> None:
 
 
 class _FakeEndpoint:
-    """Announces ``size`` bytes; records every buffer it is asked to fill."""
+    """Delivers one message of ``data``; records the size of every buffer it fills."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, data: bytes) -> None:
+        self.data = data
         self.buffers: list[int] = []
 
     async def recv(self, buf) -> None:
-        self.buffers.append(len(buf) * getattr(buf, "itemsize", 1))
-        if isinstance(buf, array.array):
-            buf[0] = self.size
+        self.buffers.append(len(buf))
+        buf[: len(self.data)] = self.data
 
 
-def test_recv_msg_refuses_an_oversized_message_before_allocating() -> None:
-    ep = _FakeEndpoint(1 << 40)
+def test_recv_msg_refuses_an_oversized_message_without_allocating_for_it() -> None:
+    ep = _FakeEndpoint(struct.pack("<Q", 1 << 40))  # announces 1 TiB
     with pytest.raises(wire.ProtocolError, match=f"message of {1 << 40} bytes over the limit"):
         asyncio.run(wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
-    assert ep.buffers == [8]  # the size, and no body buffer
-    ep = _FakeEndpoint(5)
-    assert asyncio.run(wire.recv_msg(ep, 5)) == bytes(5)
-    assert ep.buffers == [8, 5]
+    assert ep.buffers == [8 + wire.HANDSHAKE_LIMIT]  # the limit's buffer, nothing more
+    ep = _FakeEndpoint(struct.pack("<Q", 5) + b"hello")
+    inbox = wire.inbox(5)
+    assert asyncio.run(wire.recv_msg(ep, 5, inbox)) == b"hello"
+    assert ep.buffers == [13]

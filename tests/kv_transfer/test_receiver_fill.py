@@ -1,4 +1,4 @@
-"""ReceiverCore.deliver with ``fill``: a transport that moves blocks in place (NIXL reads)."""
+"""ReceiverCore.deliver with ``fill``: a transport that reads blocks in place (ucx/rma.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_a_failed_read_fails_the_request_with_its_reason() -> None:
     *_, core, _, _, header = _setup()
 
     def lost() -> None:
-        raise TransferError("peer lost", "NIXL read: disconnected")
+        raise TransferError("peer lost", "UCX read: disconnected")
 
     status = core.deliver(header, None, fill=lost)
     assert (status.state, status.reason) == (TransferState.FAILED, "peer lost")

@@ -1,6 +1,8 @@
-"""ReceiverCore's bounds on what a header may announce, checked before any staging."""
+"""ReceiverCore's bounds: what a reservation may be, what a header may name."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -11,7 +13,6 @@ from tests.kv_transfer.conftest import (
     BLOCK_SIZE,
     HEAD_DIM,
     KV_HEADS,
-    LAYERS,
     fingerprint,
     make_side,
 )
@@ -40,25 +41,6 @@ def _core(num_blocks: int = 32, max_request_blocks: int | None = None) -> Receiv
     return ReceiverCore(kv, fingerprint(), "test", max_request_blocks=max_request_blocks)
 
 
-def test_a_live_reservation_bounds_its_payloads() -> None:
-    core = _core()
-    core.expect("r", [4, 9, 2], lease_s=30)
-    assert BLOCK_LAYER == 2048
-    assert core.payload_limit(_header("r", (1, 3), 3)) == 3 * 2 * 2048
-    assert core.payload_limit(_header("r", (0, LAYERS), 40)) == 3 * LAYERS * 2048
-    # More layers than the KV has: bounded by the KV's layers (check_fits refuses it later).
-    assert core.payload_limit(_header("r", (0, 10), 1)) == 3 * LAYERS * 2048
-
-
-def test_late_data_is_bounded_by_the_largest_possible_reservation() -> None:
-    core = _core(max_request_blocks=5)
-    assert core.payload_limit(_header("nobody", (0, 2), 9)) == 5 * 2 * 2048
-    core.expect("r", [1, 2], lease_s=30)
-    core.abort("r")  # finished: its late data must still be drained, up to 5 blocks
-    assert core.payload_limit(_header("r", (0, 1), 4)) == 5 * 1 * 2048
-    assert _core().payload_limit(_header("x", (0, 1), 1)) == 32 * 2048  # default: the pool
-
-
 def test_max_request_blocks_is_checked_and_enforced_by_expect() -> None:
     with pytest.raises(ValueError, match="max_request_blocks must be >= 1, got 0"):
         _core(max_request_blocks=0)
@@ -69,19 +51,18 @@ def test_max_request_blocks_is_checked_and_enforced_by_expect() -> None:
     core.expect("r", [0, 1, 2, 3], lease_s=30)
 
 
-def test_reject_fails_the_request_unless_another_connection_feeds_it() -> None:
+def test_a_header_beyond_its_reservation_fails_it_without_a_read() -> None:
     core = _core()
-    mine, other = object(), object()
-    core.expect("r", [0, 1], lease_s=30)
-    core.reject(_header("r", (0, 4), 5), mine, "too big")
-    status = core.poll("r")
-    assert (status.state, status.reason, status.detail) == (
-        TransferState.FAILED,
-        "bad header",
-        "too big",
-    )
-    core.expect("fed", [2, 3], lease_s=30)
-    core.deliver(_header("fed", (0, 0), 2, first=2), None, source=other)  # layers: none yet
-    core.reject(_header("fed", (0, 4), 5), mine, "too big")
-    assert core.poll("fed").state is TransferState.TRANSFERRING
-    core.reject(_header("nobody", (0, 1), 1), mine, "too big")  # unknown: nothing to fail
+    core.expect("r", [4, 5], lease_s=30)
+    reads = []
+    # Three blocks for a reservation of two: the third would land in someone else's.
+    status = core.deliver(_header("r", (0, 1), 3, first=4), None, "peer", lambda: reads.append(1))
+    assert status is None and reads == []
+    got = core.poll("r")
+    assert (got.state, got.reason) == (TransferState.FAILED, "bad header")
+    assert "destination block ids differ from the reservation's" in got.detail
+    # Unknown requests are discarded unread, and their final message is answered.
+    final = dataclasses.replace(_header("nobody", (0, 1), 1), final=True)
+    answer = core.deliver(final, None, "peer", lambda: reads.append(1))
+    assert (answer.state, answer.reason) == (TransferState.FAILED, "unknown request")
+    assert reads == [] and core.metrics.messages_discarded == 2  # both, unread

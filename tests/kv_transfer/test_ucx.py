@@ -1,16 +1,16 @@
-"""The UCX backends between real processes (spawned helpers from ucx_peer.py): every
-test runs over "ucx" (payloads as messages) and "nixl" (read in place over NIXL)."""
+"""The UCX backend between real processes (spawned helpers from ucx_peer.py). Every
+test runs over both read paths of the decode side: "mapped" (the prefill worker's
+cache mapped into the receiver, blocks copied out of it) and "get" (UCX one-sided
+reads, the path across hosts and GPUs)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
 
 from tandem.kv_transfer import (
-    BACKENDS,
     Destination,
     HandshakeError,
     TransferError,
@@ -18,7 +18,6 @@ from tandem.kv_transfer import (
     make_receiver,
     make_sender,
 )
-from tandem.kv_transfer.ucx import nixl
 from tests.kv_transfer.conftest import fingerprint, make_side
 from tests.kv_transfer.ucx_peer import PeerProcess
 
@@ -27,25 +26,14 @@ pytest.importorskip("ucxx")
 SEED = 21
 
 
-# nixl in this process only on request: two full runs of the suite with NIXL agents
-# made in the test process crashed it (segfault, no traceback) some 20 tests after
-# the last of them; the nixl path still runs in subprocesses (tests/bench).
-NETWORK = [
-    b for b in BACKENDS if b != "inproc" and (b != "nixl" or os.environ.get("TANDEM_TEST_NIXL"))
-]
-
-
-@pytest.fixture(scope="module", params=NETWORK)
-def backend(request) -> str:
-    if request.param == "nixl":
-        if not nixl.available():  # find_spec: never load NIXL in this process
-            pytest.skip("nixl-cu12 is not installed")
+@pytest.fixture(scope="module", params=["mapped", "get"])
+def path(request) -> str:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def remote_receiver(backend):
-    peer = PeerProcess("receiver", num_blocks=256, backend=backend)
+def remote_receiver(path):
+    peer = PeerProcess("receiver", num_blocks=256, map_peers=path == "mapped")
     yield peer
     peer.stop()
 
@@ -59,17 +47,14 @@ def receiver(remote_receiver):
 
 
 @pytest.fixture
-def prefill(backend):
-    """This process's KV (random, reproducible) and a sender over it."""
-    side = make_side(128, seed=SEED)
-    sender = make_sender(backend, side.kv, fingerprint(), ack_timeout_s=10)
+def prefill():
+    """This process's KV (random, reproducible, in UCX memory as a prefill worker's is)
+    and a sender over it."""
+    side = make_side(128, seed=SEED, ucx=True)
+    sender = make_sender("ucx", side.kv, fingerprint(), ack_timeout_s=10)
     yield side, sender
     sender.close()
     side.check_clean()
-
-
-def sender_backend(sender) -> str:
-    return "ucx" if sender.copies_on_send else "nixl"
 
 
 def _wait_state(peer, rid: str, states, timeout: float = 60.0):
@@ -81,7 +66,7 @@ def _wait_state(peer, rid: str, states, timeout: float = 60.0):
         time.sleep(0.01)
 
 
-def test_blocks_arrive_bit_identical_at_other_ids(receiver, prefill) -> None:
+def test_blocks_arrive_bit_identical_at_other_ids(receiver, prefill, path) -> None:
     side, sender = prefill
     side.pool.allocate(7)
     src_ids = side.pool.allocate(6)[::-1]
@@ -97,38 +82,13 @@ def test_blocks_arrive_bit_identical_at_other_ids(receiver, prefill) -> None:
     assert torch.equal(receiver("blocks", dst_ids[:6]), side.kv[:, :, src_ids])
     assert not receiver("blocks", dst_ids[6:]).any()
     assert receiver("metrics").bytes_received == sender.metrics.bytes_sent == status.bytes
+    assert receiver("mapped") == [path == "mapped"]
     receiver("release", "r1")
     receiver("free", dst_ids)
     side.pool.free(list(range(7)) + src_ids)
 
 
-def test_reused_payload_buffers_still_deliver_exact_blocks(receiver, prefill, backend) -> None:
-    # The second request gathers into the buffer the first one was sent from.
-    if backend == "nixl":
-        pytest.skip("nothing is gathered: test_nixl_reads_the_blocks_in_place")
-    side, sender = prefill
-    buffers: list[int] = []
-    sender.fault_hook = lambda header, payload: buffers.append(payload.data_ptr())
-    for rid, src_ids in (("p1", side.pool.allocate(5)), ("p2", side.pool.allocate(5))):
-        dst_ids = receiver("allocate", 5)
-        dest = receiver("expect", rid, dst_ids, 30.0)
-        assert sender.send(dest, src_ids, first_token=1).result(timeout=20).state is (
-            TransferState.DONE
-        )
-        assert torch.equal(receiver("blocks", dst_ids), side.kv[:, :, src_ids])
-        deadline = time.monotonic() + 30
-        while sender.buffers.idle_bytes == 0:  # handed back once UCX is done with it
-            assert time.monotonic() < deadline, "the payload buffer never came back"
-            time.sleep(0.01)
-        receiver("release", rid)
-        receiver("free", dst_ids)
-        side.pool.free(src_ids)
-    assert len(buffers) == 2 and buffers[0] == buffers[1]
-
-
-def test_nixl_reads_the_blocks_in_place(receiver, prefill, backend) -> None:
-    if backend != "nixl":
-        pytest.skip("ucx sends gathered copies")
+def test_the_blocks_are_read_in_place(receiver, prefill) -> None:
     side, sender = prefill
     assert not sender.copies_on_send
     seen = []
@@ -147,22 +107,28 @@ def test_nixl_reads_the_blocks_in_place(receiver, prefill, backend) -> None:
     side.pool.free(src_ids)
 
 
-def test_a_sender_of_the_other_transport_is_refused_by_name(receiver, backend) -> None:
-    other = "ucx" if backend == "nixl" else "nixl"
-    if other == "nixl" and "nixl" not in NETWORK:
-        pytest.skip("NIXL agents in the test process: TANDEM_TEST_NIXL=1")
+def test_a_cache_torch_allocated_is_read_with_gets(receiver) -> None:
+    """Memory UCX did not allocate cannot be mapped by a peer: the receiver reads it
+    with UCX gets, whatever it would prefer."""
     side = make_side(8, seed=SEED)
-    sender = make_sender(other, side.kv, fingerprint())
-    with pytest.raises(HandshakeError) as err:
-        sender.connect(receiver("address"))
-    assert f"transport: prefill {other}, decode {backend}" in str(err.value)
+    sender = make_sender("ucx", side.kv, fingerprint())
+    src_ids, dst_ids = side.pool.allocate(3), receiver("allocate", 3)
+    dest = receiver("expect", "plain", dst_ids, 30.0)
+    assert sender.send(dest, src_ids, first_token=1).result(timeout=20).state is (
+        TransferState.DONE
+    )
+    assert torch.equal(receiver("blocks", dst_ids), side.kv[:, :, src_ids])
+    assert receiver("mapped") == [False]
     sender.close()
+    receiver("release", "plain")
+    receiver("free", dst_ids)
+    side.pool.free(src_ids)
 
 
-def test_handshake_mismatch_is_named_at_once(receiver, backend) -> None:
+def test_handshake_mismatch_is_named_at_once(receiver) -> None:
     side = make_side(8, seed=SEED)
     sender = make_sender(
-        backend, side.kv, fingerprint(block_size=32, dtype="bfloat16"), connect_timeout_s=120
+        "ucx", side.kv, fingerprint(block_size=32, dtype="bfloat16"), connect_timeout_s=120
     )
     address = receiver("address")
     start = time.monotonic()
@@ -204,14 +170,13 @@ def test_32_concurrent_requests_share_one_connection(receiver, prefill) -> None:
         side.pool.free(src_ids)
 
 
-def test_corrupted_payload_fails_across_processes(receiver, backend) -> None:
-    side = make_side(16, seed=SEED)
+def test_corrupted_payload_fails_across_processes(receiver) -> None:
+    side = make_side(16, seed=SEED, ucx=True)
 
-    def corrupt(header, payload) -> None:
-        # ucx: the gathered payload; nixl: the source block itself, after its checksum
-        payload.view(torch.int32).view(-1)[0] ^= 1
+    def corrupt(header, block) -> None:
+        block.view(torch.int32).view(-1)[0] ^= 1  # the source block, after its checksum
 
-    sender = make_sender(backend, side.kv, fingerprint(), fault_hook=corrupt)
+    sender = make_sender("ucx", side.kv, fingerprint(), fault_hook=corrupt)
     src_ids, dst_ids = side.pool.allocate(2), receiver("allocate", 2)
     dest = receiver("expect", "bad", dst_ids, 30.0)
     with pytest.raises(TransferError) as err:
@@ -219,8 +184,6 @@ def test_corrupted_payload_fails_across_processes(receiver, backend) -> None:
     assert err.value.reason == "checksum"
     status = receiver("poll", "bad")
     assert (status.state, status.reason) == (TransferState.FAILED, "checksum")
-    if backend == "ucx":  # staged: bad bytes never reach the blocks (nixl: never decoded)
-        assert not receiver("blocks", dst_ids).any()
     sender.close()
     receiver("release", "bad")
     receiver("free", dst_ids)
@@ -228,9 +191,9 @@ def test_corrupted_payload_fails_across_processes(receiver, backend) -> None:
     side.check_clean()
 
 
-def test_killing_the_receiver_fails_the_sender_within_the_timeout(prefill) -> None:
+def test_killing_the_receiver_fails_the_sender_within_the_timeout(prefill, path) -> None:
     side, sender = prefill
-    peer = PeerProcess("receiver", scatter_delay_s=30.0, backend=sender_backend(sender))
+    peer = PeerProcess("receiver", read_delay_s=30.0, map_peers=path == "mapped")
     try:
         src_ids, dst_ids = side.pool.allocate(4), peer("allocate", 4)
         dest = peer("expect", "k", dst_ids, 60.0)
@@ -252,10 +215,10 @@ def test_killing_the_receiver_fails_the_sender_within_the_timeout(prefill) -> No
         peer.stop()
 
 
-def test_killing_the_sender_fails_the_receiver(fp, backend) -> None:
+def test_killing_the_sender_fails_the_receiver(fp, path) -> None:
     side = make_side(32)
-    receiver = make_receiver(backend, side.kv, fp)
-    peer = PeerProcess("sender", seed=SEED, backend=backend)
+    receiver = make_receiver("ucx", side.kv, fp, map_peers=path == "mapped")
+    peer = PeerProcess("sender", seed=SEED)
     try:
         dst_ids = side.pool.allocate(3)
         dest = receiver.expect("ks", dst_ids, lease_s=60)
@@ -291,9 +254,9 @@ def test_receiver_lease_expires_without_polling(receiver) -> None:
     receiver("free", dst_ids)
 
 
-def test_one_receiver_accepts_many_senders(receiver, backend) -> None:
-    sides = [make_side(16, seed=SEED + i) for i in range(3)]
-    senders = [make_sender(backend, s.kv, fingerprint()) for s in sides]
+def test_one_receiver_accepts_many_senders(receiver) -> None:
+    sides = [make_side(16, seed=SEED + i, ucx=True) for i in range(3)]
+    senders = [make_sender("ucx", s.kv, fingerprint()) for s in sides]
     jobs = []
     for i, (side, sender) in enumerate(zip(sides, senders, strict=True)):
         src_ids, dst_ids = side.pool.allocate(2), receiver("allocate", 2)
@@ -310,7 +273,7 @@ def test_one_receiver_accepts_many_senders(receiver, backend) -> None:
         side.check_clean()
 
 
-def test_stray_data_is_drained_and_the_connection_keeps_working(receiver, prefill) -> None:
+def test_stray_headers_are_discarded_and_the_connection_keeps_working(receiver, prefill) -> None:
     side, sender = prefill
     src_ids, dst_ids = side.pool.allocate(2), receiver("allocate", 2)
     live = receiver("expect", "live", dst_ids, 30.0)
@@ -320,7 +283,7 @@ def test_stray_data_is_drained_and_the_connection_keeps_working(receiver, prefil
         sender.send(stray, src_ids, first_token=1).result(timeout=20)
     assert not receiver("blocks", dst_ids).any()
     assert receiver("poll", "live").state is TransferState.WAITING
-    # Same connection, next request: the drained payloads left the stream framed.
+    # Same connection, next request.
     assert sender.send(live, src_ids, first_token=2).result(timeout=20).state is (
         TransferState.DONE
     )

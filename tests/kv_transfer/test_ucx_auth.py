@@ -21,8 +21,9 @@ from tandem.kv_transfer import (
     make_receiver,
     make_sender,
 )
-from tandem.kv_transfer.payload import gather, make_header
+from tandem.kv_transfer.payload import make_header
 from tandem.kv_transfer.ucx import wire
+from tandem.kv_transfer.ucx.rma import CacheMemory
 from tests.kv_transfer import ucx_raw
 from tests.kv_transfer.conftest import fingerprint, make_side
 from tests.kv_transfer.ucx_peer import PeerProcess
@@ -134,7 +135,7 @@ def test_an_impostor_receiver_gets_no_kv(decode, kind: str) -> None:
 
     async def relay(hello: bytes) -> bytes:
         ep = await ucx_raw.connect(receiver.address)
-        await ep.send_obj(hello)
+        await wire.send_msg(ep, hello)
         return await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT)
 
     impostor = ucx_raw.run(ucx_raw.Impostor.start(forge if kind == "forged" else relay))
@@ -160,8 +161,11 @@ async def _close(impostor) -> None:
 
 
 def _k_frame(rid: str, dst_ids, seed: int = 3):
-    payload = gather(make_side(8, seed=seed).kv, list(range(len(dst_ids))), (0, 2))
-    return make_header(rid, (0, 2), tuple(range(len(dst_ids))), tuple(dst_ids), payload), payload
+    """A header for blocks 0.. of a fresh source cache, and that cache's UCX memory."""
+    src = make_side(8, seed=seed).kv
+    n = len(dst_ids)
+    header = make_header(rid, (0, 2), tuple(range(n)), tuple(dst_ids), None, kv=src)
+    return header, CacheMemory(src)
 
 
 @pytest.mark.parametrize(
@@ -178,7 +182,7 @@ def test_a_raw_peer_that_skips_or_fails_the_handshake_is_dropped(
     side, receiver, before = decode
     dst_ids = side.pool.allocate(2)
     receiver.expect("r", dst_ids, lease_s=30)
-    header, payload = _k_frame("r", dst_ids)
+    header, cache = _k_frame("r", dst_ids)
 
     async def attack() -> str:
         ep = await ucx_raw.connect(receiver.address)
@@ -188,12 +192,13 @@ def test_a_raw_peer_that_skips_or_fails_the_handshake_is_dropped(
             )
         else:
             if kind == "k-frame-first":
-                await ucx_raw.send_frame(ep, header, payload)
+                await ucx_raw.send_frame(ep, header)
             else:  # a 1 TiB "HELLO": refused before anything is allocated for it
                 await ucx_raw.send_size(ep, 1 << 40)
             answer = wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
-        try:  # the frame, (again) regardless, unless the receiver has hung up already
-            await ucx_raw.send_frame(ep, header, payload)
+        try:  # the frames, (again) regardless, unless the receiver has hung up already
+            await ucx_raw.send_cache(ep, cache)
+            await ucx_raw.send_frame(ep, header)
         except Exception:
             pass
         ep.abort()
@@ -209,6 +214,7 @@ def test_a_raw_peer_that_skips_or_fails_the_handshake_is_dropped(
     assert receiver.poll("r").state is TransferState.WAITING
     assert _untouched(side.kv, before)
     assert receiver.metrics == TransferMetrics()
+    cache.close()
 
 
 def test_the_right_secret_over_a_raw_client_is_accepted(decode) -> None:
@@ -217,12 +223,13 @@ def test_the_right_secret_over_a_raw_client_is_accepted(decode) -> None:
     side, receiver, _ = decode
     dst_ids = side.pool.allocate(2)
     receiver.expect("r", dst_ids, lease_s=30)
-    header, payload = _k_frame("r", dst_ids)
+    header, cache = _k_frame("r", dst_ids)
 
     async def client():
         ep = await ucx_raw.connect(receiver.address)
         reply = await ucx_raw.handshake(ep, fingerprint(), receiver.address, secret=SECRET)
-        await ucx_raw.send_frame(ep, header, payload)
+        await ucx_raw.send_cache(ep, cache)
+        await ucx_raw.send_frame(ep, header)
         return ep, reply
 
     ep, reply = ucx_raw.run(client())
@@ -231,5 +238,6 @@ def test_the_right_secret_over_a_raw_client_is_accepted(decode) -> None:
     while receiver.poll("r").bytes == 0:  # counted once verified and written
         assert time.monotonic() < deadline, "the authenticated frame never arrived"
         time.sleep(0.01)
-    assert torch.equal(side.kv[:2, :, dst_ids], payload)
+    assert torch.equal(side.kv[:2, :, dst_ids], cache.kv[:2, :, :2])
     ep.abort()
+    cache.close()

@@ -1,4 +1,4 @@
-"""What a UCX receiver lets in: connections to its host only, payloads its reservations fit."""
+"""What a UCX receiver lets in: connections to its host only, reads its reservations fit."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import psutil
 import pytest
 import torch
 
-import tandem.kv_transfer.ucx.receiver as ucx_receiver
 from tandem.kv_transfer import TransferState, make_receiver, make_sender
-from tandem.kv_transfer.payload import gather, make_header
+from tandem.kv_transfer.payload import make_header
 from tandem.kv_transfer.ucx import sockets
+from tandem.kv_transfer.ucx.rma import CacheMemory
 from tests.kv_transfer import ucx_raw
 from tests.kv_transfer.conftest import fingerprint, make_side
 
@@ -59,20 +59,6 @@ def test_listen_addresses() -> None:
     assert sockets.listen_addresses("127.0.0.1") == ["127.0.0.1"]
 
 
-class _StagingSpy:
-    """Stands in for ``torch`` in ucx/receiver.py: records every buffer it allocates."""
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-
-    def empty(self, size, **kwargs) -> torch.Tensor:
-        self.sizes.append(size)
-        return torch.empty(size, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-
 def _wait(predicate, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -80,53 +66,45 @@ def _wait(predicate, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_header_over_its_reservation_is_refused_before_staging(monkeypatch) -> None:
-    spy = _StagingSpy()
-    monkeypatch.setattr(ucx_receiver, "torch", spy)
+def test_headers_outside_their_reservations_read_nothing() -> None:
     side = make_side(16, seed=5)
     before = side.kv.clone()
     receiver = make_receiver("ucx", side.kv, fingerprint(), max_request_blocks=4)
     src = make_side(8, seed=6)
+    cache = CacheMemory(src.kv)
     try:
         other_ids, big_ids = side.pool.allocate(2), side.pool.allocate(2)
         receiver.expect("other", other_ids, lease_s=30)
         receiver.expect("big", big_ids, lease_s=30)
-        ok = gather(src.kv, [0, 1], (0, 1))  # 2 blocks x 1 layer: 4096 bytes
-        ok_header = make_header("other", (0, 1), (0, 1), tuple(other_ids), ok)
-        # 3 blocks x 4 layers (24576 bytes) for a reservation of 2 blocks (16384 at most).
-        big = gather(src.kv, [0, 1, 2], (0, 4))
+        ok = make_header("other", (0, 1), (0, 1), tuple(other_ids), None, kv=src.kv)
+        # 3 blocks for a reservation of 2: the third destination is someone else's.
         spare = next(b for b in range(16) if b not in other_ids + big_ids)
-        big_header = make_header("big", (0, 4), (0, 1, 2), (*big_ids, spare), big)
-        # Unknown request, 5 blocks: more than any reservation here (max_request_blocks 4).
-        stray = gather(src.kv, [0, 1, 2, 3, 4], (0, 1))
-        stray_header = make_header("nobody", (0, 1), (0, 1, 2, 3, 4), (0, 1, 2, 3, 4), stray)
+        big = make_header("big", (0, 4), (0, 1, 2), (*big_ids, spare), None, kv=src.kv)
+        # Source blocks past the sender's pool (8 blocks): refused before any read.
+        far = make_header("other", (1, 2), (0, 9), tuple(other_ids), None, kv=src.kv)
+        stray = make_header("nobody", (0, 1), (0, 1, 2, 3, 4), (0, 1, 2, 3, 4), None, kv=src.kv)
 
-        async def connect_and_send(*frames):
+        async def client():
             ep = await ucx_raw.connect(receiver.address)
             assert (await ucx_raw.handshake(ep, fingerprint(), receiver.address)).error == ""
-            for header, payload in frames:
-                await ucx_raw.send_frame(ep, header, payload)
+            await ucx_raw.send_cache(ep, cache)
+            for header in (ok, big, stray):
+                await ucx_raw.send_frame(ep, header)
             return ep
 
-        ep = ucx_raw.run(connect_and_send((ok_header, ok)))
-        _wait(lambda: receiver.poll("other").bytes > 0, "the legitimate frame never landed")
-        ucx_raw.run(ucx_raw.send_frame(ep, big_header))  # refused: its payload is never read
-        _wait(lambda: receiver.poll("other").state is TransferState.FAILED, "peer not dropped")
+        ep = ucx_raw.run(client())
+        _wait(lambda: receiver.metrics.messages_discarded == 2, "big and stray not discarded")
         got = receiver.poll("big")
         assert (got.state, got.reason) == (TransferState.FAILED, "bad header")
-        assert "payload of 24576 bytes for layers [0, 4) over the 16384 bytes" in got.detail
-        assert receiver.poll("other").reason == "peer lost"  # its connection broke protocol
-        assert [s for s in spy.sizes if s] == [4096]  # the legitimate frame's staging only
-        assert ucx_raw.run(ucx_raw.closed(ep))
+        assert receiver.poll("other").bytes == ok.nbytes  # read, and the connection lives
+        ucx_raw.run(ucx_raw.send_frame(ep, far))
+        _wait(lambda: receiver.poll("other").state is TransferState.FAILED, "far not refused")
+        assert "source block ids [9] outside the sender's pool" in receiver.poll("other").detail
+        changed = side.kv != before
+        assert torch.equal(side.kv[0, :, other_ids], src.kv[0, :, [0, 1]])
+        changed[0, :, other_ids] = False  # only layer 0 of "other" was written
+        assert not changed.any()
         ep.abort()
-
-        ep = ucx_raw.run(connect_and_send((stray_header, None)))
-        assert ucx_raw.run(ucx_raw.closed(ep))
-        ep.abort()
-        assert [s for s in spy.sizes if s] == [4096]
-        assert receiver.metrics.messages_discarded == 0
-        assert torch.equal(side.kv[1:], before[1:])  # only layer 0 of "other" was written
-        assert torch.equal(side.kv[0, :, big_ids], before[0, :, big_ids])
 
         # Legitimate traffic is unaffected.
         sender = make_sender("ucx", src.kv, fingerprint())
@@ -138,3 +116,4 @@ def test_a_header_over_its_reservation_is_refused_before_staging(monkeypatch) ->
         sender.close()
     finally:
         receiver.close()
+        cache.close()

@@ -19,27 +19,26 @@ from tests.kv_transfer.conftest import fingerprint, make_side
 def _receiver_main(
     conn,
     num_blocks: int,
-    scatter_delay_s: float,
+    read_delay_s: float,
     fp_overrides: dict,
     secret: bytes | None,
-    backend: str,
+    map_peers: bool,
 ) -> None:
-    if scatter_delay_s:
-        # A slow copy into the blocks keeps a transfer "in flight" long enough to kill it.
-        import tandem.kv_transfer.receiver as receiver_mod
-        from tandem.kv_transfer.ucx.nixl import NixlKV
+    if read_delay_s:
+        # A slow read into the blocks keeps a transfer "in flight" long enough to kill it.
+        from tandem.kv_transfer.ucx.rma import CacheMemory
 
-        def slowed(real):
-            def slow(*args) -> None:
-                time.sleep(scatter_delay_s)
-                real(*args)
+        real = CacheMemory.read
 
-            return slow
+        def slow(*args) -> None:
+            time.sleep(read_delay_s)
+            real(*args)
 
-        receiver_mod.scatter = slowed(receiver_mod.scatter)
-        NixlKV.read = slowed(NixlKV.read)
+        CacheMemory.read = slow
     side = make_side(num_blocks)
-    receiver = make_receiver(backend, side.kv, fingerprint(**fp_overrides), secret=secret)
+    receiver = make_receiver(
+        "ucx", side.kv, fingerprint(**fp_overrides), secret=secret, map_peers=map_peers
+    )
     commands = {
         "address": lambda: receiver.address,
         "allocate": lambda n: side.pool.allocate(n),
@@ -51,14 +50,16 @@ def _receiver_main(
         "metrics": lambda: receiver.metrics,
         "check_clean": side.check_clean,
         "live": lambda: receiver.core.num_live,
+        # How each connected sender's cache is read: True mapped, False UCX gets.
+        "mapped": lambda: [c.remote.mapped for c in receiver._connections if c.remote],
     }
     _serve(conn, commands)
     receiver.close()
 
 
-def _sender_main(conn, num_blocks: int, seed: int, secret: bytes | None, backend: str) -> None:
-    side = make_side(num_blocks, seed=seed)
-    sender = make_sender(backend, side.kv, fingerprint(), secret=secret)
+def _sender_main(conn, num_blocks: int, seed: int, secret: bytes | None) -> None:
+    side = make_side(num_blocks, seed=seed, ucx=True)
+    sender = make_sender("ucx", side.kv, fingerprint(), secret=secret)
     futures: dict[str, Any] = {}
 
     def send(dest, src_ids, first_token):
@@ -99,11 +100,16 @@ class PeerProcess:
         self.conn, child = ctx.Pipe()
         target = _receiver_main if role == "receiver" else _sender_main
         defaults = (
-            {"num_blocks": 128, "scatter_delay_s": 0.0, "fp_overrides": {}, "secret": None}
+            {
+                "num_blocks": 128,
+                "read_delay_s": 0.0,
+                "fp_overrides": {},
+                "secret": None,
+                "map_peers": True,
+            }
             if role == "receiver"
             else {"num_blocks": 128, "seed": 0, "secret": None}
         )
-        defaults["backend"] = "ucx"
         defaults.update(kwargs)
         self.process = ctx.Process(target=target, args=(child,), kwargs=defaults, daemon=True)
         self.process.start()

@@ -7,16 +7,15 @@ the test, but on endpoints of their own.
 
 from __future__ import annotations
 
-import array
 import asyncio
+import struct
 from typing import Any
-
-import torch
 
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint
 from tandem.kv_transfer.payload import MessageHeader, encode_header
 from tandem.kv_transfer.ucx import wire
+from tandem.kv_transfer.ucx.rma import CacheMemory
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
 
@@ -36,27 +35,30 @@ async def handshake(
     """HELLO, REPLY and, if the receiver wants one, PROOF (``proof`` overrides the right
     one) and VERDICT. Returns the last answer (error '' if accepted)."""
     nonce_s = auth.new_nonce()
-    await ep.send_obj(wire.encode_hello(fp, nonce_s, secret is not None or proof is not None))
+    await wire.send_msg(ep, wire.encode_hello(fp, nonce_s, secret is not None or proof is not None))
     reply = wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
     if reply.error or reply.proof is None:
         return reply
     if proof is None:
         t = auth.transcript(fp, nonce_s, reply.nonce, address)
         proof = auth.proof(secret, auth.SENDER, t)
-    await ep.send_obj(wire.encode_proof(proof))
+    await wire.send_msg(ep, wire.encode_proof(proof))
     return wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
 
 
-async def send_frame(ep, header: MessageHeader, payload: torch.Tensor | None = None) -> None:
-    """A K frame as the real sender writes it: header, then the payload's bytes."""
-    await ep.send_obj(wire.KV_FRAME + encode_header(header))
-    if payload is not None:
-        await ep.send(wire.wire_buffer(payload))
+async def send_cache(ep, cache: CacheMemory) -> None:
+    """The first frame after the handshake: where the sender's cache lies."""
+    await wire.send_msg(ep, wire.CACHE_FRAME + cache.describe())
+
+
+async def send_frame(ep, header: MessageHeader) -> None:
+    """A K frame as the real sender writes it (the receiver reads the blocks it names)."""
+    await wire.send_msg(ep, wire.KV_FRAME + encode_header(header))
 
 
 async def send_size(ep, nbytes: int) -> None:
-    """The size half of a ``send_obj`` message, announcing ``nbytes`` that never follow."""
-    await ep.send(array.array("Q", [nbytes]))
+    """A message whose length field announces ``nbytes`` that never follow."""
+    await ep.send(struct.pack("<Q", nbytes))
 
 
 async def closed(ep, timeout: float = 10.0) -> bool:
@@ -90,9 +92,9 @@ class Impostor:
         try:
             hello = await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT)
             self.hellos.append(hello)
-            await ep.send_obj(await self.reply(hello))
+            await wire.send_msg(ep, await self.reply(hello))
             while True:  # ends when the sender drops the connection
-                self.received.append(await wire.recv_msg(ep, 1 << 30))
+                self.received.append(await wire.recv_msg(ep, 1 << 20))
         except Exception:
             pass
         finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -12,7 +11,6 @@ import pytest
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.sampling_params import SamplingParams
-from tandem.kv_transfer.ucx import nixl
 from tests.workers import (
     TIMEOUT,
     engine_config,
@@ -181,9 +179,11 @@ def test_the_kv_goes_out_right_after_the_step_not_behind_the_next_one(bg, pair):
     worker starts decoding at once."""
     worker = start_worker(bg, PrefillConfig(engine=engine_config(max_num_seqs=1)))
     runner = worker.server.engine.runner
-    real, slow_step_ended = runner.run, []
+    real, slow_step_ended, fast_stepped = runner.run, [], threading.Event()
 
     def run(work, after_layer=None):
+        if any(seq.request_id == "fast" for seq, _ in work):
+            fast_stepped.set()
         out = real(work, after_layer)
         if any(seq.request_id == "slow" for seq, _ in work):
             time.sleep(3.0)  # a long prefill step
@@ -216,8 +216,7 @@ def test_the_kv_goes_out_right_after_the_step_not_behind_the_next_one(bg, pair):
         threads = [threading.Thread(target=one, args=a) for a in (("fast", [5] * 20),
                                                                    ("slow", [6] * 20))]  # fmt: skip
         threads[0].start()
-        wait_until(lambda: worker.status().queue_depth + worker.status().running >= 1,
-                   what="the first request queued")  # fmt: skip
+        assert fast_stepped.wait(30), "the first request never reached the engine"
         threads[1].start()
         for t in threads:
             t.join(60)
@@ -228,18 +227,11 @@ def test_the_kv_goes_out_right_after_the_step_not_behind_the_next_one(bg, pair):
         stop_worker(bg, worker)
 
 
-@pytest.mark.parametrize("backend", ["ucx", "nixl"])
-def test_blocks_stay_held_until_the_decode_side_has_read_them(bg, backend):
-    """With nixl the decode worker reads the prompt's blocks out of the prefill worker's
-    cache: they stay held until its ack, and go back once the call ends. With ucx what
-    goes out is a copy, so they go back as soon as it is taken."""
-    if backend == "nixl":
-        if not nixl.available():  # find_spec: never load NIXL in this process
-            pytest.skip("nixl-cu12 is not installed")
-        if not os.environ.get("TANDEM_TEST_NIXL"):  # see NETWORK in tests/kv_transfer/test_ucx.py
-            pytest.skip("NIXL agents in the test process: TANDEM_TEST_NIXL=1")
-    prefill_w = start_worker(bg, PrefillConfig(engine=engine_config(), kv_backend=backend))
-    decode_w = start_worker(bg, DecodeConfig(engine=engine_config(), kv_backend=backend))
+def test_blocks_stay_held_until_the_decode_side_has_read_them(bg):
+    """The decode worker reads the prompt's blocks out of the prefill worker's cache:
+    they stay held until its ack, and go back once the call ends."""
+    prefill_w = start_worker(bg, PrefillConfig(engine=engine_config()))
+    decode_w = start_worker(bg, DecodeConfig(engine=engine_config()))
     receiver = decode_w.server.receiver.core
     real_deliver, release = receiver.deliver, threading.Event()
 
@@ -256,7 +248,7 @@ def test_blocks_stay_held_until_the_decode_side_has_read_them(bg, backend):
         call.start()
         wait_until(lambda: prefill_w.server.service._transfers, what="the KV on its way")
         time.sleep(0.3)
-        assert prefill_w.used_blocks() == (3 if backend == "nixl" else 0)
+        assert prefill_w.used_blocks() == 3
         release.set()
         call.join(TIMEOUT)
         assert len(list(stream)) >= 1  # decoded from the blocks it read

@@ -33,7 +33,7 @@ def test_bad_settings_exit_2_with_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err == "tandem: error: kv_ack_timeout_s must be > 0, got 0.0 (in flags)"
     assert main("decode", ["--kv-backend", "tcp"]) == 2
-    assert "kv_backend must be ucx, nixl or inproc" in capsys.readouterr().err
+    assert "kv_backend must be ucx or inproc" in capsys.readouterr().err
 
 
 def _spawn(role: str, config_path) -> subprocess.Popen:

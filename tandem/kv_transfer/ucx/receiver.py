@@ -1,8 +1,9 @@
 """UCX receiver: a listener whose connections feed one ReceiverCore.
 
-A request's path through one connection (all on the UCX loop thread, except
-``deliver``, which runs on a small thread pool so that checksums and copies of one
-connection do not stall the others):
+A request's path through one connection: frames are read on the UCX loop thread
+and handed, in order, to the connection's own thread, which reads the blocks and
+verifies them while the loop reads the next frames (so the next header is already
+there when a read ends); acks go back through the loop.
 
     listen on host:port      ucxx listens on every interface; sockets.restrict_listener
                              drops connections to any other address than ``host``'s
@@ -12,37 +13,40 @@ connection do not stall the others):
     PROOF (with a secret)    proof_s checked; wrong or missing: VERDICT refused, WARNING
                              with the peer's address, close. Nothing below runs for a
                              peer that has not proved the secret (auth.py)
-    nixl:  frame  b"M"+where  -> the sender's cache, for reading its blocks (nixl.py)
-    loop:  frame  b"K"+header -> validate -> core.payload_limit: over it -> the request
-                                 FAILED "bad header", the connection dropped; no
-                                 staging allocated -> payload received into this
-                                 connection's staging buffer (the one extra copy: see
-                                 receiver.py) -> core.deliver(header, staged) -> ACK
-                                 if final (nixl: no payload frame; core.deliver
-                                 reads the blocks in place, then verifies them)
-           frame  b"A"+id     -> core.sender_abort(id)
-    connection lost (peer killed, closed, protocol error) -> core.source_lost:
-                                 every live request it fed is FAILED("peer lost")
+    frame b"M"+where         -> the sender's cache (rma.RemoteCache): mapped into this
+                                process where UCX can, else read with UCX gets
+    loop:  frame  b"K"+header -> validated -> the connection's thread:
+                                 core.deliver(header, fill): under the reservation's
+                                 write lock, if still live, ``fill`` reads the header's
+                                 blocks out of the sender's cache into the reserved ones,
+                                 which are verified as they land -> ACK if final
+           frame  b"A"+id     -> the connection's thread: core.sender_abort(id)
+    connection lost (peer killed, closed, protocol error) -> the connection's thread
+                                 stops (frames still queued are dropped) -> core.
+                                 source_lost: every live request it fed is FAILED("peer
+                                 lost"), its reads drained; then the sender's key is
+                                 released
 
-Every message is read with a size limit checked before allocation (wire.recv_msg).
+Every message is read into a buffer of its kind's limit (wire.recv_msg).
 A background sweep expires leases even when the engine does not poll.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
+import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, TransferMetrics
-from tandem.kv_transfer.payload import HeaderError, decode_header
+from tandem.kv_transfer.payload import HeaderError, MessageHeader, decode_header
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
-from tandem.kv_transfer.ucx import sockets, wire
+from tandem.kv_transfer.ucx import rma, sockets, wire
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -50,13 +54,23 @@ log = logging.getLogger(__name__)
 _ABORT_PERIOD_NS = 10**9
 
 
+# Frames read but not yet delivered, per connection; past it the sender is dropped.
+MAX_QUEUED_FRAMES = 4096
+
+
 class _Connection:
-    """Identity of one sender connection (the ``source`` of the requests it feeds)."""
+    """One sender connection (the ``source`` of the requests it feeds)."""
 
     def __init__(self, ep: object) -> None:
         self.ep = ep
         self.peer = sockets.peer_address(ep)  # "ip:port", for the log
-        self.remote = None  # nixl: the sender's cache (nixl.RemoteKV)
+        self.remote: rma.RemoteCache | None = None  # the sender's cache, from frame b"M"
+        # Frames the loop has read, delivered in order by this connection's thread while
+        # the loop reads the next ones: a header, or the id of a request the sender
+        # aborted; None ends the thread.
+        self.frames: queue.SimpleQueue[MessageHeader | str | None] = queue.SimpleQueue()
+        self.deliverer: threading.Thread | None = None
+        self.ending = False  # set before the thread is told to stop: skip what is left
 
 
 class UcxReceiver(CoreReceiver):
@@ -71,21 +85,16 @@ class UcxReceiver(CoreReceiver):
         sweep_interval_s: float = 0.2,
         secret: bytes | None = None,
         max_request_blocks: int | None = None,
-        transport: str = "ucx",
+        map_peers: bool = True,
     ) -> None:
+        """``map_peers`` False: read with UCX gets even from a sender whose cache could
+        be mapped here (the other path, for tests and ``tandem bench transfer``)."""
         self.secret = auth.check_secret(secret)
-        if transport not in ("ucx", "nixl"):
-            raise ValueError(f"transport must be ucx or nixl, got {transport!r}")
-        fingerprint = dataclasses.replace(fingerprint, transport=transport)
         self.core = ReceiverCore(
             kv, fingerprint, address="", metrics=metrics, max_request_blocks=max_request_blocks
         )
-        # "nixl": payloads are read out of the sender's cache into the blocks (ucx/nixl.py).
-        self._nixl = None
-        if transport == "nixl":
-            from tandem.kv_transfer.ucx.nixl import NixlKV
-
-            self._nixl = NixlKV(kv, "decode")
+        self._cache = rma.CacheMemory(kv)
+        self.map_peers = map_peers
         self.handshake_timeout_s = handshake_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self._frame_limit = wire.frame_limit(self.core.max_request_blocks)
@@ -97,8 +106,7 @@ class UcxReceiver(CoreReceiver):
             bound = self._rt.submit(self._start(host, port)).result(timeout=30)
         except BaseException:
             self._pool.shutdown(wait=False)
-            if self._nixl is not None:
-                self._nixl.close()
+            self._cache.close()
             raise
         self.core.address = f"{host}:{bound}"
 
@@ -142,9 +150,12 @@ class UcxReceiver(CoreReceiver):
                     "KV receiver %s: connection from %s ended: %r", self.address, conn.peer, exc
                 )
         finally:
-            lost = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.core.source_lost, conn
-            )
+            loop = asyncio.get_running_loop()
+            if conn.deliverer is not None:  # no read may start once the key is gone
+                conn.ending = True
+                conn.frames.put(None)
+                await loop.run_in_executor(self._pool, conn.deliverer.join)
+            lost = await loop.run_in_executor(self._pool, self.core.source_lost, conn)
             if lost:
                 log.warning(
                     "KV receiver %s: peer %s lost with %d requests",
@@ -153,7 +164,7 @@ class UcxReceiver(CoreReceiver):
                     len(lost),
                 )
             if conn.remote is not None:  # source_lost drained its reads
-                self._nixl.remove_remote(conn.remote)
+                self._cache.remove_remote(conn.remote)
             self._connections.discard(conn)  # after source_lost: close() waits for this
             ep.abort(period=_ABORT_PERIOD_NS)
 
@@ -176,11 +187,13 @@ class UcxReceiver(CoreReceiver):
             await self._refuse(conn, wire.encode_reply(problem), problem)
             return False
         if self.secret is None:
-            await ep.send_obj(wire.encode_reply(""))
+            await wire.send_msg(ep, wire.encode_reply(""))
             return True
         nonce_r = auth.new_nonce()
         t = auth.transcript(self.core.fingerprint, hello.nonce, nonce_r, self.address)
-        await ep.send_obj(wire.encode_reply("", nonce_r, auth.proof(self.secret, auth.RECEIVER, t)))
+        await wire.send_msg(
+            ep, wire.encode_reply("", nonce_r, auth.proof(self.secret, auth.RECEIVER, t))
+        )
         try:
             proof_s = wire.decode_proof(await self._recv(ep, wire.HANDSHAKE_LIMIT))
         except Exception as exc:  # the sender hung up (it refused our proof), or sent junk
@@ -189,7 +202,7 @@ class UcxReceiver(CoreReceiver):
         if not auth.verify(self.secret, auth.SENDER, t, proof_s):
             await self._refuse(conn, wire.encode_reply(auth.FAILED), auth.FAILED)
             return False
-        await ep.send_obj(wire.encode_reply(""))
+        await wire.send_msg(ep, wire.encode_reply(""))
         return True
 
     def _log_refusal(self, conn: _Connection, problem: str) -> None:
@@ -197,7 +210,7 @@ class UcxReceiver(CoreReceiver):
 
     async def _refuse(self, conn: _Connection, reply: bytes, problem: str) -> None:
         self._log_refusal(conn, problem)
-        await conn.ep.send_obj(reply)
+        await wire.send_msg(conn.ep, reply)
         # Keep the endpoint until the sender, having read the reply, hangs up: closing
         # first could let "connection lost" overtake the reply that names the mismatch.
         try:
@@ -206,64 +219,73 @@ class UcxReceiver(CoreReceiver):
             pass
 
     async def _read_frames(self, conn: _Connection) -> None:
-        ep, loop, core = conn.ep, asyncio.get_running_loop(), self.core
-        # Grown to the largest payload seen; one per connection, since a connection
-        # receives its next payload only after the previous one was delivered.
-        staging = torch.empty(0, dtype=torch.uint8, device=core.kv.device)
-        if self._nixl is not None:
-            frame = await wire.recv_msg(ep, self._frame_limit)
-            if frame[:1] != wire.NIXL_FRAME:
-                raise wire.ProtocolError(
-                    f"expected where the sender's cache lies, got {frame[:1]!r}"
-                )
-            try:
-                conn.remote = await loop.run_in_executor(
-                    self._pool, self._nixl.add_remote, frame[1:]
-                )
-            except ValueError as exc:
-                raise wire.ProtocolError(str(exc)) from None
+        ep, loop = conn.ep, asyncio.get_running_loop()
+        frame = await wire.recv_msg(ep, self._frame_limit)
+        if frame[:1] != wire.CACHE_FRAME:
+            raise wire.ProtocolError(f"expected where the sender's cache lies, got {frame[:1]!r}")
+        try:
+            conn.remote = await loop.run_in_executor(
+                self._pool, self._cache.add_remote, ep.ucp_endpoint, frame[1:], self.map_peers
+            )
+        except ValueError as exc:
+            raise wire.ProtocolError(str(exc)) from None
+        log.debug(
+            "KV receiver %s: sender %s's cache %s",
+            self.address,
+            conn.peer,
+            "mapped" if conn.remote.mapped else "read with UCX gets",
+        )
+        conn.deliverer = threading.Thread(
+            target=self._deliver, args=(conn, loop), name="tandem-kv-deliver", daemon=True
+        )
+        conn.deliverer.start()
+        reader = wire.Reader(ep, self._frame_limit)
+        try:
+            await self._queue_frames(conn, reader)
+        finally:
+            reader.close()
+
+    async def _queue_frames(self, conn: _Connection, reader: wire.Reader) -> None:
         while True:
-            frame = await wire.recv_msg(ep, self._frame_limit)
+            frame = await reader.next()
             kind, body = frame[:1], frame[1:]
             if kind == wire.ABORT_FRAME:
-                rid = body.decode(errors="replace")
-                await loop.run_in_executor(self._pool, core.sender_abort, rid, conn)
-                continue
-            if kind != wire.KV_FRAME:
+                conn.frames.put(body.decode(errors="replace"))
+            elif kind == wire.KV_FRAME:
+                try:
+                    conn.frames.put(decode_header(body))
+                except HeaderError as exc:
+                    raise wire.ProtocolError(f"bad header: {exc}") from None
+            else:
                 raise wire.ProtocolError(f"unknown frame kind {kind!r}")
-            try:
-                header = decode_header(body)
-            except HeaderError as exc:
-                raise wire.ProtocolError(f"bad header: {exc}") from None
-            payload = fill = None
-            if header.nbytes:
-                limit = core.payload_limit(header)
-                if header.nbytes > limit:
-                    problem = (
-                        f"payload of {header.nbytes} bytes for layers [{header.layer_start}, "
-                        f"{header.layer_end}) over the {limit} bytes its reservation can hold"
-                    )
-                    await loop.run_in_executor(self._pool, core.reject, header, conn, problem)
-                    raise wire.ProtocolError(f"{header.request_id}: {problem}")
-            if header.nbytes and self._nixl is not None:
-                layers = (header.layer_start, header.layer_end)
+            if conn.frames.qsize() > MAX_QUEUED_FRAMES:
+                raise wire.ProtocolError(f"over {MAX_QUEUED_FRAMES} frames not yet delivered")
+
+    def _deliver(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
+        """A connection's thread: its frames in order, each read and verified into its
+        reservation (core.deliver), the ack of a final one handed to the loop."""
+        while (item := conn.frames.get()) is not None:
+            if conn.ending:
+                continue
+            if isinstance(item, str):
+                self.core.sender_abort(item, conn)
+                continue
+            fill = None
+            if item.nbytes:
+                layers = (item.layer_start, item.layer_end)
                 fill = functools.partial(
-                    self._nixl.read,
-                    conn.remote,
-                    header.src_block_ids,
-                    header.dst_block_ids,
-                    layers,
+                    self._cache.read, conn.remote, item.src_block_ids, item.dst_block_ids, layers
                 )
-            elif header.nbytes:
-                if staging.numel() < header.nbytes:
-                    staging = torch.empty(header.nbytes, dtype=torch.uint8, device=core.kv.device)
-                payload = staging[: header.nbytes]
-                await ep.recv(wire.wire_buffer(payload))
-            status = await loop.run_in_executor(
-                self._pool, core.deliver, header, payload, conn, fill
-            )
+            status = self.core.deliver(item, None, conn, fill)
             if status is not None:
-                await ep.send_obj(wire.encode_ack(header.request_id, status))
+                ack = wire.encode_ack(item.request_id, status)
+                asyncio.run_coroutine_threadsafe(self._send_ack(conn, ack), loop)
+
+    async def _send_ack(self, conn: _Connection, ack: bytes) -> None:
+        try:
+            await wire.send_msg(conn.ep, ack)
+        except Exception as exc:  # the connection is going: its reader ends and cleans up
+            log.debug("KV receiver %s: ack to %s not sent: %r", self.address, conn.peer, exc)
 
     def close(self) -> None:
         if self._closed:
@@ -272,8 +294,7 @@ class UcxReceiver(CoreReceiver):
         self._rt.submit(self._stop()).result(timeout=30)
         self.core.close()
         self._pool.shutdown(wait=True)
-        if self._nixl is not None:
-            self._nixl.close()
+        self._cache.close()
 
     async def _stop(self) -> None:
         self._sweeper.cancel()

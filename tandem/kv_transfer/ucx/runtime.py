@@ -85,6 +85,9 @@ class UcxRuntime:
         if ucxx.core._ctx is None:
             ucxx.init(progress_mode="thread", enable_python_future=True)
         self.ucxx = ucxx
+        # ucp_context_h and ucp_worker_h, for the RMA calls ucxx does not wrap (ucp.py).
+        self.context: int = ucxx.core._get_ctx().context.handle
+        self.worker: int = ucxx.get_ucp_worker()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

@@ -2,19 +2,20 @@
 
 A request's path (caller thread, then the UCX loop thread):
 
-    send_layers / send        gather + checksum in the caller's thread (sender.py;
-                              with transport "nixl" only the checksum: the receiver
-                              reads the blocks in place, ucx/nixl.py),
+    send_layers / send        checksum of the source blocks where they lie, in the
+                              caller's thread (sender.py); the receiver reads the
+                              blocks in place (rma.py), so nothing is copied here;
                               then call_soon -> the peer's queue, in call order
     first use of an address   a _Peer is created: connect, handshake (wire.py, auth.py):
                               a fingerprint mismatch, a missing secret on either side or
                               a receiver that cannot prove the secret -> HandshakeError
                               for everything queued, and not one frame is sent; then
-                              (nixl) where this cache lies, and its writer drains the
-                              queue and its reader takes acks
-    writer                    for each message: header frame, then the payload, back to
-                              back; the single writer is what keeps pairs unsplit
-    reader                    ACK -> the request's future: DONE status or TransferError
+                              where this cache lies (frame b"M"), and its writer drains
+                              the queue and its reader takes acks
+    writer                    a header frame per message, posted in order, each without
+                              waiting for the last to complete
+    reader                    ACK -> the request's future: DONE status or TransferError;
+                              only then may the caller free the request's blocks
     failure                   endpoint error (peer killed) -> every request to that peer
                               fails with "peer lost"; the next send reconnects.
                               No ack within ``ack_timeout_s`` of the final message ->
@@ -26,7 +27,7 @@ Futures resolve on the UCX loop thread: done-callbacks run there and must not bl
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import logging
 import time
 
@@ -41,7 +42,7 @@ from tandem.kv_transfer.base import (
 )
 from tandem.kv_transfer.payload import encode_header
 from tandem.kv_transfer.sender import FaultHook, Message, Outgoing, SenderBase
-from tandem.kv_transfer.ucx import wire
+from tandem.kv_transfer.ucx import rma, wire
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,13 @@ class _Peer:
         self.queue: asyncio.Queue[tuple[Outgoing, list[Message]] | str] = asyncio.Queue()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tasks: list[asyncio.Task] = []
+        self.sends: set[asyncio.Task] = set()  # frames posted, not yet sent
         self.dead = False
 
 
 class UcxSender(SenderBase):
+    copies_on_send = False  # receivers read the blocks in place (rma.py)
+
     def __init__(
         self,
         kv: torch.Tensor,
@@ -71,20 +75,10 @@ class UcxSender(SenderBase):
         connect_timeout_s: float = 10.0,
         ack_timeout_s: float = 30.0,
         secret: bytes | None = None,
-        transport: str = "ucx",
     ) -> None:
         super().__init__(kv, fingerprint, metrics, fault_hook)
         self.secret = auth.check_secret(secret)
-        # "nixl": payloads are not sent but read in place by the receiver (ucx/nixl.py).
-        self._nixl = None
-        if transport == "nixl":
-            from tandem.kv_transfer.ucx.nixl import NixlKV
-
-            self._nixl = NixlKV(kv, "prefill")
-            self.copies_on_send = False
-        elif transport != "ucx":
-            raise ValueError(f"transport must be ucx or nixl, got {transport!r}")
-        self.fingerprint = dataclasses.replace(fingerprint, transport=transport)
+        self._cache = rma.CacheMemory(kv)  # read in place by the receivers
         self.connect_timeout_s = connect_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self._rt = get_runtime()
@@ -114,8 +108,7 @@ class UcxSender(SenderBase):
         self._closed = True
         self._fail_all(TransferError("closed", "sender closed"))
         self._rt.submit(self._shutdown()).result(timeout=30)
-        if self._nixl is not None:
-            self._nixl.close()
+        self._cache.close()
 
     # --- loop thread ---------------------------------------------------------------
 
@@ -165,13 +158,15 @@ class UcxSender(SenderBase):
             await self._handshake(peer)
         except wire.ProtocolError as exc:  # not a Tandem receiver, or another protocol
             raise HandshakeError(f"the receiver at {peer.address} answered badly: {exc}") from None
-        if self._nixl is not None:  # only to a receiver that passed the handshake
-            await peer.ep.send_obj(wire.NIXL_FRAME + self._nixl.describe())
+        # Only to a receiver that passed the handshake.
+        await wire.send_msg(peer.ep, wire.CACHE_FRAME + self._cache.describe())
 
     async def _handshake(self, peer: _Peer) -> None:
         """Returns once the receiver accepted us and, with a secret, proved it has it."""
         ep, nonce_s = peer.ep, auth.new_nonce()
-        await ep.send_obj(wire.encode_hello(self.fingerprint, nonce_s, self.secret is not None))
+        await wire.send_msg(
+            ep, wire.encode_hello(self.fingerprint, nonce_s, self.secret is not None)
+        )
         reply = wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
         if reply.error:
             raise HandshakeError(reply.error)
@@ -185,32 +180,43 @@ class UcxSender(SenderBase):
                 f"{auth.FAILED}: the receiver at {peer.address} did not prove the KV secret "
                 "(it has another one, or it is not the decode worker at that address)"
             )
-        await ep.send_obj(wire.encode_proof(auth.proof(self.secret, auth.SENDER, t)))
+        await wire.send_msg(ep, wire.encode_proof(auth.proof(self.secret, auth.SENDER, t)))
         verdict = wire.decode_reply(await wire.recv_msg(ep, wire.HANDSHAKE_LIMIT))
         if verdict.error:
             raise HandshakeError(verdict.error)
 
     async def _write(self, peer: _Peer) -> None:
-        ep = peer.ep
+        """Posts each frame as it comes, in order, without waiting for the one before to
+        complete (UCX keeps one endpoint's messages in order): a request's chunks reach
+        the receiver back to back."""
         while True:
             item = await peer.queue.get()
             if isinstance(item, str):  # an aborted request id
-                await ep.send_obj(wire.ABORT_FRAME + item.encode())
+                self._post(peer, wire.ABORT_FRAME + item.encode())
                 continue
             out, messages = item
+            if out.future.done():  # aborted or failed meanwhile: the rest is moot
+                continue
             for msg in messages:
-                if out.future.done():  # aborted or failed meanwhile: the rest is moot
-                    self._sent(msg)
-                    continue
-                await ep.send_obj(wire.KV_FRAME + encode_header(msg.header))
-                if msg.payload is not None:
-                    await ep.send(wire.wire_buffer(msg.payload))
-                self._sent(msg)  # the send completed: UCX no longer reads the buffer
+                self._post(peer, wire.KV_FRAME + encode_header(msg.header))
+
+    def _post(self, peer: _Peer, frame: bytes) -> None:
+        # A task's first step posts its send; tasks start in the order they were made.
+        task = asyncio.ensure_future(wire.send_msg(peer.ep, frame))
+        peer.sends.add(task)
+        task.add_done_callback(functools.partial(self._posted, peer))
+
+    def _posted(self, peer: _Peer, task: asyncio.Task) -> None:
+        peer.sends.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            why = f"connection to {peer.address}: {task.exception()!r}"
+            self._lost(peer, TransferError("peer lost", why))
 
     async def _read_acks(self, peer: _Peer) -> None:
+        reader = wire.Reader(peer.ep, wire.ACK_LIMIT, depth=4)
         try:
             while True:
-                rid, status = wire.decode_ack(await wire.recv_msg(peer.ep, wire.ACK_LIMIT))
+                rid, status = wire.decode_ack(await reader.next())
                 with self._lock:
                     out = self._requests.get(rid)
                 if out is not None and out.destination.address == peer.address:
@@ -219,6 +225,8 @@ class UcxSender(SenderBase):
             raise
         except Exception as exc:
             self._lost(peer, TransferError("peer lost", f"connection to {peer.address}: {exc!r}"))
+        finally:
+            reader.close()
 
     def _lost(self, peer: _Peer, error: TransferError) -> None:
         if peer.dead:
@@ -235,7 +243,7 @@ class UcxSender(SenderBase):
             level = logging.WARNING if failed or not was_connected else logging.INFO
             log.log(level, "KV sender: %s (%d requests failed)", error, failed)
         current = asyncio.current_task()
-        for task in peer.tasks:
+        for task in [*peer.tasks, *peer.sends]:
             if task is not current:
                 task.cancel()
         if peer.ep is not None:

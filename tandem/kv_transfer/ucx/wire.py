@@ -7,41 +7,44 @@
     with a secret only:
     sender -> receiver   PROOF    proof_s, sent only if proof_r was right
     receiver -> sender   VERDICT  accepted, or "KV authentication failed" (then both close)
-    sender -> receiver   transport "nixl" (in the fingerprint) only: the first frame
-                           b"M" + where the sender's cache lies (nixl.NixlKV.describe)
-    sender -> receiver   then any number of frames, each one ``send_obj`` message:
-                           b"K" + header (payload.encode_header), then, if header.nbytes,
-                                  the payload as one tagged message of exactly nbytes
-                                  (with "nixl": no payload; the receiver reads it)
+    sender -> receiver   the first frame: b"M" + where the sender's cache lies and the
+                           key to read it (rma.CacheMemory.describe)
+    sender -> receiver   then any number of frames, each one message (``send_msg``):
+                           b"K" + header (payload.encode_header): the receiver reads the
+                                  header's blocks out of the sender's cache (rma.py);
+                                  no payload travels on the connection
                            b"A" + request id: the sender aborted that request
     receiver -> sender   ACK      one per final message: request id, state, reason, detail
 
-No frame is read before the handshake has succeeded. Every message is read with
-``recv_msg``, which refuses a size over its limit before allocating: a peer, even
-an unauthenticated one, cannot make the other side allocate what it announces.
+No frame is read before the handshake has succeeded. Every message is one UCX tag
+message, its length first (``send_msg``), received into a buffer of its kind's
+limit (``recv_msg``): a peer, even an unauthenticated one, cannot make the other
+side allocate what it announces.
 
-A header and its payload are written back to back by the connection's single
-writer, so frames never interleave. Every message rides one UCX endpoint, whose
-tag stream keeps them in order.
+Frames are written by the connection's single writer and ride one UCX endpoint,
+whose tag stream keeps them in order.
 """
 
 from __future__ import annotations
 
-import array
+import asyncio
+import collections
 import json
+import struct
 from typing import NamedTuple
 
-import torch
+from ucxx.exceptions import UCXMessageTruncatedError
 
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, TransferState, TransferStatus
 
 KV_FRAME = b"K"
 ABORT_FRAME = b"A"
-NIXL_FRAME = b"M"
-# Bounds on messages other than payloads (payloads: ReceiverCore.payload_limit).
+CACHE_FRAME = b"M"
+# Bounds on messages.
 HANDSHAKE_LIMIT = 64 << 10
-ACK_LIMIT = 1 << 20
+ACK_LIMIT = 64 << 10
+_ACK_DETAIL_CHARS = 4096
 
 
 class ProtocolError(Exception):
@@ -60,19 +63,68 @@ class Reply(NamedTuple):
     proof: bytes | None = None  # proof_r, when the receiver has a secret
 
 
-async def recv_msg(ep, limit: int) -> bytes:
-    """One message sent with ``send_obj``; ProtocolError if it is over ``limit`` bytes.
+_LENGTH = struct.Struct("<Q")
 
-    ``ep.recv_obj`` allocates whatever size the peer announces; this reads the size
-    first and allocates only what passes.
+
+async def send_msg(ep, body: bytes) -> None:
+    """One message: its length (8 bytes, little-endian) and the body, as one UCX tag
+    message, so that the receiver has both after one completion (not two)."""
+    await ep.send(_LENGTH.pack(len(body)) + body)
+
+
+def inbox(limit: int) -> bytearray:
+    """A receive buffer for messages of at most ``limit`` bytes (reuse it per reader)."""
+    return bytearray(_LENGTH.size + limit)
+
+
+async def recv_msg(ep, limit: int, buffer: bytearray | None = None) -> bytes:
+    """One ``send_msg`` message of at most ``limit`` bytes; ProtocolError if it is over.
+
+    It lands in ``buffer`` (``inbox(limit)``; a fresh one if None): the peer's message
+    can never make this side allocate more. One longer than the buffer fails in UCX
+    (truncated) and ends the connection; one whose length field says more than the
+    limit is refused here.
     """
-    size = array.array("Q", [0])
-    await ep.recv(size)
-    if size[0] > limit:
-        raise ProtocolError(f"message of {size[0]} bytes over the limit of {limit}")
-    body = bytearray(size[0])
-    await ep.recv(body)
-    return bytes(body)
+    if buffer is None:
+        buffer = inbox(limit)
+    try:
+        await ep.recv(buffer)
+    except UCXMessageTruncatedError:
+        raise ProtocolError(f"message over the limit of {limit} bytes") from None
+    (size,) = _LENGTH.unpack_from(buffer)
+    if size > min(limit, len(buffer) - _LENGTH.size):
+        raise ProtocolError(f"message of {size} bytes over the limit of {limit}")
+    return bytes(buffer[_LENGTH.size : _LENGTH.size + size])
+
+
+class Reader:
+    """Reads one endpoint's messages with ``depth`` receives posted ahead, each into its
+    own buffer: messages that arrive back to back complete together, instead of each
+    waiting for the one before it to be taken (a notification round trip apiece).
+    UCX matches one tag's receives in the order they were posted, so messages come out
+    in the order they were sent. ``close`` cancels what is still posted."""
+
+    def __init__(self, ep, limit: int, depth: int = 8) -> None:
+        self.ep, self.limit = ep, limit
+        self._posted: collections.deque[tuple[asyncio.Task, bytearray]] = collections.deque()
+        for _ in range(depth):
+            self._post(inbox(limit))
+
+    def _post(self, buffer: bytearray) -> None:
+        # A task's first step posts its receive; tasks start in the order they were made.
+        self._posted.append((asyncio.ensure_future(recv_msg(self.ep, self.limit, buffer)), buffer))
+
+    async def next(self) -> bytes:
+        task, buffer = self._posted[0]
+        message = await task  # a copy: the buffer is free again
+        self._posted.popleft()
+        self._post(buffer)
+        return message
+
+    def close(self) -> None:
+        for task, _ in self._posted:
+            task.cancel()
+        self._posted.clear()
 
 
 def _json(data: bytes, what: str) -> dict:
@@ -146,7 +198,8 @@ def decode_proof(data: bytes) -> bytes | None:
 
 
 def encode_ack(request_id: str, status: TransferStatus) -> bytes:
-    return json.dumps([request_id, status.state.value, status.reason, status.detail]).encode()
+    detail = status.detail[:_ACK_DETAIL_CHARS]  # an ack stays well within ACK_LIMIT
+    return json.dumps([request_id, status.state.value, status.reason, detail]).encode()
 
 
 def decode_ack(data: bytes | bytearray) -> tuple[str, TransferStatus]:
@@ -161,13 +214,3 @@ def frame_limit(max_request_blocks: int) -> int:
     """Largest K/A frame a receiver reads: a header lists up to ``max_request_blocks``
     source and destination ids (at most 20 digits and a comma each), plus the rest."""
     return (64 << 10) + 2 * 21 * max_request_blocks
-
-
-def wire_buffer(t: torch.Tensor) -> object:
-    """What ucxx sends from / receives into: the tensor's bytes, no copy.
-
-    Host tensors go through numpy's array interface (as uint8, which also covers
-    bfloat16); CUDA tensors expose __cuda_array_interface__ themselves.
-    """
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()

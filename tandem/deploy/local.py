@@ -60,7 +60,7 @@ from tandem.config import (
 )
 from tandem.deploy.lifeline import Lifeline
 from tandem.errors import ConfigError, TandemError
-from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
 from tandem.metrics import targets
 from tandem.security.cluster import ClusterCredentials
 
@@ -247,7 +247,8 @@ class LocalCluster:
         config_path = self.run_dir / f"{name}.yaml"
         save_yaml(config_path, config)
         log_path = self.run_dir / f"{name}.log"
-        env = ucx_env_defaults(dict(os.environ))
+        engine = getattr(config, "engine", None)  # workers have one, the router not
+        env = ucx_env_defaults(dict(os.environ), cuda=engine is not None and on_gpu(engine.device))
         threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
         env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
         popen = subprocess.Popen(

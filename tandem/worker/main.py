@@ -33,7 +33,7 @@ from tandem.config import (
     role_config,
 )
 from tandem.errors import TandemError
-from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
 
 EXIT_USAGE = 2
 ROLES = {"prefill": PrefillConfig, "decode": DecodeConfig}
@@ -128,10 +128,10 @@ async def serve(role: str, config: PrefillConfig | DecodeConfig) -> int:
 
 def main(role: str, argv: list[str] | None = None) -> int:
     args = build_parser(role).parse_args(argv)
-    ucx_env_defaults()
     try:
         logs.configure(role, logging.DEBUG if args.verbose else logging.INFO)
         config = load_config(role, args)
+        ucx_env_defaults(cuda=on_gpu(config.engine.device))  # before UCX starts
         if config.engine.num_threads:  # before torch spins up its pools (the engine does too)
             import torch
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+import torch
+
+from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
 
 
 def test_defaults_fill_an_empty_environment():
@@ -23,3 +25,14 @@ def test_an_operators_transports_win():
     assert ucx_env_defaults(env) is env
     assert env["UCX_TLS"] == "rc,ud,sm,self" and env["PATH"] == "/bin"
     assert env["UCX_WARN_UNUSED_ENV_VARS"] == "n"
+
+
+def test_a_gpu_worker_adds_the_cuda_transports():
+    assert ucx_env_defaults({}, cuda=True)["UCX_TLS"] == "tcp,sm,self,cuda_copy,cuda_ipc"
+    assert ucx_env_defaults({"UCX_TLS": "rc,sm"}, cuda=True)["UCX_TLS"] == "rc,sm"
+
+
+def test_which_devices_are_gpus():
+    assert not on_gpu("cpu")
+    assert on_gpu("cuda") and on_gpu("cuda:1")
+    assert on_gpu("auto") == torch.cuda.is_available()

@@ -31,7 +31,7 @@ from typing import Any
 from tandem import logs
 from tandem.config import RouterConfig
 from tandem.deploy.ray_cluster.config import RayDeployConfig
-from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
+from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
 from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,6 @@ def _node() -> dict[str, str]:
 
 def _setup_process(process: str) -> None:
     logs.configure(process)  # request ids on every line, as in a local cluster
-    ucx_env_defaults()
 
 
 class WorkerActor:
@@ -90,6 +89,7 @@ class WorkerActor:
         self.pool, self.name = pool, name
         self.node = _node()
         worker_config = config.worker_config(pool, host=self.node["node_ip"])
+        ucx_env_defaults(cuda=on_gpu(worker_config.engine.device))  # before UCX starts
         if pool == "prefill":
             from tandem.prefill_worker.server import PrefillServer as Server
         else:

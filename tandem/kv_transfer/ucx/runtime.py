@@ -30,21 +30,31 @@ _lock = threading.Lock()
 _runtime: UcxRuntime | None = None
 
 
+# What a worker whose KV cache is on a GPU adds to UCX_TLS: copies between host and
+# device (cuda_copy) and reads straight from another process's GPU memory on the
+# same node (cuda_ipc); across nodes GPUDirect RDMA comes with ``rc`` or ``dc``,
+# which operators name themselves.
+CUDA_TLS = "cuda_copy,cuda_ipc"
+
+
 def ucx_env_defaults(
-    env: MutableMapping[str, str] | None = None, tls: str | None = "tcp,sm,self"
+    env: MutableMapping[str, str] | None = None,
+    tls: str | None = "tcp,sm,self",
+    cuda: bool = False,
 ) -> MutableMapping[str, str]:
     """Set Tandem's UCX defaults in ``env`` (``os.environ`` when None) where unset; returns it.
 
     UCX reads its environment once, at context creation, so a process calls this
     before any UCX endpoint exists (or passes the mapping to a child process).
     ``tls`` (None: leave UCX_TLS to UCX) suits one host: shared memory between local
-    peers, next to TCP, which loopback needs for its listeners. Across hosts
-    operators set UCX_TLS themselves (to include ``rc``/``ud`` for RDMA, say), and
-    what the environment already holds wins.
+    peers, next to TCP, which loopback needs for its listeners; ``cuda`` (the KV cache
+    is on a GPU) adds CUDA_TLS to it. Across hosts operators set UCX_TLS themselves
+    (to include ``rc``/``ud`` for RDMA, say), and what the environment already holds
+    wins.
     """
     env = os.environ if env is None else env
     if tls is not None:
-        env.setdefault("UCX_TLS", tls)
+        env.setdefault("UCX_TLS", f"{tls},{CUDA_TLS}" if cuda else tls)
     # Without this UCX warns about the UCX_* variables that ucxx itself sets.
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     # Endpoints here use peer-failure error handling (a killed peer fails its
@@ -54,6 +64,16 @@ def ucx_env_defaults(
     # detection for the shared-memory transports so they qualify.
     env.setdefault("UCX_MM_ERROR_HANDLING", "y")
     return env
+
+
+def on_gpu(device: str) -> bool:
+    """Whether an engine set to ``device`` ("auto", "cpu", "cuda:1") keeps its KV cache
+    on a GPU: what ``cuda`` of ``ucx_env_defaults`` should say for its worker."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def get_runtime() -> UcxRuntime:

@@ -48,8 +48,7 @@ class DecodeServer(WorkerServer):
             cfg.kv_port,
             metrics=self.transfer_metrics,
             secret=self.kv_secret,
-            # The largest reservation a request can need: staging for late data never
-            # grows past it.
+            # The largest reservation a request can need (and so a header may name).
             max_request_blocks=engine.kv.blocks_for(engine.max_model_len),
         )
         self.admission = KvAdmission(self.receiver, cfg.kv_lease_s)

@@ -2,10 +2,10 @@
 
 base.py      the contract: states, errors, fingerprint, sender/receiver interfaces
 auth.py      the shared-secret handshake: nonces, proofs, which side lacks a secret
-payload.py   the message header, checksums, gather/scatter of a request's blocks
+payload.py   the message header, checksums and copies of blocks read in place
 receiver.py  reservations and their state machine, shared by every backend
 sender.py    request bookkeeping and message building, shared by every backend
-inproc.py    same-process backend (tests, colocated mode)
+inproc.py    same-process backend (tests)
 ucx/         UCX backend (ucxx) for separate processes and machines: the decode worker
              reads a request's blocks straight out of the prefill worker's cache
              (ucx/rma.py): no gather, staging or scatter copy

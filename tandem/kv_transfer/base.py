@@ -1,7 +1,8 @@
 """The KV transfer contract shared by every backend.
 
-A prefill worker *pushes* a request's KV blocks, plus the first sampled token,
-into blocks that a decode worker reserved for that request:
+A prefill worker sends a request's KV blocks, plus the first sampled token, into
+blocks that a decode worker reserved for that request; the decode side reads them
+out of the prefill worker's cache, which holds them until the read is acked:
 
     decode worker                               prefill worker
     receiver.expect(request_id, block_ids, lease)
@@ -152,9 +153,6 @@ class KVSender(abc.ABC):
     """The prefill side. One instance per worker; connects once per receiver and reuses it."""
 
     metrics: TransferMetrics
-    # True: ``send`` copies the blocks out, so the caller may free them when it returns.
-    # False: the receiver reads them in place, so they stay held until the future is done.
-    copies_on_send: bool = True
 
     @abc.abstractmethod
     def send_layers(
@@ -162,8 +160,8 @@ class KVSender(abc.ABC):
     ) -> None:
         """Push layers [start, end) now (e.g. as prefill finishes them); no confirmation.
 
-        The blocks are copied before this returns, so the caller may keep computing;
-        failures surface in the future of the final ``send``.
+        The receiver reads the blocks in place: they must not change until the final
+        ``send``'s future is done; failures surface in that future.
         """
 
     @abc.abstractmethod
@@ -177,8 +175,7 @@ class KVSender(abc.ABC):
         """Push the request's remaining layers (or ``layers``) and the first token.
 
         The future resolves to a DONE status once the receiver verified every layer,
-        or raises TransferError(reason). The blocks may change once this returns
-        when ``copies_on_send``, else only once the future is done.
+        or raises TransferError(reason). The blocks may change once it is done.
         """
 
     @abc.abstractmethod

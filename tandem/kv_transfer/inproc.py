@@ -1,19 +1,20 @@
-"""In-process backend: sender and receiver in one process, tensors copied directly.
+"""In-process backend: sender and receiver in one process, blocks copied directly.
 
-Used by unit tests and by a colocated mode (prefill and decode engines in one
-process). A request's path:
+Used by unit tests. A request's path:
 
     InProcReceiver(kv, fingerprint)     registers itself under "inproc://<name>"
     receiver.expect(...) -> Destination
     InProcSender.send(destination, ...) first contact with an address: handshake
                                         (fingerprints compared, then the two secrets:
                                         HandshakeError on any mismatch)
-                                        gather (copy 1) -> receiver core deliver:
-                                        checksum, scatter (copy 2), all in the caller's thread
+                                        receiver core deliver: the blocks copied out of
+                                        the sender's cache into the reserved ones and
+                                        verified (payload.copy_blocks), all in the
+                                        caller's thread
     future already resolved when send returns
 
-The gathered buffer doubles as the receiver's staging buffer, so this backend makes
-exactly the two copies every transfer needs and no more.
+The same in-place read as the UCX backend's between processes on one host, with
+the sender's tensor in place of a mapped segment. Host caches only.
 
 ``secret``: both ends live in one process, so nothing needs proving; the secrets
 are still compared (auth.local_problem: same presence, same bytes), so that a
@@ -22,6 +23,7 @@ test or a colocated setup with mismatched secrets fails as the UCX backend would
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
@@ -29,8 +31,9 @@ import torch
 
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, HandshakeError, TransferError, TransferMetrics
+from tandem.kv_transfer.payload import MessageHeader, copy_blocks
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
-from tandem.kv_transfer.sender import FaultHook, Message, Outgoing, SenderBase
+from tandem.kv_transfer.sender import FaultHook, Outgoing, SenderBase
 
 _registry_lock = threading.Lock()
 _registry: dict[str, InProcReceiver] = {}
@@ -95,17 +98,28 @@ class InProcSender(SenderBase):
             self._peers[address] = receiver.core
         return receiver.core
 
-    def _transmit(self, out: Outgoing, messages: list[Message]) -> None:
+    def _transmit(self, out: Outgoing, headers: list[MessageHeader]) -> None:
         try:
             core = self._peer(out.destination.address)
         except TransferError as exc:
             self._finish(out, exc)
             return
-        for msg in messages:
-            status = core.deliver(msg.header, msg.payload, source=self)
-            self._sent(msg)  # delivered: scattered or dropped, no reference kept
+        for header in headers:
+            status = core.deliver(header, self, functools.partial(self._read, core, header))
             if status is not None:
                 self._finish(out, self._done_status(out, status))
+
+    def _read(self, core: ReceiverCore, header: MessageHeader) -> int:
+        layers = (header.layer_start, header.layer_end)
+        return copy_blocks(
+            core.kv,
+            core.kv_bytes,
+            self.kv.data_ptr(),
+            self.kv.shape[2],
+            header.src_block_ids,
+            header.dst_block_ids,
+            layers,
+        )
 
     def _notify_abort(self, out: Outgoing) -> None:
         with self._lock:

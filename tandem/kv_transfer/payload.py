@@ -1,30 +1,28 @@
-"""KV payloads on the wire: gather blocks into one buffer, scatter it back, and the header.
+"""A request's KV blocks as messages describe them: the header, and the checksum and
+copy of blocks read where they lie.
 
-A message moves one layer range of one request:
+A message moves one layer range of one request; no payload travels with it, the
+receiver reads the blocks out of the sender's cache (ucx/rma.py; inproc.py in one
+process):
 
-    sender:   gather(kv, src_block_ids, layers)      one copy out of the blocks
-              -> payload [l1 - l0, 2, n, block_size, kv_heads, head_dim], contiguous
-              header = MessageHeader(..., checksum=xxh3_64(payload bytes))
-    receiver: decode_header(bytes) validates every field before any payload is read
-              verify(staged payload) against header.checksum
-              scatter(kv, dst_block_ids, layers, staged)  one copy into the blocks
+    sender:   header = make_header(..., kv)        checksum_blocks of the source blocks
+    receiver: decode_header(bytes) validates every field; check_fits against its cache
+              copy_blocks (or UCX gets) into the reserved blocks, then the checksum
+              of what landed is compared with header.checksum
 
-Both copies go run by run: the block pool hands a request mostly consecutive
-ids, and a run of them is one strided slice of the cache, copied about 1.5x
-faster on CPU than ``index_select`` / ``index_copy_`` over the blocks dim moves
-the same bytes (``_runs``); scattered ids fall back to the indexed copy.
-
-Source and destination block ids may differ and need not be sorted: row i of the
-payload is source block ``src_block_ids[i]`` and lands in ``dst_block_ids[i]``.
-The null block (index ``num_blocks``) is never a valid source or destination.
+Checksums are xxh3_64 over the blocks' bytes in one order, layer, then K and V,
+then the blocks in request order, whichever runs of consecutive ids they lie in:
+the same digest on both sides exactly when the bytes are the same. Source and
+destination block ids may differ and need not be sorted: source block
+``src_block_ids[i]`` lands in ``dst_block_ids[i]``. The null block (index
+``num_blocks``) is never a valid source or destination.
 """
 
 from __future__ import annotations
 
-import itertools
+import ctypes
 import json
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +56,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class MessageHeader:
-    """Describes the payload that follows it (``nbytes == 0``: no payload follows)."""
+    """The blocks one message moves (``nbytes == 0``: none, the first token only)."""
 
     request_id: str
     layer_start: int
@@ -68,7 +66,7 @@ class MessageHeader:
     dtype: str
     shape: tuple[int, ...]  # [layer_end - layer_start, 2, n, block_size, kv_heads, head_dim]
     nbytes: int
-    checksum: int  # xxh3_64 of the payload bytes
+    checksum: int  # checksum_blocks of the source blocks
     first_token: int | None = None  # set on the final message
     final: bool = False  # the sender's last message for this request: ack it
 
@@ -169,136 +167,9 @@ def check_fits(h: MessageHeader, kv: torch.Tensor) -> None:
         raise HeaderError("destination block ids repeat")
 
 
-def _index(block_ids: tuple[int, ...] | list[int], kv: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
-
-
-# A bound on the per-run loop: bench/kv_copies.py found slices no slower even at one
-# block per run (46 runs), but a request of hundreds of scattered blocks is one call.
-MAX_SLICE_RUNS = 32
-
-
-def _runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]] | None:
-    """(payload row, first block id, length) of each run of consecutive ids, or None
-    when there are more than MAX_SLICE_RUNS of them."""
-    runs = block_runs(block_ids)
-    if len(runs) > MAX_SLICE_RUNS:
-        return None
-    rows = itertools.accumulate((n for _, n in runs[:-1]), initial=0)
-    return [(row, first, n) for row, (first, n) in zip(rows, runs, strict=True)]
-
-
-def gather(
-    kv: torch.Tensor,
-    block_ids: tuple[int, ...] | list[int],
-    layers: tuple[int, int],
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Copy ``block_ids`` of layers [l0, l1) into one contiguous tensor (``out`` if given).
-
-    kv: [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim] on any device.
-    Returns [l1 - l0, 2, len(block_ids), block_size, kv_heads, head_dim] on kv's device.
-    """
-    l0, l1 = layers
-    runs = _runs(block_ids)
-    if runs is None:
-        if out is None:
-            out = kv[l0:l1].index_select(2, _index(block_ids, kv))
-        else:
-            torch.index_select(kv[l0:l1], 2, _index(block_ids, kv), out=out)
-    else:
-        if out is None:
-            out = kv.new_empty((l1 - l0, 2, len(block_ids), *kv.shape[3:]))
-        for row, first, n in runs:
-            out[:, :, row : row + n].copy_(kv[l0:l1, :, first : first + n])
-    if out.is_cuda:
-        # The transport reads the buffer outside torch's stream order: the copy must be done.
-        torch.cuda.current_stream(out.device).synchronize()
-    return out
-
-
-class PayloadBuffers:
-    """Host buffers that gathered payloads reuse once the transport is done with them.
-
-    A fresh 16 MiB host tensor costs its page faults on every gather (about 3.5 ms
-    of a 4.3 ms gather on this machine, against 0.7 ms into a reused buffer). CUDA
-    tensors come from torch's caching allocator, which already reuses memory, so
-    only host payloads are pooled. Idle buffers are kept up to ``max_idle_bytes``.
-    """
-
-    def __init__(self, max_idle_bytes: int = 256 << 20) -> None:
-        self.max_idle_bytes = max_idle_bytes
-        self._idle: list[torch.Tensor] = []  # flat uint8, smallest first
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        """An uninitialised contiguous tensor of ``shape``, in a reused buffer if one fits."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
-        buf = None
-        with self._lock:
-            # The smallest that fits, and not one so big that most of it would idle.
-            for i, b in enumerate(self._idle):
-                if nbytes <= b.numel() <= 2 * nbytes:
-                    buf = self._idle.pop(i)
-                    break
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes].view(dtype).view(shape)
-
-    def give(self, payload: torch.Tensor | None) -> None:
-        """Hand back a tensor from ``take``; the caller must not touch it afterwards."""
-        if payload is None or payload.device.type != "cpu":
-            return
-        buf = torch.empty(0, dtype=torch.uint8).set_(payload.untyped_storage())
-        with self._lock:
-            self._idle.append(buf)
-            self._idle.sort(key=torch.Tensor.numel)
-            while sum(b.numel() for b in self._idle) > self.max_idle_bytes:
-                self._idle.pop()  # the largest goes first
-
-    @property
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() for b in self._idle)
-
-
-def scatter(
-    kv: torch.Tensor,
-    block_ids: tuple[int, ...] | list[int],
-    layers: tuple[int, int],
-    payload: torch.Tensor,
-) -> None:
-    """Write ``payload`` (as returned by ``gather``) into ``block_ids`` of layers [l0, l1)."""
-    l0, l1 = layers
-    payload = payload.to(kv.device, non_blocking=False)
-    runs = _runs(block_ids)
-    # kv[l0:l1] is a view (layers is the outermost dim), so both copies write in place.
-    if runs is None:
-        kv[l0:l1].index_copy_(2, _index(block_ids, kv), payload)
-    else:
-        for row, first, n in runs:
-            kv[l0:l1, :, first : first + n].copy_(payload[:, :, row : row + n])
-    if kv.is_cuda:
-        # The payload's staging buffer is reused for the next receive: finish reading it.
-        torch.cuda.current_stream(kv.device).synchronize()
-
-
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """A host tensor's bytes without a copy (the checksum and the CPU wire path read these)."""
+    """A host tensor's bytes without a copy (what checksums read)."""
     return memoryview(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
-
-
-def checksum(payload: torch.Tensor) -> int:
-    """xxh3_64 of the payload bytes.
-
-    A GPU payload is copied to the host first: an extra device-to-host copy per
-    message, paid for the guarantee that corrupted KV is never decoded.
-    """
-    if payload.numel() == 0:
-        return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(as_bytes(payload.cpu()))
 
 
 def block_runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
@@ -332,14 +203,12 @@ def checksum_blocks(
     layers: tuple[int, int],
     kv_bytes: memoryview | None = None,
 ) -> int:
-    """``checksum(gather(kv, block_ids, layers))`` without the gather: xxh3_64 fed the
-    same bytes in the same order (layer, then K and V, then the blocks), one
-    contiguous run of blocks at a time, read where they lie.
+    """xxh3_64 of ``block_ids`` of ``layers`` (layer, then K and V, then the blocks in
+    order), one contiguous run of blocks at a time, read where they lie.
 
-    This is how a transport that reads blocks in place (ucx/rma.py) verifies them: the
-    sender hashes its source blocks, the receiver its destination blocks, and the
-    digests match exactly when the bytes do. A GPU cache is copied to the host run
-    by run first. ``kv_bytes``: ``as_bytes(kv)`` of a host cache, when the caller keeps
+    The sender hashes its source blocks, the receiver its destination blocks, and
+    the digests match exactly when the bytes do. A GPU cache is copied to the host
+    run by run first. ``kv_bytes``: ``as_bytes(kv)`` of a host cache, when the caller keeps
     one (making it costs more than hashing a small request).
     """
     digest = xxhash.xxh3_64()
@@ -367,27 +236,21 @@ def make_header(
     layers: tuple[int, int],
     src_block_ids: tuple[int, ...],
     dst_block_ids: tuple[int, ...],
-    payload: torch.Tensor | None,
+    kv: torch.Tensor,
     first_token: int | None = None,
     final: bool = False,
-    kv: torch.Tensor | None = None,
     kv_bytes: memoryview | None = None,
 ) -> MessageHeader:
-    """The header of ``payload`` (gathered blocks), or with ``kv`` instead, of the blocks
-    ``src_block_ids`` of ``kv`` as they lie (a transport that reads them in place;
-    ``kv_bytes``: see ``checksum_blocks``)."""
-    if layers[0] == layers[1] or (payload is None and kv is None):
+    """The header of the blocks ``src_block_ids`` of ``layers`` of ``kv`` as they lie
+    (``kv_bytes``: see ``checksum_blocks``); an empty layer range carries no KV."""
+    if layers[0] == layers[1]:
         shape: tuple[int, ...] = ()
-        nbytes, digest, dtype = 0, checksum(torch.empty(0)), ""
-    elif payload is None:
+        nbytes, digest, dtype = 0, xxhash.xxh3_64_intdigest(b""), ""
+    else:
         shape = (layers[1] - layers[0], 2, len(src_block_ids), *kv.shape[3:])
         nbytes = math.prod(shape) * kv.element_size()
         digest = checksum_blocks(kv, src_block_ids, layers, kv_bytes)
         dtype = dtype_name(kv.dtype)
-    else:
-        shape = tuple(payload.shape)
-        nbytes = payload.numel() * payload.element_size()
-        digest, dtype = checksum(payload), dtype_name(payload.dtype)
     return MessageHeader(
         request_id=request_id,
         layer_start=layers[0],
@@ -401,3 +264,36 @@ def make_header(
         first_token=first_token,
         final=final,
     )
+
+
+def copy_blocks(
+    dst: torch.Tensor,
+    dst_bytes: memoryview,
+    src_address: int,
+    src_total_blocks: int,
+    src_block_ids: tuple[int, ...],
+    dst_block_ids: tuple[int, ...],
+    layers: tuple[int, int],
+) -> int:
+    """Copy blocks of ``layers`` from a host cache of the same layout at ``src_address``
+    (``src_total_blocks`` in its blocks dim: it may be another process's, mapped here)
+    into host cache ``dst`` (``dst_bytes``: ``as_bytes(dst)``); returns the checksum of
+    what landed, as ``checksum_blocks`` of the destination gives it.
+
+    One ``memmove`` per layer, K/V and run of consecutive ids on both sides, each run
+    hashed right after it landed, while it is still in cache: the second pass over
+    the bytes costs little. ``memmove`` releases the GIL.
+    """
+    block = math.prod(dst.shape[3:]) * dst.element_size()
+    here, dst_total = dst.data_ptr(), dst.shape[2]
+    runs = paired_runs(src_block_ids, dst_block_ids)
+    digest = xxhash.xxh3_64()
+    for layer in range(*layers):
+        for k_or_v in (0, 1):
+            dst_base = (layer * 2 + k_or_v) * dst_total
+            src_base = (layer * 2 + k_or_v) * src_total_blocks
+            for src, to, n in runs:
+                at = (dst_base + to) * block
+                ctypes.memmove(here + at, src_address + (src_base + src) * block, n * block)
+                digest.update(dst_bytes[at : at + n * block])
+    return digest.intdigest()

@@ -10,11 +10,10 @@ A request's path on the decode side:
                                              deliver(header, payload | fill, source):
                                                header checked against the reservation
                                                under its write lock, only if still live:
-                                                 UCX: ``fill`` reads the header's blocks out
-                                                 of the sender's cache into the reserved ones
-                                                 (ucx/rma.py), verified where they landed;
-                                                 in-process: the sender's gathered copy,
-                                                 verified, then scattered into the blocks
+                                                 ``fill`` reads the header's blocks out of
+                                                 the sender's cache into the reserved ones
+                                                 (ucx/rma.py; inproc.py in one process),
+                                                 verified where they landed
                                              state TRANSFERRING; on the final message
                                              (every layer verified) DONE, else FAILED
     renew(rid, lease_s)                      the owner still waits: the lease runs on
@@ -61,9 +60,7 @@ from tandem.kv_transfer.payload import (
     MessageHeader,
     as_bytes,
     check_fits,
-    checksum,
     checksum_blocks,
-    scatter,
 )
 
 # Copies a message's blocks into the reservation; returns their checksum if it took
@@ -91,7 +88,7 @@ class _Reservation:
     started: float | None = None
     seconds: float = 0.0
     source: object | None = None  # the connection that feeds it (for peer loss)
-    # Held for the whole of a scatter; failing paths take it to drain writes in flight.
+    # Held for the whole of a read into the blocks; failing paths take it to drain them.
     write_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -127,7 +124,8 @@ class ReceiverCore:
         if max_request_blocks is not None and max_request_blocks < 1:
             raise ValueError(f"max_request_blocks must be >= 1, got {max_request_blocks}")
         self.kv = kv
-        self._kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
+        # A host cache's bytes, for checksums of what lands (and in-process copies).
+        self.kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
         self.fingerprint = fingerprint
         self.address = address
         self.metrics = metrics if metrics is not None else TransferMetrics()
@@ -230,24 +228,19 @@ class ReceiverCore:
         return peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
 
     def deliver(
-        self,
-        header: MessageHeader,
-        payload: torch.Tensor | None,
-        source: object = None,
-        fill: Fill | None = None,
+        self, header: MessageHeader, source: object = None, fill: Fill | None = None
     ) -> TransferStatus | None:
         """Take one received message; returns the request's status if ``header.final``.
 
-        ``payload``: the in-process sender's gathered blocks (any dtype, ``header.nbytes``
-        long), None if empty. ``fill`` instead, for a transport that reads blocks in place
-        (UCX, ucx/rma.py): called under the reservation's write lock once it is known
-        live, it copies the header's source blocks into its destination blocks
-        (TransferError if it cannot) and returns the checksum of what it wrote, taken as
-        it copied, or None; then they are checksummed where they landed. The returned
+        ``fill`` (needed when the header names blocks) reads them in place: called
+        under the reservation's write lock once it is known live, it copies the
+        header's source blocks into its destination blocks (TransferError if it
+        cannot) and returns the checksum of what it wrote if it took one as it copied,
+        else None, and the blocks are checksummed where they landed. The returned
         status is what the sender is told (its ack).
         """
-        if header.nbytes and (payload is None) == (fill is None):
-            raise ValueError("a message with KV needs exactly one of payload and fill")
+        if header.nbytes and fill is None:
+            raise ValueError("a message with KV needs a fill")
         with self._lock:
             res = self._table.get(header.request_id)
             foreign = res is not None and res.source not in (None, source)
@@ -272,13 +265,6 @@ class ReceiverCore:
         if not live:
             return self._discard(header, res)
 
-        # Verify before taking the write lock: hashing is the slow part and needs no blocks.
-        if header.nbytes and payload is not None and checksum(payload) != header.checksum:
-            with self._lock:
-                where = f"layers [{header.layer_start}, {header.layer_end})"
-                self._fail_locked(res, "checksum", where)
-            return res.status() if header.final else None
-
         with res.write_lock:
             with self._lock:
                 self._expire_locked(res)
@@ -286,16 +272,12 @@ class ReceiverCore:
                     live = False
             if not live:
                 return self._discard(header, res)
-            layers = (header.layer_start, header.layer_end)
-            if header.nbytes and fill is not None:
+            if header.nbytes:
                 problem = self._fill(header, fill)
                 if problem is not None:
                     with self._lock:
                         self._fail_locked(res, *problem)
                     return res.status() if header.final else None
-            elif header.nbytes:
-                staged = payload.reshape(-1).view(torch.uint8).view(self.kv.dtype)
-                scatter(self.kv, header.dst_block_ids, layers, staged.view(header.shape))
             with self._lock:
                 self._arrived_locked(res, header)
         return res.status() if header.final else None
@@ -308,7 +290,7 @@ class ReceiverCore:
         except TransferError as exc:
             return exc.reason, str(exc)
         if digest is None:
-            digest = checksum_blocks(self.kv, header.dst_block_ids, layers, self._kv_bytes)
+            digest = checksum_blocks(self.kv, header.dst_block_ids, layers, self.kv_bytes)
         if digest != header.checksum:
             return "checksum", f"layers [{layers[0]}, {layers[1]})"
         return None
@@ -387,7 +369,7 @@ class ReceiverCore:
 
     @staticmethod
     def _drain(res: _Reservation) -> None:
-        # A scatter that passed its liveness check before the failure finishes first.
+        # A read that passed its liveness check before the failure finishes first.
         with res.write_lock:
             pass
 

@@ -2,18 +2,18 @@
 
 A request's path on the prefill side:
 
-    send_layers(dest, src, (0, 8))     gather layers 0-7 of src blocks now (one copy),
-    send_layers(dest, src, (8, 16))    checksum, hand to the transport; no confirmation
-    ...
+    send_layers(dest, src, (0, 8))     checksum layers 0-7 of the src blocks where they
+    send_layers(dest, src, (8, 16))    lie, hand the header to the transport; no
+    ...                                confirmation
     send(dest, src, first_token)       the layers not yet sent (possibly none) go out with
       -> Future                        the first token on the *final* message
-    receiver acks the final message    future -> TransferStatus(DONE) or TransferError(reason)
-                                       then, and only then, the caller frees its blocks
+    receiver reads the blocks out of   future -> TransferStatus(DONE) or TransferError(reason)
+    this cache, acks the final message then, and only then, the caller frees its blocks
 
-Gathering in the caller's thread snapshots the blocks at call time, so the caller
-can keep computing the next layers while earlier ones are on the wire. The
-gathered buffer is the only copy on this side; the transport sends from it and
-then hands it back (``_sent``) for the next gather to reuse.
+No payload is built: the receiver reads the blocks in place (ucx/rma.py; in one
+process, inproc.py), so they must not change until the request's future is done.
+A header's checksum is taken when it is built, in the caller's thread: with
+layer-wise sending right after the layer is computed, while it is in cache.
 """
 
 from __future__ import annotations
@@ -40,26 +40,15 @@ from tandem.kv_transfer.base import (
     TransferState,
     TransferStatus,
 )
-from tandem.kv_transfer.payload import (
-    MessageHeader,
-    PayloadBuffers,
-    as_bytes,
-    gather,
-    make_header,
-)
+from tandem.kv_transfer.payload import MessageHeader, as_bytes, make_header
 
 log = logging.getLogger(__name__)
 
 # Test-only fault injection: called with each message after its checksum was taken,
-# and may change the payload in place (to prove that corruption is caught).
+# with the first source block, which it may change in place (to prove that
+# corruption is caught).
 FaultHook = Callable[[MessageHeader, torch.Tensor], None]
 _ABORTED_MEMORY = 4096
-
-
-@dataclass(frozen=True)
-class Message:
-    header: MessageHeader
-    payload: torch.Tensor | None  # [layers, 2, n, block_size, kv_heads, head_dim], contiguous
 
 
 @dataclass(eq=False)
@@ -114,7 +103,6 @@ class SenderBase(KVSender):
         self.fingerprint = fingerprint
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.fault_hook = fault_hook
-        self.buffers = PayloadBuffers()
         self._lock = threading.Lock()  # guards _requests and metrics
         self._requests: dict[str, Outgoing] = {}
         # Recently aborted ids: a prefill thread still calling send_layers for one of
@@ -130,7 +118,7 @@ class SenderBase(KVSender):
         if out is None:
             return  # the request already failed or was aborted; its future says why
         for chunk in self._chunks(out, [layers]):
-            self._transmit(out, [self._message(out, chunk, final=False)])
+            self._transmit(out, [self._header(out, chunk, final=False)])
 
     def send(
         self,
@@ -149,8 +137,8 @@ class SenderBase(KVSender):
         # Each message goes as soon as it is built: its checksum is the slow part, and
         # the receiver reads one chunk while the next is being checksummed here.
         for chunk in chunks[:-1]:
-            self._transmit(out, [self._message(out, chunk, final=False)])
-        self._transmit(out, [self._message(out, chunks[-1], True, first_token)])
+            self._transmit(out, [self._header(out, chunk, final=False)])
+        self._transmit(out, [self._header(out, chunks[-1], True, first_token)])
         return out.future
 
     def abort(self, request_id: str) -> None:
@@ -180,7 +168,7 @@ class SenderBase(KVSender):
     # --- for backends --------------------------------------------------------------
 
     @abc.abstractmethod
-    def _transmit(self, out: Outgoing, messages: list[Message]) -> None:
+    def _transmit(self, out: Outgoing, headers: list[MessageHeader]) -> None:
         """Hand messages to the transport in order; never blocks on the network."""
 
     def _notify_abort(self, out: Outgoing) -> None:
@@ -277,40 +265,28 @@ class SenderBase(KVSender):
                 out.final_sent, out.final_at = True, time.monotonic()
         return (None, []) if out.future.done() else (out, claimed)
 
-    def _message(
+    def _header(
         self,
         out: Outgoing,
         layers: tuple[int, int],
         final: bool,
         first_token: int | None = None,
-    ) -> Message:
+    ) -> MessageHeader:
         dst = out.destination.block_ids[: len(out.src_block_ids)]
-        payload = None
-        if layers[0] < layers[1] and self.copies_on_send:
-            shape = (layers[1] - layers[0], 2, len(out.src_block_ids), *self.kv.shape[3:])
-            buffer = self.buffers.take(shape, self.kv.dtype, self.kv.device)
-            payload = gather(self.kv, out.src_block_ids, layers, out=buffer)
         header = make_header(
             out.request_id,
             layers,
             out.src_block_ids,
             dst,
-            payload,
+            self.kv,
             first_token,
             final,
-            kv=None if self.copies_on_send else self.kv,
-            kv_bytes=self._kv_bytes,
+            self._kv_bytes,
         )
         if header.nbytes and self.fault_hook is not None:
-            # Blocks read in place: the hook sees (and may change) the first source block.
-            first = self.kv[layers[0], 0, out.src_block_ids[0]]
-            self.fault_hook(header, payload if payload is not None else first)
+            self.fault_hook(header, self.kv[layers[0], 0, out.src_block_ids[0]])
         out.nbytes += header.nbytes
-        return Message(header, payload)
-
-    def _sent(self, msg: Message) -> None:
-        """The transport is done with ``msg`` (sent, or never to be): reuse its buffer."""
-        self.buffers.give(msg.payload)
+        return header
 
     def _requests_done_future(self, request_id: str) -> Future[TransferStatus]:
         fut: Future[TransferStatus] = Future()

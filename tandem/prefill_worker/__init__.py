@@ -1,4 +1,4 @@
-"""The prefill worker: computes prompts and pushes their KV to the decode worker.
+"""The prefill worker: computes prompts and hands their KV to the decode worker.
 
 A request's path (service.py; engine calls run on the engine thread, see
 tandem/engine/loop.py):
@@ -13,9 +13,10 @@ tandem/engine/loop.py):
       response 1: first token, text     streamed at once, before any KV moves (TTFT)
         ends the request? (EOS, max_tokens=1)  with finish_reason; no transfer, call over
       sender.send(destination, held blocks, first token)
-                                        gathered on the engine thread (a consistent copy),
-                                        then the blocks are freed; pushed over the worker's
-                                        one connection per peer, off the engine thread
+                                        checksummed on the engine thread, the header sent
+                                        over the worker's one connection per peer; the
+                                        decode worker reads the blocks out of this worker's
+                                        cache, so they stay held until the call ends
       await the decode side's ack       bounded by kv_ack_timeout_s
         DONE                            response 2: bytes and seconds; the call ends OK
         failed / timed out              ABORTED naming the reason (UNAVAILABLE if this

@@ -1,19 +1,20 @@
-"""PrefillWorker gRPC service: one Prefill call is one request's prompt and KV push.
+"""PrefillWorker gRPC service: one Prefill call is one request's prompt and KV transfer.
 
     Prefill   over ``max_queue`` calls in this worker -> RESOURCE_EXHAUSTED at once
               request and destination checked (INVALID_ARGUMENT) -> engine queue
-              -> prefill step: after each layer, that layer's KV is gathered and handed
-                 to the sender (kv_layerwise), which pushes it while later layers compute
+              -> prefill step: after each layer, that layer's KV is checksummed and its
+                 header handed to the sender (kv_layerwise); the decode worker reads
+                 it out of this worker's cache while later layers compute
               -> first token; right after the step, before the next one starts: the
-                 final message (the first token, and any layer not yet sent) -> blocks
-                 freed (what was sent is a copy) -> pushed to the destination
+                 final message (the first token, and any layer not yet sent)
               -> response 1 (the first token: the client's time to first token
                  includes no KV transfer)
-              -> the decode side's ack -> response 2 (KV bytes, seconds); the call ends
+              -> the decode side's ack -> response 2 (KV bytes, seconds); the call
+                 ends and the request's blocks, held until then, are freed
 
-The engine thread only gathers and checksums; the transfer itself runs on the
-sender's thread, so the engine computes the next layers, and the next batch,
-while the KV is on the wire. A transfer that fails ends the call ABORTED after
+The engine thread only checksums and hands headers on; the transfer itself runs
+in the decode worker and on the sender's thread, so the engine computes the next
+layers, and the next batch, while the KV moves. A transfer that fails ends the call ABORTED after
 response 1: the router then moves the request to another decode worker (it owns
 it until the last token).
 
@@ -201,11 +202,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         """After a step (an EngineLoop step hook), before its outputs are delivered and
         before the next step: each prompt whose first token was just sampled ships what
         ship_layer did not (the first token, and every layer when KV goes whole), so
-        the decode worker never waits for the next step. Layers still to send are
-        gathered here, a consistent snapshot; what goes out is copies, so the blocks go
-        back now, unless the decode worker reads them in place (``copies_on_send``
-        False: they go back when the call ends). The transfer's future is in
-        ``_transfers`` by the time the handler sees the first token."""
+        the decode worker never waits for the next step. The decode worker reads the
+        blocks in place, so they stay held until the call ends (``_end`` frees them).
+        The transfer's future is in ``_transfers`` by the time the handler sees the
+        first token."""
         for first in outputs:
             dest = self._destinations.get(first.request_id)
             if first.held_block_ids is None or dest is None:
@@ -217,9 +217,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 fut = Future()
                 fut.set_exception(exc)
             self._transfers[first.request_id] = fut
-            if self.server.sender.copies_on_send:
-                engine.release(first.request_id)
-            # else the decode worker reads the blocks in place: _end frees them
 
     def _end(self, engine: LLMEngine, rid: str) -> None:
         """Abort an unfinished transfer (nothing more is read from the blocks), then free them."""

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-import tandem.kv_transfer.receiver as receiver_mod
+import tandem.kv_transfer.inproc as inproc_mod
 from tandem.kv_transfer import (
     Destination,
     HandshakeError,
@@ -16,7 +16,7 @@ from tandem.kv_transfer import (
     make_receiver,
     make_sender,
 )
-from tandem.kv_transfer.payload import gather, make_header
+from tandem.kv_transfer.payload import as_bytes, copy_blocks, make_header
 from tests.kv_transfer.conftest import Side, fingerprint, make_side
 
 
@@ -101,12 +101,12 @@ def test_final_message_may_carry_no_kv(link) -> None:
     dst.pool.free(dst_ids)
 
 
-def test_corrupted_payload_fails_and_is_never_written(fp) -> None:
+def test_corrupted_blocks_fail_the_request_and_nothing_after_them_is_read(fp) -> None:
     src, dst = make_side(16, seed=12), make_side(16)
 
-    def flip_a_bit_in_layer_1(header, payload: torch.Tensor) -> None:
-        if header.layer_start == 1:
-            payload.view(torch.int32).view(-1)[5] ^= 1 << 20
+    def flip_a_bit_in_layer_1(header, block: torch.Tensor) -> None:
+        if header.layer_start == 1:  # the source block changes after its checksum
+            block.view(torch.int32).view(-1)[5] ^= 1 << 20
 
     sender = make_sender("inproc", src.kv, fp, fault_hook=flip_a_bit_in_layer_1)
     receiver = make_receiver("inproc", dst.kv, fp)
@@ -125,7 +125,9 @@ def test_corrupted_payload_fails_and_is_never_written(fp) -> None:
         "checksum",
         None,
     )
-    assert not dst.kv[1:, :, dst_ids].any(), "corrupted or later layers reached the blocks"
+    # The bad layer landed (it is read before it can be verified) but is never decoded:
+    # the request failed; the layers after it were never read.
+    assert not dst.kv[2:, :, dst_ids].any(), "layers after the failure reached the blocks"
     assert receiver.metrics.failures == {"checksum": 1}
     assert sender.metrics.failures == {"checksum": 1}
     receiver.release("r")
@@ -210,21 +212,22 @@ def test_abort_mid_transfer_keeps_later_layers_out(link) -> None:
 
 
 @pytest.mark.parametrize("how", ["abort", "lease expiry seen by poll"])
-def test_failing_waits_for_a_scatter_in_flight(link, monkeypatch, how: str) -> None:
+def test_failing_waits_for_a_read_in_flight(link, monkeypatch, how: str) -> None:
     """Once a failure is reported nothing writes into the blocks: a copy in flight ends first."""
     src, dst, sender, receiver = link
     clock = FakeClock()
     receiver.core.clock = clock
     entered, proceed, writes_done = threading.Event(), threading.Event(), []
-    real_scatter = receiver_mod.scatter
+    real_copy = inproc_mod.copy_blocks
 
-    def slow_scatter(*args) -> None:
+    def slow_copy(*args) -> int:
         entered.set()
         proceed.wait(30)
-        real_scatter(*args)
+        digest = real_copy(*args)
         writes_done.append(True)
+        return digest
 
-    monkeypatch.setattr(receiver_mod, "scatter", slow_scatter)
+    monkeypatch.setattr(inproc_mod, "copy_blocks", slow_copy)
     src_ids, dst_ids = src.pool.allocate(1), dst.pool.allocate(1)
     dest = receiver.expect("r", dst_ids, lease_s=30)
     fut_holder = []
@@ -303,18 +306,24 @@ def test_header_problems_fail_the_request(link) -> None:
     core = receiver.core
     dst_ids = dst.pool.allocate(2)
     receiver.expect("dup", dst_ids, lease_s=30)
-    payload = gather(src.kv, [0, 1], (0, 2))
-    h = make_header("dup", (0, 2), (0, 1), tuple(dst_ids), payload)
-    core.deliver(h, payload.clone())
-    core.deliver(h, payload.clone())
+
+    def fill(h):  # what the sender's transport does: read the header's blocks from src
+        layers = (h.layer_start, h.layer_end)
+        return lambda: copy_blocks(
+            dst.kv, as_bytes(dst.kv), src.kv.data_ptr(), 33, (0, 1), h.dst_block_ids, layers
+        )
+
+    h = make_header("dup", (0, 2), (0, 1), tuple(dst_ids), src.kv)
+    core.deliver(h, "src", fill(h))
+    core.deliver(h, "src", fill(h))
     assert receiver.poll("dup").reason == "bad header"
     receiver.expect("partial", dst_ids, lease_s=30)
-    final = make_header("partial", (0, 2), (0, 1), tuple(dst_ids), payload, 5, final=True)
-    status = core.deliver(final, payload.clone())
+    final = make_header("partial", (0, 2), (0, 1), tuple(dst_ids), src.kv, 5, final=True)
+    status = core.deliver(final, "src", fill(final))
     assert (status.state, status.reason) == (TransferState.FAILED, "incomplete")
     receiver.expect("wrong-ids", dst_ids, lease_s=30)
-    h = make_header("wrong-ids", (0, 2), (0, 1), tuple(dst_ids[::-1]), payload)
-    core.deliver(h, payload.clone())
+    h = make_header("wrong-ids", (0, 2), (0, 1), tuple(dst_ids[::-1]), src.kv)
+    core.deliver(h, "src", fill(h))
     assert (
         receiver.poll("wrong-ids").detail == "destination block ids differ from the reservation's"
     )

@@ -19,7 +19,7 @@ def _setup(n: int = 3):
     core = ReceiverCore(dst.kv, fingerprint(), "test")
     src_ids, dst_ids = src.pool.allocate(n), dst.pool.allocate(n)[::-1]
     core.expect("r", dst_ids, lease_s=30)
-    header = make_header("r", (0, LAYERS), tuple(src_ids), tuple(dst_ids), None, 7, True, kv=src.kv)
+    header = make_header("r", (0, LAYERS), tuple(src_ids), tuple(dst_ids), src.kv, 7, True)
     return src, dst, core, src_ids, dst_ids, header
 
 
@@ -32,9 +32,23 @@ def _copy(src, dst, src_ids, dst_ids):
 
 def test_a_fill_lands_and_is_verified_in_place() -> None:
     src, dst, core, src_ids, dst_ids, header = _setup()
-    status = core.deliver(header, None, fill=_copy(src, dst, src_ids, dst_ids))
+    status = core.deliver(header, fill=_copy(src, dst, src_ids, dst_ids))
     assert (status.state, status.first_token) == (TransferState.DONE, 7)
     assert torch.equal(dst.kv[:, :, dst_ids], src.kv[:, :, src_ids])
+
+
+@pytest.mark.parametrize("digest", ["right", "wrong"])
+def test_a_fill_that_hashed_as_it_copied_is_taken_at_its_word(digest: str) -> None:
+    src, dst, core, src_ids, dst_ids, header = _setup()
+    copy = _copy(src, dst, src_ids, dst_ids)
+
+    def hashing() -> int:
+        copy()
+        return header.checksum if digest == "right" else header.checksum ^ 1
+
+    status = core.deliver(header, fill=hashing)
+    want = (TransferState.DONE, "") if digest == "right" else (TransferState.FAILED, "checksum")
+    assert (status.state, status.reason) == want
 
 
 def test_a_fill_that_lands_other_bytes_fails_the_checksum() -> None:
@@ -45,7 +59,7 @@ def test_a_fill_that_lands_other_bytes_fails_the_checksum() -> None:
         copy()
         dst.kv[1, 0, dst_ids[0], 0, 0, 0] += 1
 
-    status = core.deliver(header, None, fill=corrupted)
+    status = core.deliver(header, fill=corrupted)
     assert (status.state, status.reason) == (TransferState.FAILED, "checksum")
 
 
@@ -55,7 +69,7 @@ def test_a_failed_read_fails_the_request_with_its_reason() -> None:
     def lost() -> None:
         raise TransferError("peer lost", "UCX read: disconnected")
 
-    status = core.deliver(header, None, fill=lost)
+    status = core.deliver(header, fill=lost)
     assert (status.state, status.reason) == (TransferState.FAILED, "peer lost")
 
 
@@ -70,7 +84,7 @@ def test_abort_returns_only_once_a_read_in_flight_has_landed() -> None:
         copy()
         finished.append(time.monotonic())
 
-    reader = threading.Thread(target=core.deliver, args=(header, None), kwargs={"fill": slow})
+    reader = threading.Thread(target=core.deliver, args=(header,), kwargs={"fill": slow})
     reader.start()
     assert started.wait(5)
     core.abort("r")
@@ -84,11 +98,11 @@ def test_no_read_is_posted_for_a_request_that_is_gone() -> None:
     *_, core, _, _, header = _setup()
     core.release("r")
     called = []
-    status = core.deliver(header, None, fill=lambda: called.append(1))
+    status = core.deliver(header, fill=lambda: called.append(1))
     assert status.state is TransferState.FAILED and not called
 
 
-def test_a_message_with_kv_needs_one_of_payload_and_fill() -> None:
+def test_a_message_with_kv_needs_a_fill() -> None:
     *_, core, _, _, header = _setup()
-    with pytest.raises(ValueError, match="exactly one"):
-        core.deliver(header, None)
+    with pytest.raises(ValueError, match="needs a fill"):
+        core.deliver(header)

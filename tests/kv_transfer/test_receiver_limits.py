@@ -56,13 +56,13 @@ def test_a_header_beyond_its_reservation_fails_it_without_a_read() -> None:
     core.expect("r", [4, 5], lease_s=30)
     reads = []
     # Three blocks for a reservation of two: the third would land in someone else's.
-    status = core.deliver(_header("r", (0, 1), 3, first=4), None, "peer", lambda: reads.append(1))
+    status = core.deliver(_header("r", (0, 1), 3, first=4), "peer", lambda: reads.append(1))
     assert status is None and reads == []
     got = core.poll("r")
     assert (got.state, got.reason) == (TransferState.FAILED, "bad header")
     assert "destination block ids differ from the reservation's" in got.detail
     # Unknown requests are discarded unread, and their final message is answered.
     final = dataclasses.replace(_header("nobody", (0, 1), 1), final=True)
-    answer = core.deliver(final, None, "peer", lambda: reads.append(1))
+    answer = core.deliver(final, "peer", lambda: reads.append(1))
     assert (answer.state, answer.reason) == (TransferState.FAILED, "unknown request")
     assert reads == [] and core.metrics.messages_discarded == 2  # both, unread

@@ -164,7 +164,7 @@ def _k_frame(rid: str, dst_ids, seed: int = 3):
     """A header for blocks 0.. of a fresh source cache, and that cache's UCX memory."""
     src = make_side(8, seed=seed).kv
     n = len(dst_ids)
-    header = make_header(rid, (0, 2), tuple(range(n)), tuple(dst_ids), None, kv=src)
+    header = make_header(rid, (0, 2), tuple(range(n)), tuple(dst_ids), src)
     return header, CacheMemory(src)
 
 

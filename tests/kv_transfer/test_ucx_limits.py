@@ -76,13 +76,13 @@ def test_headers_outside_their_reservations_read_nothing() -> None:
         other_ids, big_ids = side.pool.allocate(2), side.pool.allocate(2)
         receiver.expect("other", other_ids, lease_s=30)
         receiver.expect("big", big_ids, lease_s=30)
-        ok = make_header("other", (0, 1), (0, 1), tuple(other_ids), None, kv=src.kv)
+        ok = make_header("other", (0, 1), (0, 1), tuple(other_ids), src.kv)
         # 3 blocks for a reservation of 2: the third destination is someone else's.
         spare = next(b for b in range(16) if b not in other_ids + big_ids)
-        big = make_header("big", (0, 4), (0, 1, 2), (*big_ids, spare), None, kv=src.kv)
+        big = make_header("big", (0, 4), (0, 1, 2), (*big_ids, spare), src.kv)
         # Source blocks past the sender's pool (8 blocks): refused before any read.
-        far = make_header("other", (1, 2), (0, 9), tuple(other_ids), None, kv=src.kv)
-        stray = make_header("nobody", (0, 1), (0, 1, 2, 3, 4), (0, 1, 2, 3, 4), None, kv=src.kv)
+        far = make_header("other", (1, 2), (0, 9), tuple(other_ids), src.kv)
+        stray = make_header("nobody", (0, 1), (0, 1, 2, 3, 4), (0, 1, 2, 3, 4), src.kv)
 
         async def client():
             ep = await ucx_raw.connect(receiver.address)

@@ -276,7 +276,7 @@ class UcxReceiver(CoreReceiver):
                 fill = functools.partial(
                     self._cache.read, conn.remote, item.src_block_ids, item.dst_block_ids, layers
                 )
-            status = self.core.deliver(item, None, conn, fill)
+            status = self.core.deliver(item, conn, fill)
             if status is not None:
                 ack = wire.encode_ack(item.request_id, status)
                 asyncio.run_coroutine_threadsafe(self._send_ack(conn, ack), loop)

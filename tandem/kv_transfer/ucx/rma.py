@@ -25,7 +25,7 @@ reads and not writes: every write into the decode worker's blocks is one it made
 itself, under the reservation's write lock, so once an abort or a lease expiry has
 returned nothing lands in those blocks any more, whatever the sender does. The
 price is on the prefill side: it keeps a request's blocks until the decode worker
-has acked them (``KVSender.copies_on_send`` False).
+has acked them.
 
 A peer that dies mid-read: a mapped cache stays readable (the segment lives while
 mapped) and what was read is checked against the checksum its header carried; a
@@ -50,10 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from tandem.kv_transfer.base import TransferError
-from tandem.kv_transfer.payload import as_bytes, paired_runs
+from tandem.kv_transfer.payload import as_bytes, copy_blocks, paired_runs
 from tandem.kv_transfer.ucx import ucp
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
@@ -204,32 +203,32 @@ class CacheMemory:
         """Copy the peer's ``src_block_ids`` of ``layers`` into this cache's
         ``dst_block_ids``; returns once they have landed, else TransferError.
 
-        From a mapped cache each contiguous run is copied and then hashed while it is
-        still in cache, and the checksum of what landed is returned
-        (``payload.checksum_blocks`` of the destination: layer, K/V, blocks in order);
-        after UCX gets, None (the caller checksums the blocks)."""
+        From a mapped cache ``payload.copy_blocks`` copies them and returns the checksum
+        of what landed; after UCX gets, None (the caller checksums the blocks)."""
         bad = [b for b in src_block_ids if b >= remote.total_blocks - 1]
         if bad:
             raise TransferError("bad header", f"source block ids {bad} outside the sender's pool")
-        runs = paired_runs(src_block_ids, dst_block_ids)
+        if remote.view is not None:
+            return copy_blocks(
+                self.kv,
+                self._bytes,
+                remote.view.data_ptr(),
+                remote.total_blocks,
+                src_block_ids,
+                dst_block_ids,
+                layers,
+            )
         here, local_blocks = self.kv.data_ptr(), self.kv.shape[2]
-        pieces = [
+        reads = [
             (
-                self._offset(local_blocks, layer, k_or_v, dst),
-                self._offset(remote.total_blocks, layer, k_or_v, src),
+                here + self._offset(local_blocks, layer, k_or_v, dst),
+                remote.base + self._offset(remote.total_blocks, layer, k_or_v, src),
                 n * self.block_bytes,
             )
             for layer in range(*layers)
             for k_or_v in (0, 1)
-            for src, dst, n in runs
+            for src, dst, n in paired_runs(src_block_ids, dst_block_ids)
         ]
-        if remote.view is not None:
-            there, digest = remote.view.data_ptr(), xxhash.xxh3_64()
-            for at, far, nbytes in pieces:
-                ctypes.memmove(here + at, there + far, nbytes)  # releases the GIL
-                digest.update(self._bytes[at : at + nbytes])
-            return digest.intdigest()
-        reads = [(here + at, remote.base + far, nbytes) for at, far, nbytes in pieces]
         try:
             ucp.get(self._worker, remote.rkey, reads, self._memory, timeout_s)
         except ucp.UcpError as exc:

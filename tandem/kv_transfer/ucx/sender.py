@@ -40,8 +40,8 @@ from tandem.kv_transfer.base import (
     TransferError,
     TransferMetrics,
 )
-from tandem.kv_transfer.payload import encode_header
-from tandem.kv_transfer.sender import FaultHook, Message, Outgoing, SenderBase
+from tandem.kv_transfer.payload import MessageHeader, encode_header
+from tandem.kv_transfer.sender import FaultHook, Outgoing, SenderBase
 from tandem.kv_transfer.ucx import rma, wire
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
@@ -56,7 +56,7 @@ class _Peer:
     def __init__(self, address: str) -> None:
         self.address = address
         self.ep = None
-        self.queue: asyncio.Queue[tuple[Outgoing, list[Message]] | str] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[Outgoing, list[MessageHeader]] | str] = asyncio.Queue()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tasks: list[asyncio.Task] = []
         self.sends: set[asyncio.Task] = set()  # frames posted, not yet sent
@@ -64,8 +64,6 @@ class _Peer:
 
 
 class UcxSender(SenderBase):
-    copies_on_send = False  # receivers read the blocks in place (rma.py)
-
     def __init__(
         self,
         kv: torch.Tensor,
@@ -92,11 +90,11 @@ class UcxSender(SenderBase):
         """Connect and handshake now (else the first send does); raises HandshakeError."""
         self._rt.submit(self._connected(address)).result(timeout=self.connect_timeout_s + 5)
 
-    def _transmit(self, out: Outgoing, messages: list[Message]) -> None:
+    def _transmit(self, out: Outgoing, headers: list[MessageHeader]) -> None:
         if self._closed:
             self._finish(out, TransferError("closed", "sender closed"))
             return
-        self._rt.call_soon(self._enqueue, out.destination.address, (out, messages))
+        self._rt.call_soon(self._enqueue, out.destination.address, (out, headers))
 
     def _notify_abort(self, out: Outgoing) -> None:
         if not self._closed:
@@ -120,7 +118,7 @@ class UcxSender(SenderBase):
             peer.tasks.append(asyncio.create_task(self._run_peer(peer)))
         return peer
 
-    def _enqueue(self, address: str, item: tuple[Outgoing, list[Message]]) -> None:
+    def _enqueue(self, address: str, item: tuple[Outgoing, list[MessageHeader]]) -> None:
         self._peer(address).queue.put_nowait(item)
 
     def _enqueue_abort(self, address: str, request_id: str) -> None:
@@ -194,11 +192,11 @@ class UcxSender(SenderBase):
             if isinstance(item, str):  # an aborted request id
                 self._post(peer, wire.ABORT_FRAME + item.encode())
                 continue
-            out, messages = item
+            out, headers = item
             if out.future.done():  # aborted or failed meanwhile: the rest is moot
                 continue
-            for msg in messages:
-                self._post(peer, wire.KV_FRAME + encode_header(msg.header))
+            for header in headers:
+                self._post(peer, wire.KV_FRAME + encode_header(header))
 
     def _post(self, peer: _Peer, frame: bytes) -> None:
         # A task's first step posts its send; tasks start in the order they were made.

@@ -96,17 +96,27 @@ def decode_attention(
         blocks = cache.index_select(0, flat).view(batch, width * cache.shape[1], *cache.shape[2:])
         return blocks[:, :max_context_len].transpose(1, 2)
 
-    k, v = gather(k_cache), gather(v_cache)
-    mask = None
-    if q.shape[0] > 1:
+    k, v = gather(k_cache).to(q.dtype), gather(v_cache).to(q.dtype)
+    padding = None
+    if batch > 1:
         positions = torch.arange(max_context_len, device=q.device)
-        mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :],
-        k.to(q.dtype),
-        v.to(q.dtype),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[:, :, 0]
+        padding = positions[None, :] >= context_lens[:, None]  # [batch, S]
+    if q.dtype == torch.float32 or q.device.type != "cpu":
+        mask = None if padding is None else ~padding[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out[:, :, 0]
+    # 16-bit on CPU: two batched matmuls with a float32 softmax between them. PyTorch's
+    # fused CPU attention (flash) is built for long queries; for one query row per
+    # sequence in bfloat16 it was 1.3-4.5x slower (bench/decode_attention.py), while in
+    # float32 it is the faster of the two.
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    # GQA: query head h reads KV head h // group, as SDPA's enable_gqa does.
+    qg = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [batch, kv_heads, g, S]
+    if padding is not None:
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)

@@ -104,6 +104,11 @@ def test_seeded_sampling_through_the_cluster_equals_colocated(cluster, tiny_engi
 
 
 def test_concurrent_streams_complete_and_every_worker_gets_work(cluster, tiny_engine):
+    # Start from idle workers as the router sees them: least-loaded placement sends a
+    # burst to the decode workers with the most free KV, so blocks still held by an
+    # earlier test at the router's last poll could keep one of them out of it.
+    _assert_no_blocks_used(cluster)
+    time.sleep(2 * cluster.config.router.status_interval_s)
     before = {w.name: _status(cluster, w).served for w in _workers(cluster)}
     texts = [f"request number {i}: " + "words " * (i % 5) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:

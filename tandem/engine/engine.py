@@ -118,7 +118,9 @@ class LLMEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         # The RoPE tables stay float32: positions near the context end need the precision.
         self.model.rope_cos = self.model.rope_cos.float()
-        self.model.rope_sin = self.model.rope_sin.float()
+        self.model.rope_sin_signed = self.model.rope_sin_signed.float()
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()
 
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)

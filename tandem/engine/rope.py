@@ -62,8 +62,15 @@ def rope_cache(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torc
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (already gathered by position)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sin table with its first half negated: what ``apply_rope`` takes, so that the
+    rotation is a roll and two products rather than slices, a negation and a concat."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos and ``signed_sin(sin)``: [tokens, head_dim],
+    already gathered by position. HF's ``x * cos + rotate_half(x) * sin``, bit for bit."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
+    return x * cos[:, None, :] + rotated * sin_signed[:, None, :]

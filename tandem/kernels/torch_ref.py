@@ -110,13 +110,18 @@ def decode_attention(
     # 16-bit on CPU: two batched matmuls with a float32 softmax between them. PyTorch's
     # fused CPU attention (flash) is built for long queries; for one query row per
     # sequence in bfloat16 it was 1.3-4.5x slower (bench/decode_attention.py), while in
-    # float32 it is the faster of the two.
+    # float32 it is the faster of the two. One sequence alone computes in float32
+    # throughout: a bfloat16 batched matmul has a fixed cost that dominates a single
+    # small product, and the float32 copies of one sequence's K and V are cheap.
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
+    kv_heads, dtype = k.shape[1], q.dtype
+    if batch == 1:
+        q, k, v = q.float(), k.float(), v.float()
     # GQA: query head h reads KV head h // group, as SDPA's enable_gqa does.
     qg = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [batch, kv_heads, g, S]
     if padding is not None:
         scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+    out = torch.matmul(probs, v).view(batch, num_heads, head_dim)
+    return out.to(dtype)

@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.rope import apply_rope, inv_freq, rope_cache
+from tandem.engine.rope import apply_rope, inv_freq, rope_cache, signed_sin
 
 HEADS = 4
 
@@ -175,12 +175,12 @@ def test_apply_rope_matches_transformers(case: str) -> None:
     x = torch.randn(7, 3, cfg.head_dim, generator=g)  # [tokens, heads, head_dim]
     cos, sin = cos_table[positions], sin_table[positions]
 
-    ours = apply_rope(x, cos, sin)
+    ours = apply_rope(x, cos, signed_sin(sin))
 
     # HF's layout: q [batch, heads, tokens, head_dim], cos/sin [batch, tokens, head_dim].
     q = x.transpose(0, 1)[None]
     hf, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None], unsqueeze_dim=1)
-    torch.testing.assert_close(ours, hf[0].transpose(0, 1))
+    assert torch.equal(ours, hf[0].transpose(0, 1))  # the same products, the same sums
     assert not torch.allclose(ours, x, atol=1e-3)
 
 
@@ -190,7 +190,7 @@ def test_apply_rope_at_position_zero_is_identity() -> None:
     x = torch.randn(2, 3, cfg.head_dim, generator=torch.Generator().manual_seed(1))
     zero = torch.zeros(2, dtype=torch.int64)
 
-    assert torch.equal(apply_rope(x, cos_table[zero], sin_table[zero]), x)
+    assert torch.equal(apply_rope(x, cos_table[zero], signed_sin(sin_table[zero])), x)
 
 
 def test_apply_rope_rotates_each_pair_by_its_angle() -> None:
@@ -200,7 +200,7 @@ def test_apply_rope_rotates_each_pair_by_its_angle() -> None:
     x = torch.randn(1, 1, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     p = torch.tensor([9])
 
-    out = apply_rope(x, cos_table[p], sin_table[p])[0, 0].double()
+    out = apply_rope(x, cos_table[p], signed_sin(sin_table[p]))[0, 0].double()
 
     half = cfg.head_dim // 2
     angle = 9 * inv_freq(cfg).double()

@@ -277,6 +277,28 @@ def test_decode_attention_matches_reference_per_sequence(backend: ModuleType, sh
         _assert_matches_reference(out[i : i + 1], expected, shape)
 
 
+def test_decode_attention_of_a_lone_sequence_matches_reference(
+    backend: ModuleType, shape: Shape
+) -> None:
+    # A batch of one takes its own path in 16-bit on CPU (float32 matmuls).
+    batch = _decode_batch(shape)
+    for i, n in enumerate(batch.context_lens):
+        out = backend.decode_attention(
+            batch.q[i : i + 1],
+            batch.k_cache,
+            batch.v_cache,
+            batch.padded_tables[i : i + 1, : len(batch.block_tables[i])],
+            torch.tensor([n], dtype=torch.int64),
+            n,
+            shape.scale,
+        )
+        assert out.dtype == shape.dtype and out.shape == (1, shape.num_heads, HEAD_DIM)
+        expected = reference_attention(
+            batch.q[i : i + 1], batch.k[i], batch.v[i], [n - 1], shape.scale
+        )
+        _assert_matches_reference(out, expected, shape)
+
+
 def test_decode_attention_ignores_cache_past_each_sequence(
     backend: ModuleType, shape: Shape
 ) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.device import resolve_device, resolve_dtype
+from tandem.engine.device import keep_step_buffers_mapped, resolve_device, resolve_dtype
 from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block
 from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
@@ -121,6 +121,7 @@ class LLMEngine:
         self.model.rope_sin_signed = self.model.rope_sin_signed.float()
         if self.device.type == "cpu":
             self.model.pack_for_cpu()
+            keep_step_buffers_mapped()
 
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -51,3 +53,8 @@ def test_no_cpuinfo_means_float32(tmp_path):
     assert device.cpu_has_native_bf16.__wrapped__(tmp_path / "missing") is False
     (tmp_path / "cpuinfo").write_text(SAPPHIRE_RAPIDS)
     assert device.cpu_has_native_bf16.__wrapped__(tmp_path / "cpuinfo") is True
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_glibc_takes_the_engines_malloc_thresholds():
+    assert device.keep_step_buffers_mapped()

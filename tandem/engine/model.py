@@ -91,7 +91,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # rms_norm computes in float32 and casts back before the weight multiplies, as
-        # HF's LlamaRMSNorm does in 16-bit dtypes (bit-identical: tests/engine/test_model.py).
+        # HF's LlamaRMSNorm does in 16-bit dtypes (bit-identical: tests/engine/test_layers.py).
         return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
 
 
@@ -217,7 +217,8 @@ class LlamaModel(nn.Module):
             return False
         tied = self.lm_head.weight is self.embed_tokens.weight
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        return all(m.pack(keep_dense=tied and m is self.lm_head) for m in linears)
+        packed = [m.pack(keep_dense=tied and m is self.lm_head) for m in linears]
+        return all(packed)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,15 +17,22 @@ Scenarios:
 
 Each side runs each scenario ``--repeat`` times (after a shared warm-up) and its
 best run counts, so a one-off stall on this shared machine does not decide a ratio.
+
+Where ``llama-cpp-python`` is installed (it is not a dependency) and the model is a
+GGUF (the default model is), llama.cpp's batch-1 decode rate on the same prompt is
+printed under the table as a reference, not a target: it runs the GGUF's quantized
+weights as stored (the default model's are Q4_1), the others dequantised ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
 import time
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,6 +121,38 @@ def _tandem_batch(engine, prompts: list[list[int]], outs: list[int]) -> float:
     return elapsed
 
 
+def _gguf_of(model: str) -> Path | None:
+    from tandem.engine.loader import DEFAULT_MODEL, _smollm2_gguf_path
+
+    if model == DEFAULT_MODEL:
+        return _smollm2_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _llama_cpp_decode_rate(gguf: Path, prompt: list[int], n: int, threads: int) -> float:
+    """llama.cpp's batch-1 decode tokens/s after the first token, greedy, EOS ignored."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf),
+        n_ctx=len(prompt) + n + 8,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    first, count = None, 0
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+        if count == n:
+            break
+    end = time.perf_counter()
+    assert first is not None
+    return (n - 1) / (end - first)
+
+
 def _repeat(args: argparse.Namespace, fn) -> list[float]:
     return [fn() for _ in range(args.repeat)]
 
@@ -159,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     t_rate = max(_repeat(args, lambda: _tandem_decode_rate(engine, p1, args.batch1_tokens)))
     h_rate, h_dtype = fastest_hf(lambda hf: hf.decode_rate(p1, args.batch1_tokens))
     rows.append(("batch1", "batch-1 decode tok/s", t_rate, h_rate, h_dtype))
+    gguf = _gguf_of(args.model)
+    llama_rate = None
+    if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
+        threads = torch.get_num_threads()
+        rates = _repeat(args, lambda: _llama_cpp_decode_rate(gguf, p1, args.batch1_tokens, threads))
+        llama_rate = max(rates)
 
     print(f"2/3 {args.batch} x ({args.prompt_len} in, {args.output_len} out) ...", file=log)
     prompts = _prompts(vocab, [args.prompt_len] * args.batch, rng)
@@ -191,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
         result[f"{key}_hf"] = round(h, 2)
         result[f"{key}_hf_dtype"] = h_dtype
         result[f"{key}_ratio"] = round(t / h, 3)
+    if llama_rate is not None:
+        result["batch1_llama_cpp"] = round(llama_rate, 2)
     if args.json:
         print(json.dumps(result))
     else:
@@ -199,4 +246,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{head[0]:<42} {head[1]:>10} {head[2]:>12} {head[3]:>9} {head[4]:>7}")
         for _, label, t, h, h_dtype in rows:
             print(f"{label:<42} {t:>10.1f} {h:>12.1f} {h_dtype:>9} {t / h:>7.2f}")
+        if llama_rate is not None:
+            print(
+                f"reference, not a target: llama.cpp batch-1 decode {llama_rate:.1f} tok/s "
+                f"on the GGUF's own quantized weights ({gguf.name}); Tandem / llama.cpp "
+                f"{result['batch1_tandem'] / llama_rate:.2f}"
+            )
     return 0

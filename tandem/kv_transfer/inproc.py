@@ -98,16 +98,15 @@ class InProcSender(SenderBase):
             self._peers[address] = receiver.core
         return receiver.core
 
-    def _transmit(self, out: Outgoing, headers: list[MessageHeader]) -> None:
+    def _transmit(self, out: Outgoing, header: MessageHeader) -> None:
         try:
             core = self._peer(out.destination.address)
         except TransferError as exc:
             self._finish(out, exc)
             return
-        for header in headers:
-            status = core.deliver(header, self, functools.partial(self._read, core, header))
-            if status is not None:
-                self._finish(out, self._done_status(out, status))
+        status = core.deliver(header, self, functools.partial(self._read, core, header))
+        if status is not None:
+            self._finish(out, self._done_status(out, status))
 
     def _read(self, core: ReceiverCore, header: MessageHeader) -> int:
         layers = (header.layer_start, header.layer_end)

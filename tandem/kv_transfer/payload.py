@@ -172,6 +172,17 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
+def block_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one block of one layer's K (or V): the unit every run is measured in."""
+    return math.prod(kv.shape[3:]) * kv.element_size()
+
+
+def first_block(total_blocks: int, layer: int, k_or_v: int) -> int:
+    """Where block 0 of ``layer``'s K (0) or V (1) lies, in blocks from the start of a
+    contiguous cache of ``total_blocks`` per layer and K/V: the layout's one formula."""
+    return (layer * 2 + k_or_v) * total_blocks
+
+
 def block_runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
     """(first block id, length) of each run of consecutive ids, in order, unbounded."""
     runs: list[tuple[int, int]] = []
@@ -222,10 +233,10 @@ def checksum_blocks(
     # One view of the whole cache, sliced by offset: a tensor view per run costs more
     # than hashing a small run does.
     flat = as_bytes(kv) if kv_bytes is None else kv_bytes
-    block = math.prod(kv.shape[3:]) * kv.element_size()
+    block = block_bytes(kv)
     for layer in range(*layers):
         for k_or_v in (0, 1):
-            base = (layer * 2 + k_or_v) * kv.shape[2] * block
+            base = first_block(kv.shape[2], layer, k_or_v) * block
             for first, n in runs:
                 digest.update(flat[base + first * block : base + (first + n) * block])
     return digest.intdigest()
@@ -284,14 +295,14 @@ def copy_blocks(
     hashed right after it landed, while it is still in cache: the second pass over
     the bytes costs little. ``memmove`` releases the GIL.
     """
-    block = math.prod(dst.shape[3:]) * dst.element_size()
+    block = block_bytes(dst)
     here, dst_total = dst.data_ptr(), dst.shape[2]
     runs = paired_runs(src_block_ids, dst_block_ids)
     digest = xxhash.xxh3_64()
     for layer in range(*layers):
         for k_or_v in (0, 1):
-            dst_base = (layer * 2 + k_or_v) * dst_total
-            src_base = (layer * 2 + k_or_v) * src_total_blocks
+            dst_base = first_block(dst_total, layer, k_or_v)
+            src_base = first_block(src_total_blocks, layer, k_or_v)
             for src, to, n in runs:
                 at = (dst_base + to) * block
                 ctypes.memmove(here + at, src_address + (src_base + src) * block, n * block)

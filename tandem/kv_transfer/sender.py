@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -40,7 +39,7 @@ from tandem.kv_transfer.base import (
     TransferState,
     TransferStatus,
 )
-from tandem.kv_transfer.payload import MessageHeader, as_bytes, make_header
+from tandem.kv_transfer.payload import MessageHeader, as_bytes, block_bytes, make_header
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class SenderBase(KVSender):
         self.kv = kv
         # A host cache's bytes, kept for checksums of blocks read in place.
         self._kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
-        self._block_bytes = math.prod(kv.shape[3:]) * kv.element_size()  # one layer's K (or V)
+        self._block_bytes = block_bytes(kv)
         self.fingerprint = fingerprint
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.fault_hook = fault_hook
@@ -118,7 +117,7 @@ class SenderBase(KVSender):
         if out is None:
             return  # the request already failed or was aborted; its future says why
         for chunk in self._chunks(out, [layers]):
-            self._transmit(out, [self._header(out, chunk, final=False)])
+            self._transmit(out, self._header(out, chunk, final=False))
 
     def send(
         self,
@@ -137,8 +136,8 @@ class SenderBase(KVSender):
         # Each message goes as soon as it is built: its checksum is the slow part, and
         # the receiver reads one chunk while the next is being checksummed here.
         for chunk in chunks[:-1]:
-            self._transmit(out, [self._header(out, chunk, final=False)])
-        self._transmit(out, [self._header(out, chunks[-1], True, first_token)])
+            self._transmit(out, self._header(out, chunk, final=False))
+        self._transmit(out, self._header(out, chunks[-1], True, first_token))
         return out.future
 
     def abort(self, request_id: str) -> None:
@@ -168,8 +167,9 @@ class SenderBase(KVSender):
     # --- for backends --------------------------------------------------------------
 
     @abc.abstractmethod
-    def _transmit(self, out: Outgoing, headers: list[MessageHeader]) -> None:
-        """Hand messages to the transport in order; never blocks on the network."""
+    def _transmit(self, out: Outgoing, header: MessageHeader) -> None:
+        """Hand one message to the transport, after those before it; never blocks on the
+        network."""
 
     def _notify_abort(self, out: Outgoing) -> None:
         """Tell the receiver that ``out`` was aborted (best effort)."""

@@ -52,7 +52,13 @@ import numpy as np
 import torch
 
 from tandem.kv_transfer.base import TransferError
-from tandem.kv_transfer.payload import as_bytes, copy_blocks, paired_runs
+from tandem.kv_transfer.payload import (
+    as_bytes,
+    block_bytes,
+    copy_blocks,
+    first_block,
+    paired_runs,
+)
 from tandem.kv_transfer.ucx import ucp
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
@@ -147,8 +153,7 @@ class CacheMemory:
             self._memory = ucp.Memory.register(
                 rt.context, kv.data_ptr(), kv.numel() * kv.element_size(), cuda=kv.is_cuda
             )
-        # Bytes of one block of one layer, K or V.
-        self.block_bytes = kv[0, 0, 0].numel() * kv.element_size()
+        self.block_bytes = block_bytes(kv)
         # The cache's bytes, for hashing what a mapped read copied (host caches only).
         self._bytes = None if kv.is_cuda else as_bytes(kv)
 
@@ -238,7 +243,7 @@ class CacheMemory:
         return None
 
     def _offset(self, total_blocks: int, layer: int, k_or_v: int, block: int) -> int:
-        return ((layer * 2 + k_or_v) * total_blocks + block) * self.block_bytes
+        return (first_block(total_blocks, layer, k_or_v) + block) * self.block_bytes
 
     def close(self) -> None:
         if self._owned:

@@ -56,7 +56,7 @@ class _Peer:
     def __init__(self, address: str) -> None:
         self.address = address
         self.ep = None
-        self.queue: asyncio.Queue[tuple[Outgoing, list[MessageHeader]] | str] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[Outgoing, MessageHeader] | str] = asyncio.Queue()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tasks: list[asyncio.Task] = []
         self.sends: set[asyncio.Task] = set()  # frames posted, not yet sent
@@ -90,11 +90,11 @@ class UcxSender(SenderBase):
         """Connect and handshake now (else the first send does); raises HandshakeError."""
         self._rt.submit(self._connected(address)).result(timeout=self.connect_timeout_s + 5)
 
-    def _transmit(self, out: Outgoing, headers: list[MessageHeader]) -> None:
+    def _transmit(self, out: Outgoing, header: MessageHeader) -> None:
         if self._closed:
             self._finish(out, TransferError("closed", "sender closed"))
             return
-        self._rt.call_soon(self._enqueue, out.destination.address, (out, headers))
+        self._rt.call_soon(self._enqueue, out.destination.address, (out, header))
 
     def _notify_abort(self, out: Outgoing) -> None:
         if not self._closed:
@@ -118,7 +118,7 @@ class UcxSender(SenderBase):
             peer.tasks.append(asyncio.create_task(self._run_peer(peer)))
         return peer
 
-    def _enqueue(self, address: str, item: tuple[Outgoing, list[MessageHeader]]) -> None:
+    def _enqueue(self, address: str, item: tuple[Outgoing, MessageHeader]) -> None:
         self._peer(address).queue.put_nowait(item)
 
     def _enqueue_abort(self, address: str, request_id: str) -> None:
@@ -192,10 +192,8 @@ class UcxSender(SenderBase):
             if isinstance(item, str):  # an aborted request id
                 self._post(peer, wire.ABORT_FRAME + item.encode())
                 continue
-            out, headers = item
-            if out.future.done():  # aborted or failed meanwhile: the rest is moot
-                continue
-            for header in headers:
+            out, header = item
+            if not out.future.done():  # else aborted or failed meanwhile: the rest is moot
                 self._post(peer, wire.KV_FRAME + encode_header(header))
 
     def _post(self, peer: _Peer, frame: bytes) -> None:

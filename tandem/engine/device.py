@@ -74,8 +74,8 @@ def keep_step_buffers_mapped() -> bool:
 
     A CPU step allocates and frees tensors of a few MB per layer (gathered K/V,
     activations of a prefill chunk). Above glibc's mmap threshold each is a fresh
-    mapping whose pages fault in on first touch, every step: a batch-16 decode
-    attention at 512 tokens of context took 2-3x as long that way here. Raising the
+    mapping whose pages fault in on first touch, every step (bench/README.md says what
+    was and was not measured of it). Raising the
     threshold to 32 MiB (its ceiling) and the trim threshold to 256 MiB keeps that
     memory in the process between steps. Once per process; False where the C
     library has no ``mallopt`` (not glibc).

@@ -46,7 +46,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend",
         default=None,
-        help="auto (default: triton on CUDA, torch otherwise), torch, triton",
+        help="auto (default: triton on CUDA, cpu on CPU where it compiles), torch, cpu, triton",
     )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from tandem.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # triton on CUDA (when installed), torch otherwise
+    attention_backend: str = "auto"  # triton on CUDA, cpu on CPU (when they load), else torch
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cache_dir: str | None = None  # dequantised GGUF and tiny-random; default ~/.cache/tandem
 

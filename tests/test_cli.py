@@ -20,6 +20,7 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kernels.cpu import build
 
 GEN = ["generate", "--colocated", "--model", "tiny-random"]
 KNOWN_SETTINGS = ", ".join(sorted(f.name for f in dataclasses.fields(EngineConfig)))
@@ -48,7 +49,9 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(cache_dir) -> LLMEngine:
-    # Built before any subprocess starts, so tiny-random is written to the cache once.
+    # Built before any subprocess starts, so tiny-random and the CPU kernels are written
+    # to the cache once (a process that builds them says so on stderr).
+    build.load(cache_dir)
     return LLMEngine(EngineConfig(model="tiny-random", cache_dir=str(cache_dir)))
 
 
@@ -165,7 +168,7 @@ EARLY_ERRORS = {
     "top_p_0": "top_p must be in (0, 1], got 0.0",
     "top_p_1.5": "top_p must be in (0, 1], got 1.5",
     "top_k_neg": "top_k must be >= 0 (0 disables it), got -1",
-    "attention_backend": "attention_backend must be one of auto, torch, triton, got 'cuda'",
+    "attention_backend": "attention_backend must be one of auto, torch, cpu, triton, got 'cuda'",
     "unknown_model": "unknown model 'nope': expected one of smollm2-135m-instruct, tiny-random, "
     "a Hugging Face directory or a .gguf file",
     "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value})",

@@ -29,7 +29,7 @@ from tandem.errors import ConfigError
         ({"num_threads": 0}, "num_threads must be >= 1, got 0"),
         (
             {"attention_backend": "cuda"},
-            "attention_backend must be one of auto, torch, triton, got 'cuda'",
+            "attention_backend must be one of auto, torch, cpu, triton, got 'cuda'",
         ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",

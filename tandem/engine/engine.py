@@ -102,7 +102,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Before the weights load: a backend that cannot run here fails at once.
-        self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_backend(
+            config.attention_backend, self.device, config.cache_dir
+        )
 
         model_dir = resolve_model(config.model, config.cache_dir)
         self.model_dir = model_dir

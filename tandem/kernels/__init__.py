@@ -4,14 +4,17 @@
 ``prefill_attention`` and ``decode_attention`` with the signatures of
 :mod:`tandem.kernels.torch_ref`, the reference every other backend is tested against.
 
-Backends: ``torch`` (the reference, any device) and ``triton`` (paged kernels that
-read KV blocks in place; CUDA, or CPU under ``TRITON_INTERPRET=1`` for tests).
-``resolve_backend`` turns the ``attention_backend`` setting into one of them.
+Backends: ``torch`` (the reference, any device), ``cpu`` (a C decode kernel that
+reads KV blocks in place, compiled for this machine on first use) and ``triton``
+(paged kernels that read KV blocks in place; CUDA, or CPU under
+``TRITON_INTERPRET=1`` for tests). ``resolve_backend`` turns the
+``attention_backend`` setting into one of them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -20,23 +23,39 @@ from tandem.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, cache_dir: str | Path | None = None) -> str:
     """The ``attention_backend`` setting for ``device``: ``auto`` is triton on CUDA when
-    triton is installed, torch otherwise; the others stay as asked.
+    triton is installed, cpu on a CPU where its kernels compile, torch otherwise; the
+    others stay as asked. ``cache_dir``: where the cpu backend keeps its compiled
+    library (default: the model cache's).
 
     Fails with the setting named when the asked backend cannot run on ``device``. This
-    runs where the engine runs: a config written on a machine without triton (a Ray
-    driver, a laptop) is still valid for workers that have it.
+    runs where the engine runs: a config written on a machine without triton or a C
+    compiler (a Ray driver, a laptop) is still valid for workers that have them.
     """
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_installed() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_installed() else "torch"
+        return "cpu" if device.type == "cpu" and _load_cpu(cache_dir) else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ConfigError(
+                f"attention_backend 'cpu' runs on CPU devices, got device {device}; "
+                "use 'auto', 'torch' or 'triton' there"
+            )
+        if not _load_cpu(cache_dir):
+            raise ConfigError(
+                "attention_backend 'cpu' needs its C kernels, which could not be compiled "
+                "here (the log says why: no C compiler, or the build failed); use 'auto' "
+                "or 'torch'"
+            )
     if name == "triton":
         if not triton_installed():
             raise ConfigError(
@@ -52,11 +71,21 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def _load_cpu(cache_dir: str | Path | None) -> bool:
+    from tandem.kernels import cpu
+
+    return cpu.load(Path(cache_dir) if cache_dir else None)
+
+
 def get_backend(name: str) -> ModuleType:
     if name == "torch":
         from tandem.kernels import torch_ref
 
         return torch_ref
+    if name == "cpu":
+        from tandem.kernels import cpu
+
+        return cpu
     if name == "triton":
         try:
             from tandem.kernels import triton as triton_backend

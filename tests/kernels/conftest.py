@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -27,3 +28,15 @@ def triton_backend_or_skip():
     if not backend.INTERPRET and not torch.cuda.is_available():
         pytest.skip("tandem.kernels.triton was imported without TRITON_INTERPRET=1 and no CUDA")
     return backend
+
+
+def cpu_backend_or_skip():
+    """The cpu backend module, loaded; a skip only where there is no C compiler (a
+    compiler that fails to build the kernels fails the test)."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler {compiler!r} to build the cpu backend's kernels")
+    from tandem.kernels import cpu
+
+    assert cpu.load(), "the cpu backend's kernels did not build: see the log"
+    return cpu

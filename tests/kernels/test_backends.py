@@ -1,7 +1,8 @@
 """The attention backends against a naive dense reference.
 
 The reference and the cases are backend-generic: every backend in ``BACKEND_NAMES``
-runs every case (triton on CPU through its interpreter, see conftest.py). Only
+runs every case (triton on CPU through its interpreter, cpu where a C compiler is;
+see conftest.py). Only
 ``gather_kv``, a helper of the torch reference itself, is tested outside that list.
 
 Caches start filled with random values, not zeros, so that reading a wrong slot or
@@ -20,9 +21,9 @@ import pytest
 import torch
 
 from tandem.kernels import get_backend, torch_ref
-from tests.kernels.conftest import triton_backend_or_skip
+from tests.kernels.conftest import cpu_backend_or_skip, triton_backend_or_skip
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("torch", "cpu", "triton")
 
 KV_HEADS = 2
 HEAD_DIM = 32
@@ -70,6 +71,8 @@ def _one_thread():
 def backend(request: pytest.FixtureRequest) -> ModuleType:
     if request.param == "triton":
         triton_backend_or_skip()
+    if request.param == "cpu":
+        cpu_backend_or_skip()
     return get_backend(request.param)
 
 

@@ -217,9 +217,12 @@ def test_num_splits_fills_the_device_only_when_the_batch_cannot():
     assert choose_num_splits(1, 1, 10**6, 1000, 64) == 64  # at most MAX_SPLITS
 
 
-def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
+def test_auto_picks_triton_on_cuda_and_the_others_elsewhere(monkeypatch):
     import tandem.kernels as kernels
 
+    monkeypatch.setattr(kernels, "_load_cpu", lambda cache_dir: True)
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(kernels, "_load_cpu", lambda cache_dir: False)
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("torch", torch.device("cuda")) == "torch"
     monkeypatch.setattr(kernels, "triton_installed", lambda: True)

@@ -1,8 +1,9 @@
-"""Greedy output through the engine is the same with either attention backend.
+"""Greedy output through the engine is the same with every attention backend.
 
-tiny-random in float32 on CPU, the Triton kernels interpreted: mixed lengths in
-one batch (decode and prefill in the same step), chunked prefill, and a
-prefix-cache hit (prefill attention over cached blocks).
+tiny-random in float32 on CPU, the cpu backend's kernel compiled here, the Triton
+kernels interpreted: mixed lengths in one batch (decode and prefill in the same
+step), chunked prefill, and a prefix-cache hit (prefill attention over cached
+blocks), each against the torch backend.
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ import pytest
 
 from tandem.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from tests.kernels.conftest import triton_backend_or_skip
+from tests.kernels.conftest import cpu_backend_or_skip, triton_backend_or_skip
 
 # The interpreter runs each launch in Python (tens of ms): few tokens, still ~15 s in all.
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engines():
-    triton_backend_or_skip()
+@pytest.fixture(scope="module", params=["cpu", "triton"])
+def engines(request):
+    {"cpu": cpu_backend_or_skip, "triton": triton_backend_or_skip}[request.param]()
     # Small token budget: the long prompts are chunked, and decodes share steps with chunks.
     options = {"max_num_batched_tokens": 24, "block_size": 4}
     return make_engine(attention_backend="torch", **options), make_engine(
-        attention_backend="triton", **options
+        attention_backend=request.param, **options
     )
 
 
@@ -34,12 +35,12 @@ def _prompts(engine) -> list[list[int]]:
 
 
 def test_engine_greedy_output_is_the_same_with_either_backend(engines):
-    torch_engine, triton_engine = engines
-    assert (torch_engine.attention_backend, triton_engine.attention_backend) == ("torch", "triton")
+    torch_engine, other = engines
+    assert torch_engine.attention_backend == "torch" and other.attention_backend != "torch"
     prompts = _prompts(torch_engine)
 
     expected = torch_engine.generate(prompts, GREEDY)
-    got = triton_engine.generate(prompts, GREEDY)
+    got = other.generate(prompts, GREEDY)
 
     assert got == expected
     for engine in engines:
@@ -48,7 +49,7 @@ def test_engine_greedy_output_is_the_same_with_either_backend(engines):
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(engines):
-    torch_engine, triton_engine = engines
+    torch_engine, _ = engines
     base = _prompts(torch_engine)[2]
     longer = base + torch_engine.tokenizer.encode(" and back again")
 

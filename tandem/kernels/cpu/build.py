@@ -1,0 +1,103 @@
+"""Compile the CPU kernels with the system's C compiler, once per machine, and load them.
+
+The library is built for this CPU (``-march=native``) into the cache directory
+(``default_cache_dir()/kernels``), under a name that hashes everything the binary
+depends on: the source, the compiler and its version, the flags and the CPU's
+feature flags, so a cache shared between different machines never hands one a
+binary built for another. A build takes about a second; later loads find the file.
+Concurrent builders (several workers starting at once) each write a private file
+and rename it into place, so a reader never sees half a library.
+
+No compiler, or a failed build, is not an error here: ``load`` returns None and
+logs why once, and ``attention_backend: auto`` falls back to the torch backend.
+``CC`` chooses the compiler (default ``cc``), as it does for other builds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
+_BUILD_TIMEOUT_S = 120
+
+_loaded: dict[Path, ctypes.CDLL | None] = {}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    """Where the library built by ``compiler`` for this CPU lives."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode()):
+        key.update(part)
+    key.update(_cpu_flags().encode())
+    return cache_dir / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path, compiler: str) -> Path:
+    """The library's path, compiling it first if it is not in the cache."""
+    path = library_path(cache_dir, compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    log.info("compiling the CPU attention kernels with %s into %s", compiler, path)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-5:]
+            raise BuildError(f"{compiler} exited with {done.returncode}: " + " / ".join(tail))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) where they cannot be built here."""
+    import torch  # noqa: F401  (torch's libgomp must be loaded first: the library shares it)
+
+    from tandem.engine.loader import default_cache_dir
+
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if cache in _loaded:
+        return _loaded[cache]
+    lib = None
+    compiler = os.environ.get("CC", "cc")
+    try:
+        if shutil.which(compiler) is None:
+            raise BuildError(f"no C compiler {compiler!r} on PATH (set CC to choose one)")
+        lib = ctypes.CDLL(str(build(cache, compiler)))
+    except (BuildError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU attention kernels unavailable, using the torch backend: %s", exc)
+    _loaded[cache] = lib
+    return lib

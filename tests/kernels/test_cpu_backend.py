@@ -1,0 +1,127 @@
+"""The cpu backend's build, its choice by ``auto``, and what its kernel does beyond the
+shared cases of test_backends.py (threads, shapes it hands back to the reference)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.errors import ConfigError
+from tandem.kernels import resolve_backend, torch_ref
+from tandem.kernels.cpu import build
+from tests.conftest import make_engine
+from tests.kernels.conftest import cpu_backend_or_skip
+
+
+@pytest.fixture
+def cpu():
+    return cpu_backend_or_skip()
+
+
+def _decode_case(batch: int, heads: int, kv_heads: int, dim: int, context: int, dtype):
+    gen = torch.Generator().manual_seed(0)
+    block_size = 16
+    blocks = -(-context // block_size)
+    num_blocks = batch * blocks + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)[: batch * blocks]
+    tables = order.view(batch, blocks)
+    lens = torch.randint(1, context + 1, (batch,), generator=gen)
+    lens[0] = context
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, lens, context, dim**-0.5
+
+
+def test_decode_gives_the_same_bits_on_any_number_of_threads(cpu) -> None:
+    # Each (sequence, KV head) is one task whatever the thread count: results must not
+    # depend on how tasks fall on threads. More tasks than threads, and fewer.
+    threads = torch.get_num_threads()
+    try:
+        for batch in (1, 5):
+            case = _decode_case(batch, 9, 3, 64, 100, torch.bfloat16)
+            torch.set_num_threads(1)
+            one = cpu.decode_attention(*case)
+            torch.set_num_threads(4)
+            four = cpu.decode_attention(*case)
+            assert torch.equal(one, four)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_reads_query_rows_with_a_stride(cpu) -> None:
+    # The engine passes q as a slice of the fused projection's output (rows strided).
+    q, *rest = _decode_case(3, 4, 2, 32, 40, torch.float32)
+    wide = torch.randn(3, 7, 32)
+    wide[:, :4] = q
+    strided = wide[:, :4]
+    assert not strided.is_contiguous()
+    assert torch.equal(cpu.decode_attention(strided, *rest), cpu.decode_attention(q, *rest))
+
+
+def test_shapes_the_kernel_was_not_built_for_take_the_reference(cpu) -> None:
+    case = _decode_case(2, 34, 2, 32, 20, torch.float32)  # 17 query heads per KV head
+    assert torch.equal(cpu.decode_attention(*case), torch_ref.decode_attention(*case))
+
+
+def test_the_library_is_built_once_and_found_again(tmp_path: Path, cpu, monkeypatch) -> None:
+    calls = []
+    real_run = build.subprocess.run
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(build.subprocess, "run", run)
+    path = build.build(tmp_path, "cc")
+    compiles = [c for c in calls if "-o" in c]
+    assert len(compiles) == 1 and path.exists() and path.parent == tmp_path / "kernels"
+    assert build.build(tmp_path, "cc") == path
+    assert len([c for c in calls if "-o" in c]) == 1  # found, not rebuilt
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial files left
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    from tandem.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_kernels", {})
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_backend("auto", torch.device("cpu"), tmp_path) == "torch"
+    assert "no C compiler 'no-such-compiler'" in caplog.text
+    with pytest.raises(ConfigError, match="attention_backend 'cpu' needs its C kernels"):
+        resolve_backend("cpu", torch.device("cpu"), tmp_path)
+
+
+def test_a_failed_build_is_reported_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    from tandem.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_kernels", {})
+    monkeypatch.setattr(build, "_loaded", {})
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C;\n")
+    monkeypatch.setattr(build, "SOURCE", bad)
+    with caplog.at_level(logging.WARNING):
+        assert not cpu.load(tmp_path)
+    assert "CPU attention kernels unavailable" in caplog.text and "exited with" in caplog.text
+    assert not any((tmp_path / "kernels").iterdir())
+
+
+def test_cpu_backend_is_refused_on_other_devices() -> None:
+    with pytest.raises(ConfigError, match="attention_backend 'cpu' runs on CPU devices"):
+        resolve_backend("cpu", torch.device("cuda"))
+
+
+def test_auto_is_the_cpu_backend_on_a_cpu_where_it_builds(cpu) -> None:
+    # What every CPU engine test (HF parity included) then runs on.
+    engine = make_engine()
+    assert engine.attention_backend == "cpu"
+    assert engine.runner.ops is cpu

@@ -125,3 +125,9 @@ def test_auto_is_the_cpu_backend_on_a_cpu_where_it_builds(cpu) -> None:
     engine = make_engine()
     assert engine.attention_backend == "cpu"
     assert engine.runner.ops is cpu
+
+
+def test_a_table_too_short_for_the_context_is_refused(cpu) -> None:
+    q, k_cache, v_cache, tables, lens, context, scale = _decode_case(2, 4, 2, 32, 40, torch.float32)
+    with pytest.raises(ValueError, match="block tables of 2 blocks cannot hold a context of 40"):
+        cpu.decode_attention(q, k_cache, v_cache, tables[:, :2], lens, context, scale)

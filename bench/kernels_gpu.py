@@ -20,7 +20,11 @@ In order, each case caught and reported on its own (a failure does not stop the 
    processes, cache to cache on the device, through the UCX backend as a prefill
    and a decode worker use it (the decode side reads the blocks with UCX gets:
    cuda_ipc on one node), layer by layer: bit-identical blocks, and GB/s against a
-   same-run device copy of the same bytes.
+   same-run device copy of the same bytes; 9. the checksum of one request's KV
+   computed on the device (tandem/kv_transfer/device_checksum.py, one Triton
+   launch) against the torch computation of the same value, a flipped bit caught,
+   and its time against the host path it replaced (each run copied to the host,
+   then xxh3) in the same run.
 Timings: CUDA events around each launch, L2 flushed before it, median of many runs
 after warm-up. Progress goes to stdout as it runs, then a table; the last line is
 JSON. Exit status 1 if any check or timed case is wrong or raised.
@@ -393,7 +397,7 @@ def kv_transfer_case(b: Bench, size_mib: int, copy_gbps: float) -> Row:
     receiver = ReceiverProcess("get", shape, blocks, torch.bfloat16, device)
     sender = None
     try:
-        sender = make_sender("ucx", kv, fingerprint(shape, torch.bfloat16))
+        sender = make_sender("ucx", kv, fingerprint(shape, torch.bfloat16, device))
         sender.connect(receiver("address"))
         times, arrived = round_trips(sender, receiver, blocks, "layer", 6, "kv")
     finally:
@@ -414,6 +418,54 @@ def kv_transfer_case(b: Bench, size_mib: int, copy_gbps: float) -> Row:
         pct=100 * gbps / (copy_gbps / 2),
         note=("bit-identical" if same else "blocks differ") + f", {nbytes / 2**20:.0f} MiB",
         data={"bytes": nbytes, "gbps": round(gbps, 2)},
+    )
+
+
+def checksum_case(b: Bench, size_mib: float, copy_gbps: float) -> Row:
+    """One request's KV (every layer, K and V, ``size_mib`` of it) checksummed where it
+    lies on ``b.device``: the Triton kernel against the torch computation (equal), a
+    flipped bit (caught), and the kernel's time against the host path it replaced.
+    The ratio is to the copy ceiling's read half (the checksum reads each byte once)."""
+    import xxhash
+
+    from tandem.bench.transfer import KVShape
+    from tandem.kv_transfer import device_checksum
+
+    shape = KVShape(block_size=BLOCK_SIZE, **KV_SHAPE)
+    blocks = shape.blocks_for(int(size_mib * 2**20))
+    dims = (shape.layers, 2, blocks + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
+    kv = torch.randn(dims, device=b.device).to(torch.bfloat16)
+    ids, layers = list(range(blocks - 1, -1, -1)), (0, shape.layers)  # reversed: one run each
+
+    def device():
+        return device_checksum.checksum_triton(kv, ids, layers)
+
+    def host():  # what payload.checksum_blocks did for a GPU cache before
+        digest = xxhash.xxh3_64()
+        for layer in range(*layers):
+            for k_or_v in (0, 1):
+                for block in ids:
+                    digest.update(kv[layer, k_or_v, block].cpu().view(torch.uint8).numpy())
+        return digest.intdigest()
+
+    value = device()
+    same = value == device_checksum.checksum_torch(kv, ids, layers)
+    kv.view(-1).view(torch.int16)[kv[0, 0, 0].numel() // 2] ^= 1  # one bit, in block 0
+    caught = device() != value
+    ms, host_ms = b.median_ms(device), b.median_ms(host)
+    nbytes = blocks * shape.block_bytes
+    gbps = nbytes / ms / 1e6
+    return Row(
+        "",
+        "",
+        ok=same and caught,
+        ms=ms,
+        rate=f"{gbps:.1f} GB/s",
+        pct=100 * gbps / (copy_gbps / 2) if math.isfinite(copy_gbps) else None,
+        note=f"{'equal to torch' if same else 'DIFFERS from torch'}, "
+        f"{'bit flip caught' if caught else 'bit flip MISSED'}; host path {host_ms:.2f} ms "
+        f"({host_ms / ms:.1f}x), {nbytes / 2**20:g} MiB",
+        data={"bytes": nbytes, "gbps": round(gbps, 2), "host_ms": round(host_ms, 3)},
     )
 
 
@@ -519,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
               "TRITON_INTERPRET=1 instead", flush=True)  # fmt: skip
         torch.manual_seed(0)
         check_cases(b, ops, torch_ref, tiny=True)
+        b.run("checksum", "device checksum, tiny", partial(_tiny_checksum, b))
         return report(b, summary)
 
     torch.manual_seed(0)
@@ -582,7 +635,20 @@ def main(argv: list[str] | None = None) -> int:
             b.rows.append(Row("kvxfer", name, note=f"skipped: no {', '.join(missing)}"))
             continue
         b.run("kvxfer", name, partial(kv_transfer_case, b, mib, copy_bw))
+    for mib in (64,) if args.quick else (16, 256):
+        name = f"{mib} MiB on the device"
+        b.run("checksum", name, partial(checksum_case, b, mib, copy_bw))
     return report(b, summary)
+
+
+def _tiny_checksum(b: Bench) -> Row:
+    """checksum_case on a tiny cache (the CPU pass: the kernel interpreted)."""
+    global KV_SHAPE
+    saved, KV_SHAPE = KV_SHAPE, {"layers": 2, "kv_heads": 2, "head_dim": 16}
+    try:
+        return checksum_case(b, 1 / 16, math.nan)
+    finally:
+        KV_SHAPE = saved
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from tandem.errors import TandemError
 WAIT_S = 60.0
 
 
-def fingerprint(shape, dtype: torch.dtype):
+def fingerprint(shape, dtype: torch.dtype, device: str = "cpu"):
     from tandem.kv_transfer import Fingerprint
+    from tandem.kv_transfer.device_checksum import algorithm_for
 
     return Fingerprint(
         model="tandem-bench",
@@ -35,6 +36,7 @@ def fingerprint(shape, dtype: torch.dtype):
         num_kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
         block_size=shape.block_size,
+        checksum=algorithm_for(device),
     )
 
 
@@ -61,7 +63,9 @@ def _receiver_main(
 
     kv = kv_tensor(shape, num_blocks, dtype, random=False, device=device)
     pool = BlockPool(num_blocks, shape.block_size)
-    receiver = make_receiver("ucx", kv, fingerprint(shape, dtype), map_peers=read == "mapped")
+    receiver = make_receiver(
+        "ucx", kv, fingerprint(shape, dtype, device), map_peers=read == "mapped"
+    )
     blocks: dict[str, list[int]] = {}
 
     def expect(request_id: str, n: int):

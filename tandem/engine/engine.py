@@ -52,6 +52,7 @@ from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, T
 from tandem.errors import ConfigError, InvalidRequestError, OutOfBlocksError
 from tandem.kernels import get_backend, resolve_backend
 from tandem.kv_transfer.base import Fingerprint
+from tandem.kv_transfer.device_checksum import algorithm_for as checksum_algorithm_for
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class LLMEngine:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             block_size=self.kv.block_size,
+            checksum=checksum_algorithm_for(self.device),
         )
 
     # ---- requests -------------------------------------------------------------------

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 PROTOCOL_VERSION = 5
 # The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+# How a host cache's blocks are checksummed (payload.py); a GPU cache's differ
+# (device_checksum.py), and both sides must use the same.
+HOST_CHECKSUM = "xxh3_64"
 
 
 class TransferState(str, enum.Enum):
@@ -84,6 +87,7 @@ class Fingerprint:
     block_size: int
     kv_layout: str = KV_LAYOUT
     protocol: int = PROTOCOL_VERSION
+    checksum: str = HOST_CHECKSUM  # device_checksum.algorithm_for(the cache's device)
 
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
         """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""

@@ -12,7 +12,8 @@ process):
 
 Checksums are xxh3_64 over the blocks' bytes in one order, layer, then K and V,
 then the blocks in request order, whichever runs of consecutive ids they lie in:
-the same digest on both sides exactly when the bytes are the same. Source and
+the same digest on both sides exactly when the bytes are the same. A cache on a
+GPU is checksummed there, in the same order (device_checksum.py). Source and
 destination block ids may differ and need not be sorted: source block
 ``src_block_ids[i]`` lands in ``dst_block_ids[i]``. The null block (index
 ``num_blocks``) is never a valid source or destination.
@@ -218,13 +219,18 @@ def checksum_blocks(
     order), one contiguous run of blocks at a time, read where they lie.
 
     The sender hashes its source blocks, the receiver its destination blocks, and
-    the digests match exactly when the bytes do. A GPU cache is copied to the host
-    run by run first. ``kv_bytes``: ``as_bytes(kv)`` of a host cache, when the caller keeps
-    one (making it costs more than hashing a small request).
+    the digests match exactly when the bytes do. A GPU cache is checksummed on the
+    GPU instead, with another algorithm (device_checksum.py; the KV fingerprint
+    names which). ``kv_bytes``: ``as_bytes(kv)`` of a host cache, when the caller
+    keeps one (making it costs more than hashing a small request).
     """
+    if kv.is_cuda:
+        from tandem.kv_transfer import device_checksum
+
+        return device_checksum.checksum(kv, block_ids, layers)
     digest = xxhash.xxh3_64()
     runs = block_runs(block_ids)
-    if kv.is_cuda or not kv.is_contiguous():
+    if not kv.is_contiguous():
         for layer in range(*layers):
             for k_or_v in (0, 1):
                 for first, n in runs:

@@ -42,7 +42,10 @@ def test_without_cuda_it_checks_on_tiny_shapes_and_says_so():
     assert lines[0].startswith("no CUDA device: nothing to time")
     summary = json.loads(lines[-1])
     assert summary["device"] == "cpu" and summary["failed"] == []
-    assert summary["checked"] == 18  # decode, prefill, store_kv x 2 layouts x 3 dtypes
+    # decode, prefill, store_kv x 2 layouts x 3 dtypes, and the device checksum
+    assert summary["checked"] == 19
+    checksum = next(r for r in summary["rows"] if r["section"] == "checksum")
+    assert checksum["ok"] is True and checksum["bytes"] == 1 << 16
 
 
 def test_help_names_the_options():

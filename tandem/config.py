@@ -33,6 +33,13 @@ class EngineConfig:
     attention_backend: str = "auto"  # triton on CUDA, cpu on CPU (when they load), else torch
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cache_dir: str | None = None  # dequantised GGUF and tiny-random; default ~/.cache/tandem
+    # Decode side (a KV transfer's reservation, or a prompt prefilled on the decode
+    # worker): how many more output tokens get blocks up front, at most max_tokens.
+    # The sequence grows past them block by block; when blocks run out, the most
+    # recently admitted running sequence is preempted and recomputed later (never
+    # failed). None: all of max_tokens up front (the worst case; no preemption, but
+    # concurrency capped by what clients ask for rather than what they use).
+    reserve_output_tokens: int | None = 128
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -59,6 +66,11 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.reserve_output_tokens is not None and self.reserve_output_tokens < 1:
+            raise ConfigError(
+                "reserve_output_tokens must be >= 1 (or null: all of max_tokens), "
+                f"got {self.reserve_output_tokens}"
+            )
 
 
 T = TypeVar("T")

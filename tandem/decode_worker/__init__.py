@@ -4,7 +4,10 @@ A request's path (service.py and admission.py; engine calls run on the engine
 thread, see tandem/engine/loop.py):
 
     Decode(request)                  parsed and checked (INVALID_ARGUMENT, nothing taken)
-      engine.reserve                 blocks for prompt + max_tokens, or RESOURCE_EXHAUSTED
+      engine.reserve                 blocks for the prompt and reserve_output_tokens more
+                                     (past them it grows; out of blocks, the newest
+                                     running sequence is preempted and recomputed),
+                                     or RESOURCE_EXHAUSTED
       receiver.expect(lease)         the reservation is WAITING for its KV
       -> first response              KvDestination(kv address, request id, block ids, lease)
     every engine iteration, the admission hook polls each waiting reservation:

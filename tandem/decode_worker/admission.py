@@ -55,9 +55,9 @@ class KvAdmission:
     def reserve(
         self, engine: LLMEngine, req: WorkRequest, admitted: asyncio.Future[RequestOutput]
     ) -> Destination:
-        """Blocks for prompt + max_tokens under a lease; the destination names those the
-        transfer fills (not the prompt's first blocks this worker has cached, which
-        ``Destination.skip_blocks`` counts). Raises OutOfBlocksError."""
+        """Blocks for the request (``LLMEngine.reserve``) under a lease; the destination
+        names those the transfer fills (not the prompt's first blocks this worker has
+        cached, which ``Destination.skip_blocks`` counts). Raises OutOfBlocksError."""
         rid = req.request_id
         block_ids, cached = engine.reserve_for_transfer(
             req.prompt_ids, req.params, rid, req.output_ids

@@ -221,11 +221,12 @@ class LLMEngine:
         request_id: str,
         output_ids: Seq[int] = (),
     ) -> list[int]:
-        """Decode side: blocks for the whole sequence, to be filled by a KV transfer.
+        """Decode side: blocks for the sequence so far and the output to come, the first
+        to be filled by a KV transfer.
 
-        The whole sequence is prompt + max_tokens whatever ``output_ids`` holds: those
-        count towards max_tokens. Raises OutOfBlocksError when the blocks do not fit
-        now (the caller answers RESOURCE_EXHAUSTED); the request runs only after ``admit``.
+        The output to come is ``reserve_output_tokens`` more (see ``_reserve``). Raises
+        OutOfBlocksError when the blocks do not fit now (the caller answers
+        RESOURCE_EXHAUSTED); the request runs only after ``admit``.
         """
         return self.reserve_for_transfer(
             prompt_ids, params, request_id, output_ids, reuse_prefix=False
@@ -275,14 +276,20 @@ class LLMEngine:
         output_ids: Seq[int],
         match_prefix: bool = False,
     ) -> Sequence:
-        """A sequence with blocks for prompt + max_tokens, not yet registered."""
+        """A sequence with blocks for its tokens so far and ``reserve_output_tokens`` more
+        (at least one, at most up to max_tokens; all of max_tokens when None), not yet
+        registered. Past those it grows as any running sequence does (Scheduler)."""
         reserved = sum(r.seq.status is Status.RESERVED for r in self._requests.values())
         if len(self.scheduler.running) + reserved >= self.config.max_num_seqs:
             raise OutOfBlocksError(f"max_num_seqs ({self.config.max_num_seqs}) reached")
         seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
         if match_prefix:
             self.kv.match_prefix(seq)
-        total = len(prompt_ids) + params.max_tokens
+        ahead = self.config.reserve_output_tokens
+        output = params.max_tokens
+        if ahead is not None:
+            output = min(output, len(output_ids) + ahead)
+        total = len(prompt_ids) + output
         if not self.kv.ensure(seq, total):
             need = self.kv.blocks_for(total) - len(seq.block_table)
             self.kv.free(seq)  # the shared prefix blocks, if any

@@ -114,12 +114,13 @@ def test_bad_request_fields_are_named(pair, prompt, rid, message):
 
 
 def test_reservation_that_does_not_fit_now_is_resource_exhausted(pair):
-    params = SamplingParams(max_tokens=600, temperature=0)  # 100 + 600 tokens: 44 blocks
-    held, _ = _open(pair.decode, request([5] * 100, params, rid="big"))
+    # 400 prompt tokens + the 128 output tokens reserved up front: 33 of 64 blocks.
+    params = SamplingParams(max_tokens=600, temperature=0)
+    held, _ = _open(pair.decode, request([5] * 400, params, rid="big"))
     with pytest.raises(grpc.RpcError) as err:
-        _open(pair.decode, request([8] * 100, params, rid="big2"))  # nothing of it cached
+        _open(pair.decode, request([8] * 400, params, rid="big2"))  # nothing of it cached
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "needs 44 KV blocks, 20 free" in err.value.details()
+    assert "needs 33 KV blocks, 31 free" in err.value.details()
     held.cancel()
     wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 
@@ -216,12 +217,13 @@ def test_prefill_here_reuses_what_the_decode_worker_has_cached(tiny_engine, pair
 
 
 def test_prefill_here_that_does_not_fit_now_is_resource_exhausted(pair):
-    params = SamplingParams(max_tokens=600, temperature=0)  # 100 + 600 tokens: 44 blocks
-    held, _ = _open(pair.decode, request([5] * 100, params, rid="big"))
+    # 400 prompt tokens + the 128 output tokens reserved up front: 33 of 64 blocks.
+    params = SamplingParams(max_tokens=600, temperature=0)
+    held, _ = _open(pair.decode, request([5] * 400, params, rid="big"))
     with pytest.raises(grpc.RpcError) as err:
-        _here(pair.decode, request([6] * 100, params, rid="big2"))
+        _here(pair.decode, request([6] * 400, params, rid="big2"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "needs 44 KV blocks, 20 free" in err.value.details()
+    assert "needs 33 KV blocks, 31 free" in err.value.details()
     held.cancel()
     wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 

@@ -79,15 +79,65 @@ def test_stop_string_across_the_split(tiny_engine, pair):
 def test_reserve_refuses_what_does_not_fit_and_abort_frees(pair):
     _, decode = pair
     params = SamplingParams(max_tokens=200, temperature=0)
-    held = decode.reserve([5] * 100, params, "big")  # 300 tokens: 19 of 64 blocks
-    assert len(held) == 19 and decode.kv.pool.num_used == 19
-    decode.reserve([5] * 100, params, "big2")
-    decode.reserve([5] * 100, params, "big3")
-    with pytest.raises(OutOfBlocksError, match="needs 19 KV blocks, 7 free"):
-        decode.reserve([5] * 100, params, "big4")
-    for rid in ("big", "big2", "big3"):
+    # 100 prompt tokens + the 128 output tokens reserved up front: 15 of 64 blocks.
+    held = decode.reserve([5] * 100, params, "big")
+    assert len(held) == 15 and decode.kv.pool.num_used == 15
+    for rid in ("big2", "big3", "big4"):
+        decode.reserve([5] * 100, params, rid)
+    with pytest.raises(OutOfBlocksError, match="needs 15 KV blocks, 4 free"):
+        decode.reserve([5] * 100, params, "big5")
+    for rid in ("big", "big2", "big3", "big4"):
         assert decode.abort(rid)
     assert decode.kv.pool.num_used == 0 and not decode.has_unfinished()
+
+
+@pytest.mark.parametrize("ahead", [None, 1])
+def test_reservations_hold_what_is_used_and_grow_past_it(tiny_engine, ahead):
+    """Three 40-token prompts asking for 200 tokens each, on a decode engine of 24 blocks
+    of 16: the worst case (prompt + max_tokens, 15 blocks) admits one at a time; a
+    reservation of the tokens so far plus ``ahead`` (3 blocks) admits all three, which
+    then outgrow the pool, are preempted and recomputed, and still give exactly the
+    colocated tokens."""
+    prefill = make_engine()
+    decode = make_engine(num_blocks=24, reserve_output_tokens=ahead, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    prompts = {f"r{i}": [10 + i] * 40 for i in range(3)}
+    tokens, held = {}, {}
+    for rid, prompt in prompts.items():
+        prefill.add_request(prompt, params, rid, prefill_only=True)
+    while len(tokens) < len(prompts):
+        for first in prefill.step():
+            tokens[first.request_id] = list(first.token_ids)
+            held[first.request_id] = first.held_block_ids
+    reserved = {}
+    for rid, prompt in prompts.items():
+        try:
+            reserved[rid] = decode.reserve(prompt, params, rid)
+        except OutOfBlocksError:
+            pass
+    if ahead is None:
+        assert list(reserved) == ["r0"] and len(reserved["r0"]) == 15
+        assert decode.abort("r0")
+        return
+    # The prompt and the first token, then the one token ahead: 41 tokens, 3 blocks.
+    assert list(reserved) == ["r0", "r1", "r2"] and decode.kv.pool.num_used == 9
+    for rid, dst in reserved.items():
+        decode.kv.tensor[:, :, dst[: len(held[rid])]] = prefill.kv.tensor[:, :, held[rid]]
+        prefill.release(rid)
+    admitted = list(reserved)
+    outs = [decode.admit(rid, tokens[rid][0]) for rid in admitted]
+    assert not any(o.finished for o in outs)
+    done = set()
+    while len(done) < len(admitted):
+        for out in decode.step():
+            tokens[out.request_id] += out.token_ids
+            if out.finished:
+                done.add(out.request_id)
+    assert decode.stats.preemptions > 0  # 3 x 240 tokens do not fit 24 blocks at once
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == _colocated(tiny_engine, prompt, params)[0], rid
+    decode.kv.pool.check_integrity()
+    assert decode.kv.pool.num_used == 0
 
 
 def test_release_and_abort_of_held_kv(pair):

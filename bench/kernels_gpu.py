@@ -421,7 +421,7 @@ def kv_transfer_case(b: Bench, size_mib: int, copy_gbps: float) -> Row:
     )
 
 
-def checksum_case(b: Bench, size_mib: float, copy_gbps: float) -> Row:
+def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | None = None) -> Row:
     """One request's KV (every layer, K and V, ``size_mib`` of it) checksummed where it
     lies on ``b.device``: the Triton kernel against the torch computation (equal), a
     flipped bit (caught), and the kernel's time against the host path it replaced.
@@ -431,7 +431,7 @@ def checksum_case(b: Bench, size_mib: float, copy_gbps: float) -> Row:
     from tandem.bench.transfer import KVShape
     from tandem.kv_transfer import device_checksum
 
-    shape = KVShape(block_size=BLOCK_SIZE, **KV_SHAPE)
+    shape = KVShape(block_size=BLOCK_SIZE, **(kv_shape or KV_SHAPE))
     blocks = shape.blocks_for(int(size_mib * 2**20))
     dims = (shape.layers, 2, blocks + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
     kv = torch.randn(dims, device=b.device).to(torch.bfloat16)
@@ -571,7 +571,10 @@ def main(argv: list[str] | None = None) -> int:
               "TRITON_INTERPRET=1 instead", flush=True)  # fmt: skip
         torch.manual_seed(0)
         check_cases(b, ops, torch_ref, tiny=True)
-        b.run("checksum", "device checksum, tiny", partial(_tiny_checksum, b))
+        tiny = {"layers": 2, "kv_heads": 2, "head_dim": 16}
+        b.run(
+            "checksum", "device checksum, tiny", partial(checksum_case, b, 1 / 16, math.nan, tiny)
+        )
         return report(b, summary)
 
     torch.manual_seed(0)
@@ -639,16 +642,6 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{mib} MiB on the device"
         b.run("checksum", name, partial(checksum_case, b, mib, copy_bw))
     return report(b, summary)
-
-
-def _tiny_checksum(b: Bench) -> Row:
-    """checksum_case on a tiny cache (the CPU pass: the kernel interpreted)."""
-    global KV_SHAPE
-    saved, KV_SHAPE = KV_SHAPE, {"layers": 2, "kv_heads": 2, "head_dim": 16}
-    try:
-        return checksum_case(b, 1 / 16, math.nan)
-    finally:
-        KV_SHAPE = saved
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ class LlamaModel(nn.Module):
             return False
         tied = self.lm_head.weight is self.embed_tokens.weight
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        # A list, not a generator: every projection is tried even if one cannot pack.
         packed = [m.pack(keep_dense=tied and m is self.lm_head) for m in linears]
         return all(packed)
 

@@ -4,6 +4,7 @@ shared cases of test_backends.py (threads, shapes it hands back to the reference
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -76,10 +77,11 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path, cpu, monkeypa
         return real_run(cmd, **kwargs)
 
     monkeypatch.setattr(build.subprocess, "run", run)
-    path = build.build(tmp_path, "cc")
+    compiler = os.environ.get("CC", "cc")
+    path = build.build(tmp_path, compiler)
     compiles = [c for c in calls if "-o" in c]
     assert len(compiles) == 1 and path.exists() and path.parent == tmp_path / "kernels"
-    assert build.build(tmp_path, "cc") == path
+    assert build.build(tmp_path, compiler) == path
     assert len([c for c in calls if "-o" in c]) == 1  # found, not rebuilt
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial files left
 

@@ -48,6 +48,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="auto (default: triton on CUDA, cpu on CPU where it compiles), torch, cpu, triton",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="auto (default: the model's dtype) or int8 (half the KV memory of bfloat16)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
 
@@ -224,6 +229,7 @@ def engine_config(args: argparse.Namespace):
         ("dtype", "dtype"),
         ("device", "device"),
         ("attention_backend", "attention_backend"),
+        ("kv_cache_dtype", "kv_cache_dtype"),
         ("threads", "num_threads"),
     ):
         if getattr(args, flag, None) is not None:

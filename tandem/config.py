@@ -16,6 +16,7 @@ from tandem.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # triton on CUDA, cpu on CPU (when they load), else torch
+    # auto: the model's dtype. int8: each token's K and V per head as int8 with a float16
+    # scale (absmax / 127), 0.52x the bytes of bfloat16 in memory, on the wire and per
+    # decode step; a small loss of quality (bench/kv_int8_quality.py). A KV transfer
+    # needs the same on both sides (the handshake names it).
+    kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cache_dir: str | None = None  # dequantised GGUF and tiny-random; default ~/.cache/tandem
     # Decode side (a KV transfer's reservation, or a prompt prefilled on the decode
@@ -57,6 +63,11 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

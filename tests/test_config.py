@@ -31,6 +31,7 @@ from tandem.errors import ConfigError
             {"attention_backend": "cuda"},
             "attention_backend must be one of auto, torch, cpu, triton, got 'cuda'",
         ),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, int8, got 'fp8'"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )

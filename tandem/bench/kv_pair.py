@@ -37,6 +37,7 @@ def fingerprint(shape, dtype: torch.dtype, device: str = "cpu"):
         head_dim=shape.head_dim,
         block_size=shape.block_size,
         checksum=algorithm_for(device),
+        kv_cache_dtype="int8" if dtype == torch.int8 else "auto",
     )
 
 

@@ -39,7 +39,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.device import keep_step_buffers_mapped, resolve_device, resolve_dtype
-from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block
+from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block, kv_cache_dtype
 from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
@@ -129,13 +129,14 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)
 
-        per_block = bytes_per_block(cfg, config.block_size, self.dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        per_block = bytes_per_block(cfg, config.block_size, self.kv_dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
         self.kv = KVCache(
             cfg,
             num_blocks,
             config.block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             config.enable_prefix_caching,
             kv_allocator,
@@ -147,7 +148,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             num_blocks * per_block / 2**20,
-            self.dtype,
+            str(self.kv_dtype).removeprefix("torch."),
             self.device,
             self.attention_backend,
         )
@@ -175,6 +176,7 @@ class LLMEngine:
             head_dim=cfg.head_dim,
             block_size=self.kv.block_size,
             checksum=checksum_algorithm_for(self.device),
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
     # ---- requests -------------------------------------------------------------------

@@ -9,12 +9,19 @@ import torch
 from tandem.engine.block_manager import BlockPool, hash_block
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sequence import Sequence
+from tandem.kernels.torch_ref import row_width
+
+
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for the ``kv_cache_dtype`` setting: auto is the model's."""
+    return torch.int8 if setting == "int8" else model_dtype
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for ``block_size`` tokens (GQA: KV heads, not query heads)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    """K and V of every layer for ``block_size`` tokens (GQA: KV heads, not query heads)
+    in a cache of ``dtype`` (int8: with each row's scale)."""
+    row = row_width(cfg.head_dim, dtype) * dtype.itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
 
 
 # (shape, dtype, device) -> a zeroed tensor
@@ -48,8 +55,11 @@ class KVCache:
         self.null_block = num_blocks
         # [layers, 2 (K, V), num_blocks + 1, block_size, kv_heads, head_dim]: a layer's
         # K (or V) for all blocks is one contiguous tensor, so the attention ops see
-        # the [num_blocks, block_size, kv_heads, head_dim] view they expect.
-        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # the [num_blocks, block_size, kv_heads, head_dim] view they expect. An int8
+        # cache's rows are head_dim + 2 wide: the values, then their float16 scale
+        # (tandem/kernels/torch_ref.py).
+        width = row_width(cfg.head_dim, dtype)
+        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, width)
         self.tensor = (allocate or _zeros)(shape, dtype, device)
 
     def blocks_for(self, num_tokens: int) -> int:

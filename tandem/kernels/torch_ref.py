@@ -4,12 +4,125 @@ Paged KV layout, one tensor per layer for K and one for V:
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 A token's *slot* is ``block_id * block_size + offset``.
 These functions are the correctness reference for the Triton kernels.
+
+An int8 cache (``kv_cache_dtype: int8``) holds each token's K (or V) of one head as
+``head_dim`` int8 values followed by their float16 scale, two more bytes:
+``[num_blocks, block_size, kv_heads, head_dim + 2]`` int8, value = int8 x scale with
+scale = absmax / 127 of that row. Per token and head, so that a token's scale is
+fixed when it is stored (a per-block scale would requantize the block's earlier
+tokens whenever a later one is larger), and the row carries its own scale, so that
+every block holds, and a KV transfer moves, its scales with its values.
+
+Before quantization each row is rotated by a normalized Hadamard matrix H
+(``rotate``; H = H^T = H^-1). A few channels of K carry most of its magnitude,
+and one scale per row spends the int8 range on them; the rotation spreads them
+over all channels, which halved the greedy divergence from the float cache on the
+default model (bench/kv_int8.py). Attention needs no unrotation of K or V:
+scores are (qH).(kH) = q.k, so the query is rotated instead, and the output,
+a sum of rotated V rows, is rotated back once.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+INT8_SCALE_BYTES = 2  # a float16 scale after each row of an int8 cache
+_FLOAT16_MAX = 65504.0
+
+
+def row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements of one token's K (or V) of one head in a cache of ``cache_dtype``."""
+    return head_dim + INT8_SCALE_BYTES if cache_dtype == torch.int8 else head_dim
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The model's head_dim of a cache (its last dim, less an int8 cache's scale)."""
+    return cache.shape[-1] - (INT8_SCALE_BYTES if cache.dtype == torch.int8 else 0)
+
+
+@functools.cache
+def _hadamard(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Orthonormal and symmetric: a block-diagonal of Sylvester Hadamard matrices, one
+    per power of two in ``dim`` (one block when dim is a power of two)."""
+    blocks = []
+    for n in _segments(dim):
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        blocks.append(h / n**0.5)
+    return torch.block_diag(*blocks).to(device=device, dtype=dtype)
+
+
+def _segments(dim: int) -> list[int]:
+    """The Hadamard blocks of ``dim``: one per power of two in it, largest first."""
+    return [1 << bit for bit in reversed(range(dim.bit_length())) if dim >> bit & 1]
+
+
+def _walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` for float32 ``x`` by the fast transform: per block, log2(n) stages of
+    a + b, a - b, then a multiply by 1 / sqrt(n); the cpu backend's C code does the
+    same operations in the same order, so both store bit-identical rows."""
+    parts, start = [], 0
+    for n in _segments(x.shape[-1]):
+        y = x[..., start : start + n]
+        lead = y.shape[:-1]
+        h = 1
+        while h < n:
+            y = y.reshape(*lead, n // (2 * h), 2, h)
+            a, b = y[..., 0, :], y[..., 1, :]
+            y = torch.stack((a + b, a - b), dim=-2)
+            h *= 2
+        parts.append(y.reshape(*lead, n) * torch.tensor(n**-0.5, dtype=torch.float32))
+        start += n
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` over the last dim, computed in float32 and returned in x's dtype; its
+    own inverse. On CUDA one matmul; elsewhere the fast transform (``_walsh_hadamard``)."""
+    if x.is_cuda:
+        return (x.float() @ _hadamard(x.shape[-1], x.device, torch.float32)).to(x.dtype)
+    return _walsh_hadamard(x.float()).to(x.dtype)
+
+
+def quantize_int8(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] floats -> [..., head_dim + 2] int8 rows: values, then the scale.
+
+    value = floor(x / scale + 0.5) clamped to +-127, with the float16 scale absmax / 127
+    (the rounded scale, so that x ~ value x scale holds for the stored scale); an
+    all-zero row gets scale 0. The Triton store computes the same.
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(max=_FLOAT16_MAX).half()
+    s = scale.float()
+    q = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)
+    q = torch.floor(q + 0.5).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as ``dtype``: an int8 cache's values times their scales, else a cast."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].view(torch.float16).float()  # head_dim is even
+    return (rows[..., :head_dim].float() * scale).to(dtype)
+
+
+def on_rotated_kv(attention):
+    """Attention over an int8 cache's rotated rows: the query rotated in, the output
+    rotated back (see the module docstring); a float cache is attended as it is."""
+
+    @functools.wraps(attention)
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if k_cache.dtype != torch.int8:
+            return attention(q, k_cache, *args, **kwargs)
+        return rotate(attention(rotate(q), k_cache, *args, **kwargs))
+
+    return attend
 
 
 def store_kv(
@@ -19,7 +132,10 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [tokens], int64
 ) -> None:
-    """Write each token's K/V into its slot of the paged cache."""
+    """Write each token's K/V into its slot of the paged cache (an int8 cache: rotated
+    and quantized)."""
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_int8(rotate(k.float())), quantize_int8(rotate(v.float()))
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -29,11 +145,12 @@ def gather_kv(
     block_table: torch.Tensor,  # [n_blocks], int64
     context_len: int,
 ) -> torch.Tensor:
-    """One sequence's first ``context_len`` cached tokens: [context_len, kv_heads, head_dim]."""
+    """One sequence's first ``context_len`` cached rows: [context_len, kv_heads, row width]."""
     # index_select, not cache[block_table]: the same copy, several times faster on CPU.
     return cache.index_select(0, block_table).flatten(0, 1)[:context_len]
 
 
+@on_rotated_kv
 def prefill_attention(
     q: torch.Tensor,  # [query_len, num_heads, head_dim]
     k_cache: torch.Tensor,
@@ -62,8 +179,8 @@ def prefill_attention(
         mask, causal = torch.arange(context_len, device=q.device)[None, :] <= rows, False
     out = F.scaled_dot_product_attention(
         qh,
-        k.to(q.dtype),
-        v.to(q.dtype),
+        dequantize(k, q.dtype),
+        dequantize(v, q.dtype),
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
@@ -72,6 +189,7 @@ def prefill_attention(
     return out[0].transpose(0, 1)
 
 
+@on_rotated_kv
 def decode_attention(
     q: torch.Tensor,  # [batch, num_heads, head_dim], one new token per sequence
     k_cache: torch.Tensor,
@@ -97,7 +215,7 @@ def decode_attention(
         blocks = cache.index_select(0, flat).view(batch, width * cache.shape[1], *cache.shape[2:])
         return blocks[:, :max_context_len].transpose(1, 2).contiguous()
 
-    k, v = gather(k_cache).to(q.dtype), gather(v_cache).to(q.dtype)
+    k, v = dequantize(gather(k_cache), q.dtype), dequantize(gather(v_cache), q.dtype)
     padding = None
     if batch > 1:
         positions = torch.arange(max_context_len, device=q.device)

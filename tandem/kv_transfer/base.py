@@ -88,6 +88,9 @@ class Fingerprint:
     kv_layout: str = KV_LAYOUT
     protocol: int = PROTOCOL_VERSION
     checksum: str = HOST_CHECKSUM  # device_checksum.algorithm_for(the cache's device)
+    # The setting: auto (the model's dtype) or int8 (values and scales); a peer that
+    # predates the field sends none, and its cache is the model's dtype.
+    kv_cache_dtype: str = "auto"
 
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
         """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""

@@ -36,6 +36,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,  # values and their scales (tandem/kernels/torch_ref.py)
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 

@@ -149,3 +149,35 @@ def test_request_larger_than_the_pool_is_refused():
     engine = make_engine(num_blocks=4, block_size=16)
     with pytest.raises(InvalidRequestError, match="needs 5 KV blocks, the pool has 4"):
         engine.add_request([7] * 60, SamplingParams(max_tokens=10))
+
+
+def test_an_int8_kv_cache_holds_its_scales_and_more_blocks_in_the_same_bytes():
+    import torch
+
+    from tandem.engine.kv_cache import bytes_per_block
+
+    budget = 4 * 2**20
+    float_engine = make_engine(kv_cache_bytes=budget)
+    engine = make_engine(kv_cache_bytes=budget, kv_cache_dtype="int8")
+    cfg, bs = engine.model_config, engine.kv.block_size
+    assert engine.kv.tensor.dtype == torch.int8
+    assert engine.kv.tensor.shape[-1] == cfg.head_dim + 2  # values, then a float16 scale
+    per_block = bytes_per_block(cfg, bs, torch.int8)
+    assert per_block == engine.kv.tensor[:, :, 0].numel()
+    assert engine.kv.pool.num_blocks == budget // per_block
+    ratio = engine.kv.pool.num_blocks / float_engine.kv.pool.num_blocks
+    assert ratio == pytest.approx(4 * cfg.head_dim / (cfg.head_dim + 2), rel=0.01)  # float32
+    assert engine.kv_fingerprint().kv_cache_dtype == "int8"
+    assert float_engine.kv_fingerprint().kv_cache_dtype == "auto"
+
+
+def test_preemption_with_an_int8_kv_cache_gives_the_same_tokens():
+    # Recompute after preemption quantizes the same rows again: the same tokens.
+    reference = make_engine(kv_cache_dtype="int8")
+    prompts = _prompts(reference, 6)
+    expected = [reference.generate([p], GREEDY)[0] for p in prompts]
+    engine = make_engine(num_blocks=12, block_size=16, kv_cache_dtype="int8")
+    assert engine.generate(prompts, GREEDY) == expected
+    assert engine.stats.preemptions > 0
+    engine.kv.pool.check_integrity()
+    assert engine.kv.pool.num_used == 0

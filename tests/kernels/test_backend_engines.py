@@ -1,9 +1,10 @@
 """Greedy output through the engine is the same with every attention backend.
 
-tiny-random in float32 on CPU, the cpu backend's kernel compiled here, the Triton
-kernels interpreted: mixed lengths in one batch (decode and prefill in the same
-step), chunked prefill, and a prefix-cache hit (prefill attention over cached
-blocks), each against the torch backend.
+tiny-random in float32 on CPU, with a float and an int8 KV cache, the cpu
+backend's kernel compiled here, the Triton kernels interpreted: mixed lengths in
+one batch (decode and prefill in the same step), chunked prefill, and a
+prefix-cache hit (prefill attention over cached blocks), each against the torch
+backend.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["cpu", "triton"])
+@pytest.fixture(
+    scope="module",
+    params=[("cpu", "auto"), ("triton", "auto"), ("cpu", "int8"), ("triton", "int8")],
+    ids=lambda p: "-".join(p),
+)
 def engines(request):
-    {"cpu": cpu_backend_or_skip, "triton": triton_backend_or_skip}[request.param]()
+    backend, kv_cache_dtype = request.param
+    {"cpu": cpu_backend_or_skip, "triton": triton_backend_or_skip}[backend]()
     # Small token budget: the long prompts are chunked, and decodes share steps with chunks.
-    options = {"max_num_batched_tokens": 24, "block_size": 4}
+    # An int8 cache: every backend stores the same bits and reads them the same way.
+    options = {"max_num_batched_tokens": 24, "block_size": 4, "kv_cache_dtype": kv_cache_dtype}
     return make_engine(attention_backend="torch", **options), make_engine(
-        attention_backend=request.param, **options
+        attention_backend=backend, **options
     )
 
 

@@ -15,10 +15,16 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("backend", ["inproc", "ucx"])
-def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, params):
-    prefill, decode = make_engine(), make_engine(num_blocks=64)
+def test_split_over_a_transfer_backend_equals_colocated(
+    tiny_engine, backend, params, kv_cache_dtype
+):
+    # An int8 cache moves its values and their scales: the same tokens as one int8 engine.
+    colocated = tiny_engine if kv_cache_dtype == "auto" else make_engine(kv_cache_dtype="int8")
+    prefill = make_engine(kv_cache_dtype=kv_cache_dtype)
+    decode = make_engine(num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     receiver = make_receiver(backend, decode.kv.tensor, decode.kv_fingerprint())
     sender = make_sender(backend, prefill.kv.tensor, prefill.kv_fingerprint())
     try:
@@ -40,7 +46,7 @@ def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, pa
                 for out in decode.step():
                     tokens += out.token_ids
                     text_out += out.text
-            expected = list(tiny_engine.stream(prompt, params))
+            expected = list(colocated.stream(prompt, params))
             assert tokens == [t for o in expected for t in o.token_ids]
             assert text_out == "".join(o.text for o in expected)
     finally:
@@ -93,6 +99,24 @@ def test_engines_with_different_block_sizes_refuse_to_connect():
     try:
         dest = receiver.expect("r", decode.reserve([5] * 20, GREEDY, "r"), lease_s=5)
         with pytest.raises(HandshakeError, match="block_size: prefill 16, decode 32"):
+            sender.send(dest, [0], 1).result(5)
+    finally:
+        receiver.release("r")
+        decode.abort("r")
+        sender.close()
+        receiver.close()
+    assert decode.kv.pool.num_used == 0
+
+
+def test_engines_with_different_kv_cache_dtypes_refuse_each_other_by_name():
+    from tandem.kv_transfer import HandshakeError
+
+    prefill, decode = make_engine(kv_cache_dtype="int8"), make_engine(num_blocks=8)
+    receiver = make_receiver("inproc", decode.kv.tensor, decode.kv_fingerprint())
+    sender = make_sender("inproc", prefill.kv.tensor, prefill.kv_fingerprint())
+    try:
+        dest = receiver.expect("r", decode.reserve([5] * 20, GREEDY, "r"), lease_s=5)
+        with pytest.raises(HandshakeError, match="kv_cache_dtype: prefill int8, decode auto"):
             sender.send(dest, [0], 1).result(5)
     finally:
         receiver.release("r")

@@ -11,7 +11,10 @@
  *
  * Layouts (all contiguous unless a stride is passed):
  *   q            [batch, heads, dim], row stride q_stride elements
- *   k/v cache    [num_blocks, block_size, kv_heads, dim] (one layer's)
+ *   k/v cache    [num_blocks, block_size, kv_heads, dim] (one layer's); an int8
+ *                cache's rows are dim + 2 bytes: the values, then their float16
+ *                scale (tandem/kernels/torch_ref.py), applied to each score and to
+ *                each probability rather than to every element
  *   tables       [batch, table_stride] int64 block ids
  *   lens         [batch] int64 context lengths (the new token included, >= 1)
  *   out          [batch, heads, dim], row stride out_stride elements
@@ -20,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -42,15 +46,55 @@ static inline float f16_load(_Float16 x) { return (float)x; }
 static inline _Float16 f16_store(float f) { return (_Float16)f; }
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float f) { return f; }
+static inline float i8_load(int8_t x) { return (float)x; }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                   \
-    int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,               \
+/* The scale of a cache row of `dim` values: 1 for float caches, the float16 after
+ * the values for int8 ones (2-byte aligned: dim and the row width are even). */
+#define NO_SCALE(row, dim) 1.f
+static inline float int8_scale(const int8_t* row, int64_t dim) {
+    _Float16 s;
+    memcpy(&s, row + dim, sizeof s);
+    return (float)s;
+}
+#define INT8_SCALE(row, dim) int8_scale(row, dim)
+
+/* x @ H in place for the Hadamard matrix of torch_ref.rotate: per block of a power
+ * of two in dim (largest first), log2(n) stages of a + b, a - b, then a multiply by
+ * 1 / sqrt(n): the operations of torch_ref._walsh_hadamard in the same order, so the
+ * same float32 results. */
+static void walsh_hadamard(float* x, int64_t dim) {
+    int64_t start = 0;
+    for (int bit = 62; bit >= 0; bit--) {
+        const int64_t n = (int64_t)1 << bit;
+        if (!(dim & n)) continue;
+        float* y = x + start;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        const float norm = (float)(1.0 / sqrt((double)n));
+        for (int64_t j = 0; j < n; j++) y[j] *= norm;
+        start += n;
+    }
+}
+#define ROTATE(x, dim) walsh_hadamard(x, dim)
+#define NO_ROTATE(x, dim) ((void)0)
+
+/* T: q and out; C: the cache, CLOAD its values, EXTRA the elements after a row's
+ * values, SCALE the row's scale, ROT the rotation of an int8 cache's rows (applied to
+ * the queries, and to the outputs to rotate them back). */
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, C, CLOAD, EXTRA, SCALE, ROT)                      \
+    int NAME(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,               \
              const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t batch, \
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,   \
              T* out, int64_t out_stride, int threads) {                                       \
         const int64_t group = heads / kv_heads;                                               \
         if (group > MAX_GROUP || dim > MAX_DIM || group * kv_heads != heads) return -1;       \
-        const int64_t row = kv_heads * dim; /* elements between a block's tokens */           \
+        const int64_t width = dim + EXTRA;                                                    \
+        const int64_t row = kv_heads * width; /* elements between a block's tokens */         \
         int failed = 0;                                                                       \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
         for (int64_t task = 0; task < batch * kv_heads; task++) {                             \
@@ -64,21 +108,25 @@ static inline float f32_store(float f) { return f; }
             }                                                                                 \
             for (int64_t j = 0; j < group; j++) {                                             \
                 const T* qj = q + b * q_stride + (h * group + j) * dim;                       \
-                for (int64_t d = 0; d < dim; d++) qf[j][d] = LOAD(qj[d]) * scale;             \
+                for (int64_t d = 0; d < dim; d++) qf[j][d] = LOAD(qj[d]);                     \
+                ROT(qf[j], dim);                                                              \
+                for (int64_t d = 0; d < dim; d++) qf[j][d] *= scale;                          \
                 for (int64_t d = 0; d < dim; d++) acc[j][d] = 0.f;                            \
                 top[j] = -INFINITY;                                                           \
             }                                                                                 \
             /* Scores, block by block: t is the token's position in the sequence. */          \
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                \
-                const T* kb = k_cache + table[t0 / block_size] * block_size * row + h * dim;  \
+                const C* kb = k_cache + table[t0 / block_size] * block_size * row + h * width; \
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;              \
                 for (int64_t i = 0; i < n; i++) {                                             \
                     float kf[MAX_DIM];                                                        \
-                    for (int64_t d = 0; d < dim; d++) kf[d] = LOAD(kb[i * row + d]);          \
+                    for (int64_t d = 0; d < dim; d++) kf[d] = CLOAD(kb[i * row + d]);         \
+                    const float ks = SCALE(kb + i * row, dim);                                \
                     for (int64_t j = 0; j < group; j++) {                                     \
                         float dot = 0.f;                                                      \
                         _Pragma("omp simd reduction(+ : dot)")                                \
                         for (int64_t d = 0; d < dim; d++) dot += qf[j][d] * kf[d];            \
+                        dot *= ks;                                                            \
                         scores[j * len + t0 + i] = dot;                                       \
                         top[j] = dot > top[j] ? dot : top[j];                                 \
                     }                                                                         \
@@ -95,13 +143,14 @@ static inline float f32_store(float f) { return f; }
                 total[j] = sum;                                                               \
             }                                                                                 \
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                \
-                const T* vb = v_cache + table[t0 / block_size] * block_size * row + h * dim;  \
+                const C* vb = v_cache + table[t0 / block_size] * block_size * row + h * width; \
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;              \
                 for (int64_t i = 0; i < n; i++) {                                             \
                     float vf[MAX_DIM];                                                        \
-                    for (int64_t d = 0; d < dim; d++) vf[d] = LOAD(vb[i * row + d]);          \
+                    for (int64_t d = 0; d < dim; d++) vf[d] = CLOAD(vb[i * row + d]);         \
+                    const float vs = SCALE(vb + i * row, dim);                                \
                     for (int64_t j = 0; j < group; j++) {                                     \
-                        const float p = scores[j * len + t0 + i];                             \
+                        const float p = scores[j * len + t0 + i] * vs;                        \
                         _Pragma("omp simd")                                                   \
                         for (int64_t d = 0; d < dim; d++) acc[j][d] += p * vf[d];             \
                     }                                                                         \
@@ -110,6 +159,7 @@ static inline float f32_store(float f) { return f; }
             for (int64_t j = 0; j < group; j++) {                                             \
                 T* oj = out + b * out_stride + (h * group + j) * dim;                         \
                 const float inv = 1.f / total[j];                                             \
+                ROT(acc[j], dim);                                                             \
                 for (int64_t d = 0; d < dim; d++) oj[d] = STORE(acc[j][d] * inv);             \
             }                                                                                 \
             free(scores);                                                                     \
@@ -117,6 +167,62 @@ static inline float f32_store(float f) { return f; }
         return failed ? -2 : 0;                                                               \
     }
 
-DEFINE_DECODE(tandem_decode_attention_bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_DECODE(tandem_decode_attention_f16, _Float16, f16_load, f16_store)
-DEFINE_DECODE(tandem_decode_attention_f32, float, f32_load, f32_store)
+DEFINE_DECODE(tandem_decode_attention_bf16, uint16_t, bf16_load, bf16_store,
+              uint16_t, bf16_load, 0, NO_SCALE, NO_ROTATE)
+DEFINE_DECODE(tandem_decode_attention_f16, _Float16, f16_load, f16_store,
+              _Float16, f16_load, 0, NO_SCALE, NO_ROTATE)
+DEFINE_DECODE(tandem_decode_attention_f32, float, f32_load, f32_store,
+              float, f32_load, 0, NO_SCALE, NO_ROTATE)
+/* An int8 cache, queries and output in the model's dtype. */
+DEFINE_DECODE(tandem_decode_attention_bf16_i8, uint16_t, bf16_load, bf16_store,
+              int8_t, i8_load, 2, INT8_SCALE, ROTATE)
+DEFINE_DECODE(tandem_decode_attention_f16_i8, _Float16, f16_load, f16_store,
+              int8_t, i8_load, 2, INT8_SCALE, ROTATE)
+DEFINE_DECODE(tandem_decode_attention_f32_i8, float, f32_load, f32_store,
+              int8_t, i8_load, 2, INT8_SCALE, ROTATE)
+
+/* KV store into an int8 cache: each (token, KV head) row of k and v rotated, then
+ * quantized as torch_ref.quantize_int8 does it (float16 scale absmax / 127, values
+ * floor(x / scale + 0.5) clamped to +-127), into its slot.
+ *   k, v    [tokens, kv_heads, dim], row strides (token, head) in elements
+ *   caches  [num_blocks * block_size (slots), kv_heads, dim + 2] int8 (one layer's)
+ *   slots   [tokens] int64 */
+static void quantize_row(const float* x, int64_t dim, int8_t* out) {
+    float absmax = 0.f;
+    for (int64_t d = 0; d < dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+    float limit = absmax / 127.f;
+    limit = limit < 65504.f ? limit : 65504.f;
+    const _Float16 scale = (_Float16)limit;
+    const float s = (float)scale;
+    for (int64_t d = 0; d < dim; d++) {
+        float v = s > 0.f ? floorf(x[d] / s + 0.5f) : 0.f;
+        v = v < -127.f ? -127.f : (v > 127.f ? 127.f : v);
+        out[d] = (int8_t)v;
+    }
+    memcpy(out + dim, &scale, sizeof scale);
+}
+
+#define DEFINE_STORE(NAME, T, LOAD)                                                           \
+    int NAME(const T* k, int64_t k_st, int64_t k_sh, const T* v, int64_t v_st, int64_t v_sh, \
+             int8_t* k_cache, int8_t* v_cache, const int64_t* slots, int64_t tokens,          \
+             int64_t kv_heads, int64_t dim, int threads) {                                    \
+        if (dim > MAX_DIM) return -1;                                                         \
+        const int64_t width = dim + 2;                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t task = 0; task < tokens * kv_heads; task++) {                            \
+            const int64_t t = task / kv_heads, h = task % kv_heads;                           \
+            const int64_t at = (slots[t] * kv_heads + h) * width;                             \
+            float x[MAX_DIM];                                                                 \
+            for (int64_t d = 0; d < dim; d++) x[d] = LOAD(k[t * k_st + h * k_sh + d]);        \
+            walsh_hadamard(x, dim);                                                           \
+            quantize_row(x, dim, k_cache + at);                                               \
+            for (int64_t d = 0; d < dim; d++) x[d] = LOAD(v[t * v_st + h * v_sh + d]);        \
+            walsh_hadamard(x, dim);                                                           \
+            quantize_row(x, dim, v_cache + at);                                               \
+        }                                                                                     \
+        return 0;                                                                             \
+    }
+
+DEFINE_STORE(tandem_store_kv_i8_bf16, uint16_t, bf16_load)
+DEFINE_STORE(tandem_store_kv_i8_f16, _Float16, f16_load)
+DEFINE_STORE(tandem_store_kv_i8_f32, float, f32_load)

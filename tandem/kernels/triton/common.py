@@ -25,6 +25,9 @@ except ImportError:  # older Triton's jit compares the variable with "1"
 INTERPRET: bool = _interpret
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# An int8 cache's rows: head_dim values, then their float16 scale as two bytes
+# (tandem/kernels/torch_ref.py).
+INT8_SCALE_BYTES = 2
 # The kernels' softmax runs in base 2 (exp2): scores are scaled by scale x log2(e).
 LOG2E = 1.4426950408889634
 
@@ -36,6 +39,25 @@ def mma(a, b, WIDEN: tl.constexpr):
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def row_scale(ptr, mask):
+    """The float16 scales stored as two bytes (little-endian) at ``ptr``, as float32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _int8_as(x, q, WIDEN: tl.constexpr):
+    """int8 values in q's dtype (exact: |x| <= 127), or float32 where ``mma`` widens
+    (the interpreter's int8 -> bfloat16 conversion is not to be trusted)."""
+    if WIDEN:
+        out = x.to(tl.float32)
+    else:
+        out = x.to(q.dtype)
     return out
 
 
@@ -65,12 +87,15 @@ def attend_tile(
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     WIDEN: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One key tile's step of the online softmax (base 2) over K/V read through a block table.
 
     Keys at ``n0 .. n0 + BLOCK_N`` of the sequence whose block table is ``table_ptr``;
     CAUSAL masks, for each query row, the keys past ``q_pos`` and past ``context_len``
-    (without it every key of the tile must be valid). Returns the new (m, lsum, acc).
+    (without it every key of the tile must be valid). QUANT: the cache is int8 with a
+    scale per row, applied to the scores and to the probabilities (the int8 values
+    are exact in q's dtype). Returns the new (m, lsum, acc).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -78,16 +103,13 @@ def attend_tile(
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
     token = (pos % BLOCK_SIZE).to(tl.int64)
     kv_mask = in_context[:, None] & (d[None, :] < HEAD_DIM)
-    k = tl.load(
-        k_ptr
-        + block[:, None] * stride_kb
-        + token[:, None] * stride_kt
-        + kv_head * stride_kh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_M, BLOCK_N]
+    k_rows = k_ptr + block * stride_kb + token * stride_kt + kv_head * stride_kh  # [BLOCK_N]
+    k = tl.load(k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if QUANT:
+        k_scale = row_scale(k_rows + HEAD_DIM, in_context) * scale_log2
+        s = mma(q, tl.trans(_int8_as(k, q, WIDEN)), WIDEN) * k_scale[None, :]
+    else:
+        s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -95,15 +117,11 @@ def attend_tile(
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     lsum = lsum * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_ptr
-        + block[:, None] * stride_vb
-        + token[:, None] * stride_vt
-        + kv_head * stride_vh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    v_rows = v_ptr + block * stride_vb + token * stride_vt + kv_head * stride_vh
+    v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if QUANT:
+        p = p * row_scale(v_rows + HEAD_DIM, in_context)[None, :]
+        v = _int8_as(v, q, WIDEN)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
     return m_new, lsum, acc
 
@@ -132,15 +150,16 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """[num_blocks, block_size, kv_heads, head_dim] each, same shape and dtype, dim stride 1."""
+    """[num_blocks, block_size, kv_heads, head_dim] each (int8: head_dim + 2), same shape
+    and dtype, dim stride 1."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in DTYPES:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (*DTYPES, torch.int8):
         raise ValueError(
-            f"k_cache and v_cache must share a dtype in {DTYPES}, "
+            f"k_cache and v_cache must share a dtype in {(*DTYPES, torch.int8)}, "
             f"got {k_cache.dtype} and {v_cache.dtype}"
         )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -150,13 +169,23 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"block_size must be a power of two, got {block_size}")
 
 
+def is_quantized(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.int8
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    return cache.shape[-1] - (INT8_SCALE_BYTES if is_quantized(cache) else 0)
+
+
 def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str = "q") -> int:
     """[tokens, num_heads, head_dim] matching the cache; returns the GQA group size."""
-    if q.dim() != 3 or q.shape[-1] != k_cache.shape[-1]:
-        raise ValueError(
-            f"{name} must be [tokens, num_heads, {k_cache.shape[-1]}], got {tuple(q.shape)}"
-        )
-    if q.dtype != k_cache.dtype:
+    head_dim = head_dim_of(k_cache)
+    if q.dim() != 3 or q.shape[-1] != head_dim:
+        raise ValueError(f"{name} must be [tokens, num_heads, {head_dim}], got {tuple(q.shape)}")
+    if is_quantized(k_cache):
+        if q.dtype not in DTYPES:
+            raise ValueError(f"{name} dtype {q.dtype} is not one of {DTYPES}")
+    elif q.dtype != k_cache.dtype:
         raise ValueError(f"{name} dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
     if q.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous along head_dim")

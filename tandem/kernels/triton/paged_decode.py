@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.torch_ref import on_rotated_kv
 from tandem.kernels.triton.common import (
     INTERPRET,
     LOG2E,
@@ -23,6 +24,7 @@ from tandem.kernels.triton.common import (
     check_device,
     check_index,
     check_query,
+    is_quantized,
     num_sms,
     widen,
 )
@@ -64,6 +66,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     WIDEN: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -90,7 +93,7 @@ def _decode_kernel(
         m, lsum, acc = attend_tile(
             q, m, lsum, acc, n0, q_pos, end, table, k_ptr, v_ptr, kv_head,
             scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
         )  # fmt: skip
 
     if SPLIT:
@@ -153,6 +156,7 @@ def choose_num_splits(
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+@on_rotated_kv
 def decode_attention(
     q: torch.Tensor,  # [batch, num_heads, head_dim], one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -244,6 +248,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         WIDEN=widen(q.dtype),
+        QUANT=is_quantized(k_cache),
         num_warps=num_warps or 4,
         num_stages=num_stages or 2,
     )

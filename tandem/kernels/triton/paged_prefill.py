@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.torch_ref import on_rotated_kv
 from tandem.kernels.triton.common import (
     INTERPRET,
     LOG2E,
@@ -25,6 +26,7 @@ from tandem.kernels.triton.common import (
     check_device,
     check_index,
     check_query,
+    is_quantized,
     widen,
 )
 
@@ -57,6 +59,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDEN: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # The last query tiles see the most keys: start them first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -81,14 +84,14 @@ def _prefill_kernel(
         m, lsum, acc = attend_tile(
             q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
             scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
         )  # fmt: skip
     # Key 0 is in the first tile and visible to every row, so m is finite from then on.
     for n0 in range(whole, end, BLOCK_N):
         m, lsum, acc = attend_tile(
             q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
             scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
         )  # fmt: skip
 
     out = acc / lsum[:, None]
@@ -109,6 +112,7 @@ def default_tiles(head_dim: int, query_len: int, dtype: torch.dtype) -> tuple[in
     return 128, 64, 8, 3
 
 
+@on_rotated_kv
 def prefill_attention(
     q: torch.Tensor,  # [query_len, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -170,6 +174,7 @@ def prefill_attention(
         BLOCK_N=bn,
         BLOCK_D=block_d(head_dim),
         WIDEN=widen(q.dtype),
+        QUANT=is_quantized(k_cache),
         num_warps=num_warps or warps,
         num_stages=num_stages or stages,
     )

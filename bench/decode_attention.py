@@ -10,7 +10,10 @@ the blocks in place; the torch backend (`tandem.kernels.torch_ref`) and SDPA gat
 them the same way (``index_select``) first; SDPA is
 ``F.scaled_dot_product_attention(..., attn_mask, enable_gqa=True)``. Median of
 ``--iters``, in the same run; the ratios are the others' time over the cpu kernel's,
-and the max diffs are against a float64 computation of the same attention.
+and the max diffs are against a float64 computation of the same attention. The int8
+columns: the cpu kernel over an int8 cache (``kv_cache_dtype: int8``) holding the
+same K and V, query rotation included, and the cpu kernel's time over the model
+dtype's cache divided by that; its error is against the unquantized K and V.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ def case(dtype: torch.dtype, batch: int, context: int, iters: int) -> dict:
     }
     for name, fn in (("cpu", cpu.decode_attention), ("torch", torch_ref.decode_attention)):
         row[f"{name}_max_diff"] = (fn(*args).double() - exact).abs().max().item()
+    k8, v8 = (torch_ref.quantize_int8(torch_ref.rotate(c.float())) for c in (k_cache, v_cache))
+    args8 = (q, k8, v8, *args[3:])
+    row["int8_ms"] = _median_ms(lambda: cpu.decode_attention(*args8), iters)
+    row["int8_max_diff"] = (cpu.decode_attention(*args8).double() - exact).abs().max().item()
+    row["cpu_over_int8"] = row["cpu_ms"] / row["int8_ms"]
     row["torch_over_cpu"] = row["torch_ms"] / row["cpu_ms"]
     row["sdpa_over_cpu"] = row["sdpa_ms"] / row["cpu_ms"]
     return row
@@ -106,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"torch threads {torch.get_num_threads()}")
     head = ("dtype", "batch", "context", "cpu ms", "torch ms", "SDPA ms", "torch/cpu", "SDPA/cpu")
-    print(" ".join(f"{h:>9}" for h in (*head, "cpu err", "torch err")))
+    tail = ("cpu err", "torch err", "int8 ms", "cpu/int8", "int8 err")
+    print(" ".join(f"{h:>9}" for h in (*head, *tail)))
     for r in rows:
         print(
             f"{r['dtype']:>9} {r['batch']:>9} {r['context']:>9} {r['cpu_ms']:>9.3f} "
             f"{r['torch_ms']:>9.3f} {r['sdpa_ms']:>9.3f} {r['torch_over_cpu']:>9.2f} "
-            f"{r['sdpa_over_cpu']:>9.2f} {r['cpu_max_diff']:>9.1e} {r['torch_max_diff']:>9.1e}"
+            f"{r['sdpa_over_cpu']:>9.2f} {r['cpu_max_diff']:>9.1e} {r['torch_max_diff']:>9.1e} "
+            f"{r['int8_ms']:>9.3f} {r['cpu_over_int8']:>9.2f} {r['int8_max_diff']:>9.1e}"
         )
     return 0
 

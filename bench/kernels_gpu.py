@@ -24,7 +24,9 @@ In order, each case caught and reported on its own (a failure does not stop the 
    computed on the device (tandem/kv_transfer/device_checksum.py, one Triton
    launch) against the torch computation of the same value, a flipped bit caught,
    and its time against the host path it replaced (each run copied to the host,
-   then xxh3) in the same run.
+   then xxh3) in the same run; 10. decode attention over an int8 KV cache
+   (kv_cache_dtype: int8; checked in section 2 too) against the same kernel over
+   the bf16 cache it was quantized from.
 Timings: CUDA events around each launch, L2 flushed before it, median of many runs
 after warm-up. Progress goes to stdout as it runs, then a table; the last line is
 JSON. Exit status 1 if any check or timed case is wrong or raised.
@@ -259,6 +261,73 @@ def check_cases(b: Bench, ops, ref, tiny: bool) -> None:
 
             b.run("check", f"store_kv {name}", store)
 
+        int8_checks(b, ops, ref, heads, kv_heads, head_dim, block_size, batch, max_len, prefills)
+
+
+def int8_paged(p: Paged) -> Paged:
+    """The same K and V in an int8 cache: rows rotated and quantized as the engine stores them."""
+    from tandem.kernels import torch_ref
+
+    def quantize(cache: torch.Tensor) -> torch.Tensor:
+        return torch_ref.quantize_int8(torch_ref.rotate(cache.float()))
+
+    return Paged(quantize(p.k_cache), quantize(p.v_cache), p.tables, p.lens)
+
+
+def int8_checks(b: Bench, ops, ref, heads, kv_heads, head_dim, block_size, batch, max_len,
+                prefills) -> None:  # fmt: skip
+    """An int8 cache (kv_cache_dtype: int8) with bf16 queries, against the reference
+    over the same int8 blocks with float32 queries."""
+    device, dtype = b.device, torch.bfloat16
+    name = f"{heads}/{kv_heads}x{head_dim} int8 cache"
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
+    lens[:2] = [1, block_size]
+
+    def decode() -> Row:
+        p = int8_paged(make_paged(lens, kv_heads, head_dim, dtype, device, block_size))
+        q = torch.randn(len(lens), heads, head_dim, device=device, dtype=dtype)
+        args = (p.tables, torch.tensor(lens, device=device), max(lens), head_dim**-0.5)
+        want = ref.decode_attention(q.float(), p.k_cache, p.v_cache, *args)
+        torch_err = rel_error(ref.decode_attention(q, p.k_cache, p.v_cache, *args), want)
+        errs = [rel_error(ops.decode_attention(q, p.k_cache, p.v_cache, *args, num_splits=n), want)
+                for n in (None, 1, 3)]  # fmt: skip
+        return _check_row(max(errs), dtype, "splits auto/1/3", torch_err)
+
+    def prefill() -> Row:
+        errs, torch_errs = [], []
+        for context_len, query_len in prefills:
+            p = int8_paged(make_paged([context_len], kv_heads, head_dim, dtype, device, block_size))
+            q = torch.randn(query_len, heads, head_dim, device=device, dtype=dtype)
+            args = (p.tables[0], context_len, head_dim**-0.5)
+            want = ref.prefill_attention(q.float(), p.k_cache, p.v_cache, *args)
+            for out, got in ((errs, ops), (torch_errs, ref)):
+                out.append(rel_error(got.prefill_attention(q, p.k_cache, p.v_cache, *args), want))
+        return _check_row(max(errs), dtype, "with and without a cached prefix", max(torch_errs))
+
+    def store() -> Row:
+        p = int8_paged(make_paged([max_len], kv_heads, head_dim, dtype, device, block_size))
+        slots = torch.randperm(max_len, device=device)[: max_len // 2]
+        k = torch.randn(len(slots), kv_heads, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        want_k, want_v = p.k_cache.clone(), p.v_cache.clone()
+        ref.store_kv(k, v, want_k, want_v, slots)
+        ops.store_kv(k, v, p.k_cache, p.v_cache, slots)
+        if torch.equal(p.k_cache, want_k) and torch.equal(p.v_cache, want_v):
+            return Row("", "", ok=True, note="exact")
+        # A GPU's division may round a value the other way: one step at most.
+        steps = []
+        for got, want in ((p.k_cache, want_k), (p.v_cache, want_v)):
+            scale = want[..., head_dim:].contiguous().view(torch.float16).float()
+            diff = (ref.dequantize(got, torch.float32) - ref.dequantize(want, torch.float32)).abs()
+            steps.append(float((diff / scale.clamp_min(1e-12)).max()))
+        ok = max(steps) <= 1.01
+        return Row("", "", ok=ok, note=f"within {max(steps):.2f} quantization steps")
+
+    b.run("check", f"decode {name}", decode)
+    b.run("check", f"prefill {name}", prefill)
+    b.run("check", f"store_kv {name}", store)
+
 
 # --- 1. ceilings ---
 
@@ -319,6 +388,29 @@ def decode_case(b: Bench, ops, batch: int, context: int, copy_gbps: float, **til
     gbps = moved / row.ms / 1e6
     row.rate, row.pct = f"{gbps:.0f} GB/s", 100 * gbps / copy_gbps
     row.data.update(gbps=round(gbps, 1), sdpa_gbps=round(moved / row.sdpa_ms / 1e6, 1))
+    return row
+
+
+def int8_decode_case(b: Bench, ops, ref, batch: int, context: int, copy_gbps: float) -> Row:
+    """Decode attention over an int8 cache against the same over the bf16 cache it was
+    quantized from (the 'SDPA' column), same queries: what half the bytes buys."""
+    heads, kv_heads, head_dim = HEADS_7B
+    dtype = torch.bfloat16
+    p16 = make_paged([context] * batch, kv_heads, head_dim, dtype, b.device)
+    p8 = int8_paged(p16)
+    q = torch.randn(batch, heads, head_dim, device=b.device, dtype=dtype)
+    ctx = torch.full((batch,), context, device=b.device)
+    args = (p16.tables, ctx, context, head_dim**-0.5)
+    out = ops.decode_attention(q, p8.k_cache, p8.v_cache, *args)
+    want = ref.decode_attention(q.float(), p8.k_cache, p8.v_cache, *args)
+    row = _check_row(rel_error(out, want), dtype, "vs the reference on the same int8 blocks")
+    row.ms = b.median_ms(lambda: ops.decode_attention(q, p8.k_cache, p8.v_cache, *args))
+    row.sdpa_ms = b.median_ms(lambda: ops.decode_attention(q, p16.k_cache, p16.v_cache, *args))
+    row.note += "; 'SDPA' column: the triton kernel on the bf16 cache"
+    moved = 2 * batch * context * kv_heads * (head_dim + 2) + 2 * q.numel() * 2
+    gbps = moved / row.ms / 1e6
+    row.rate, row.pct = f"{gbps:.0f} GB/s", 100 * gbps / copy_gbps
+    row.data.update(gbps=round(gbps, 1), bf16_over_int8=round(row.sdpa_ms / row.ms, 2))
     return row
 
 
@@ -618,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for tokens in (256, 8192):
         b.run("store", f"{tokens} tokens", partial(store_case, b, ops, torch_ref, tokens, copy_bw))
+
+    for batch, context in ((1, 32768), (64, 4096)):
+        case = partial(int8_decode_case, b, ops, torch_ref, batch, context, copy_bw)
+        b.run("int8 kv", f"decode batch {batch} x {context} ctx", case)
+        torch.cuda.empty_cache()
 
     if not (args.quick or args.no_sweep):
         for tiles in DECODE_TILES:

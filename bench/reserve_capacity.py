@@ -43,22 +43,21 @@ QUESTIONS = [
 ]
 
 
-def run(args: argparse.Namespace, reserve: int | None) -> dict:
+def run(args: argparse.Namespace, **settings) -> dict:
+    """One decode engine (EngineConfig ``settings`` over the defaults here) serving the
+    requests; also used by bench/kv_int8.py."""
     from tandem.config import EngineConfig
     from tandem.engine.engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
     from tandem.errors import OutOfBlocksError
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            device="cpu",
-            num_blocks=args.num_blocks,
-            max_num_seqs=args.requests,
-            reserve_output_tokens=reserve,
-            enable_prefix_caching=False,  # every request computes its own prompt
-        )
+    config = dict(
+        model=args.model,
+        device="cpu",
+        max_num_seqs=args.requests,
+        enable_prefix_caching=False,  # every request computes its own prompt
     )
+    engine = LLMEngine(EngineConfig(**{**config, **settings}))
     rng = random.Random(args.seed)
     prompts = [
         engine.tokenizer.encode_chat([{"role": "user", "content": rng.choice(QUESTIONS)}])
@@ -83,7 +82,9 @@ def run(args: argparse.Namespace, reserve: int | None) -> dict:
     seconds = time.perf_counter() - start
     engine.kv.pool.check_integrity()
     return {
-        "reserve_output_tokens": reserve,
+        "reserve_output_tokens": engine.config.reserve_output_tokens,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "num_blocks": engine.kv.pool.num_blocks,
         "max_running": max(running_per_step),
         "mean_running": round(statistics.mean(running_per_step), 2),
         "preemptions": engine.stats.preemptions,
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for reserve in (None, args.reserve):
         label = "max_tokens" if reserve is None else str(reserve)
         print(f"reserve_output_tokens {label} ...", file=sys.stderr)
-        rows.append(run(args, reserve))
+        rows.append(run(args, reserve_output_tokens=reserve, num_blocks=args.num_blocks))
     worst, used = rows
     if args.json:
         print(json.dumps(rows))

@@ -42,8 +42,8 @@ def test_without_cuda_it_checks_on_tiny_shapes_and_says_so():
     assert lines[0].startswith("no CUDA device: nothing to time")
     summary = json.loads(lines[-1])
     assert summary["device"] == "cpu" and summary["failed"] == []
-    # decode, prefill, store_kv x 2 layouts x 3 dtypes, and the device checksum
-    assert summary["checked"] == 19
+    # decode, prefill, store_kv x 2 layouts x (3 dtypes + an int8 cache), and the checksum
+    assert summary["checked"] == 25
     checksum = next(r for r in summary["rows"] if r["section"] == "checksum")
     assert checksum["ok"] is True and checksum["bytes"] == 1 << 16
 
@@ -68,6 +68,7 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     b.run("prefill", "9 new", lambda: script.prefill_case(b, ops, 9, 0, mm_tflops=1.0))
     b.run("prefill", "5 + 11", lambda: script.prefill_case(b, ops, 5, 11, mm_tflops=1.0))
     b.run("store", "7 tokens", lambda: script.store_case(b, ops, torch_ref, 7, copy_gbps=10.0))
+    b.run("int8 kv", "int8", lambda: script.int8_decode_case(b, ops, torch_ref, 2, 37, 10.0))
     b.run("profile", "norms", lambda: script.norm_rope_case(b, 3))
     monkeypatch.setattr(script, "KV_SHAPE", {"layers": 4, "kv_heads": 2, "head_dim": 16})
     # The device-to-device check, host to host here (UCX gets, as between GPUs).
@@ -85,10 +86,11 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     assert summary["failed"] == ["broken: raises"]
     assert summary["skipped"] == 1
     rows = {r["case"]: r for r in summary["rows"]}
-    for case in ("2 x 37", "9 new", "5 + 11", "7 tokens", "tiles"):
+    for case in ("2 x 37", "9 new", "5 + 11", "7 tokens", "int8", "tiles"):
         assert rows[case]["ok"] is True, case
         assert rows[case]["ms"] > 0 and rows[case]["sdpa_ms"] > 0
     assert rows["ucx"]["ok"] is True and rows["ucx"]["gbps"] > 0, rows["ucx"]
     assert rows["ucx"]["bytes"] == 1 << 20  # 512 blocks of 2 KiB
     assert "sdpa_gbps" in rows["2 x 37"] and "sdpa_tflops" in rows["9 new"]
+    assert rows["int8"]["bf16_over_int8"] > 0
     assert rows["norms"]["ok"] is None and rows["norms"]["rmsnorm_ms"] > 0

@@ -163,9 +163,14 @@ def add_plan_parser(sub) -> None:
         help="fraction of device memory for weights + KV (default 0.9)",
     )
     p.add_argument(
-        "--kv-dtype", default="bfloat16", help="bfloat16 (default), float16, float32, fp8"
+        "--kv-dtype",
+        default="bfloat16",
+        help="bfloat16 (default), float16, float32, int8 (kv_cache_dtype: int8, with its "
+        "scales), fp8",
     )
-    p.add_argument("--weight-dtype", default=None, help="default: --kv-dtype")
+    p.add_argument(
+        "--weight-dtype", default=None, help="default: --kv-dtype, bfloat16 for int8 or fp8"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument(
         "--context-len",

@@ -41,7 +41,7 @@ class Hardware:
     devices_per_worker: int = 1  # tensor parallelism: weights and KV heads split across them
     memory_utilization: float = 0.9
     kv_dtype: str = "bfloat16"
-    weight_dtype: str | None = None  # default: kv_dtype
+    weight_dtype: str | None = None  # default: kv_dtype, or bfloat16 for a 1-byte kv_dtype
     block_size: int = 16
 
     def __post_init__(self) -> None:
@@ -61,8 +61,25 @@ class Hardware:
                                       f"(0, 1], got {self.memory_utilization}")  # fmt: skip
 
 
+# Tandem's int8 KV cache keeps a float16 scale after each head's row of values.
+INT8_SCALE_BYTES = 2
+
+
+def row_bytes(mc: ModelConfig, kv_dtype: str) -> int:
+    """One token's K (or V) of one KV head."""
+    scale = INT8_SCALE_BYTES if kv_dtype == "int8" else 0
+    return mc.head_dim * DTYPE_BYTES[kv_dtype] + scale
+
+
 def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[kv_dtype]
+    return 2 * mc.num_layers * mc.num_kv_heads * row_bytes(mc, kv_dtype)
+
+
+def weight_dtype(hw: Hardware) -> str:
+    """The weights' dtype: as given, else the KV's where it is a float dtype, else bf16."""
+    if hw.weight_dtype:
+        return hw.weight_dtype
+    return hw.kv_dtype if DTYPE_BYTES[hw.kv_dtype] >= 2 else "bfloat16"
 
 
 def param_count(mc: ModelConfig) -> int:
@@ -93,7 +110,7 @@ class MemoryPlan:
 def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = "") -> MemoryPlan:
     if context_len < 1:
         raise InvalidRequestError("context_len", f"--context-len must be >= 1, got {context_len}")
-    kv_b, w_dtype = DTYPE_BYTES[hw.kv_dtype], hw.weight_dtype or hw.kv_dtype
+    w_dtype = weight_dtype(hw)
     per_token = kv_bytes_per_token(mc, hw.kv_dtype)
     params = param_count(mc)
     weights = params * DTYPE_BYTES[w_dtype]
@@ -108,7 +125,9 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
         f"model {model}: {mc.num_layers} layers, {mc.num_kv_heads} KV heads{gqa}, "
         f"head size {mc.head_dim}, {params / 1e9:.3f} B parameters",
         f"KV bytes per token = 2 x {mc.num_layers} layers x {mc.num_kv_heads} KV heads x "
-        f"{mc.head_dim} head size x {kv_b} B ({hw.kv_dtype}) = {per_token:,} B "
+        f"{row_bytes(mc, hw.kv_dtype)} B per head ({mc.head_dim} x "
+        f"{DTYPE_BYTES[hw.kv_dtype]} B {hw.kv_dtype}"
+        f"{' + a 2 B scale' if hw.kv_dtype == 'int8' else ''}) = {per_token:,} B "
         f"({per_token / 1024:.1f} KiB)",
         f"weights = {params:,} parameters x {DTYPE_BYTES[w_dtype]} B ({w_dtype}) = "
         f"{weights / GiB:.2f} GiB",

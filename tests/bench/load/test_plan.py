@@ -52,8 +52,18 @@ def test_smollm2_kv_bytes_weights_and_what_fits(smol):
     assert m.tokens == 208_985 * 16
     assert m.blocks_per_seq == 256 and m.sequences == 208_985 // 256 == 816
     text = "\n".join(m.lines)
-    assert "2 x 30 layers x 3 KV heads x 64 head size x 2 B (bfloat16) = 23,040 B" in text
+    assert "2 x 30 layers x 3 KV heads x 128 B per head (64 x 2 B bfloat16) = 23,040 B" in text
     assert "816 sequences per decode worker" in text
+
+
+def test_int8_kv_counts_its_scales_and_keeps_bf16_weights(smol):
+    # Tandem's int8 rows: 64 values and a 2-byte float16 scale per KV head.
+    assert plan.kv_bytes_per_token(smol, "int8") == 2 * 30 * 3 * (64 + 2) == 11_880
+    m8 = plan.memory_plan(smol, Hardware(kv_dtype="int8"), context_len=4096)
+    m16 = plan.memory_plan(smol, Hardware(kv_dtype="bfloat16"), context_len=4096)
+    assert m8.weight_bytes == m16.weight_bytes == 134_515_008 * 2  # weights stay bf16
+    assert m8.sequences / m16.sequences >= 1.9
+    assert "66 B per head (64 x 1 B int8 + a 2 B scale) = 11,880 B" in "\n".join(m8.lines)
 
 
 def test_70b_style_config_with_gqa_and_eight_devices(llama70b):

@@ -53,6 +53,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="auto (default: the model's dtype) or int8 (half the KV memory of bfloat16)",
     )
+    g.add_argument(
+        "--kv-window",
+        type=int,
+        default=None,
+        help="keep only the last N tokens' KV (and the sinks'): constant memory, lower quality",
+    )
+    g.add_argument(
+        "--kv-sinks", type=int, default=None, help="with --kv-window: first tokens kept (4)"
+    )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
 
@@ -230,6 +239,8 @@ def engine_config(args: argparse.Namespace):
         ("device", "device"),
         ("attention_backend", "attention_backend"),
         ("kv_cache_dtype", "kv_cache_dtype"),
+        ("kv_window", "kv_window_tokens"),
+        ("kv_sinks", "kv_sink_tokens"),
         ("threads", "num_threads"),
     ):
         if getattr(args, flag, None) is not None:

@@ -46,6 +46,13 @@ class EngineConfig:
     # failed). None: all of max_tokens up front (the worst case; no preemption, but
     # concurrency capped by what clients ask for rather than what they use).
     reserve_output_tokens: int | None = 128
+    # Bounded memory for long contexts (StreamingLLM's attention sinks + sliding window),
+    # a quality trade-off and off by default: a sequence keeps the KV of its first
+    # kv_sink_tokens tokens (rounded up to whole blocks) and of at least its last
+    # kv_window_tokens (whole blocks), freeing the blocks in between as it grows, so
+    # its memory stays constant. Positions stay the original ones (RoPE as computed).
+    kv_window_tokens: int | None = None
+    kv_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -77,6 +84,13 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.kv_window_tokens is not None and self.kv_window_tokens < 1:
+            raise ConfigError(
+                "kv_window_tokens must be >= 1 (or null: keep every token's KV), "
+                f"got {self.kv_window_tokens}"
+            )
+        if self.kv_sink_tokens < 0:
+            raise ConfigError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
         if self.reserve_output_tokens is not None and self.reserve_output_tokens < 1:
             raise ConfigError(
                 "reserve_output_tokens must be >= 1 (or null: all of max_tokens), "

@@ -140,6 +140,8 @@ class LLMEngine:
             self.device,
             config.enable_prefix_caching,
             kv_allocator,
+            config.kv_window_tokens,
+            config.kv_sink_tokens,
         )
         log.info(
             "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s), %s attention",
@@ -189,7 +191,7 @@ class LLMEngine:
             prompt_ids, params, self.max_model_len, self.model_config.vocab_size, output_ids
         )
         total = len(prompt_ids) + params.max_tokens
-        blocks = self.kv.blocks_for(total)
+        blocks = self.kv.max_blocks_per_sequence(total, self.config.max_num_batched_tokens)
         if blocks > self.kv.pool.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",
@@ -313,6 +315,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
         seq.num_computed = len(seq.token_ids)
         self.kv.commit(seq)
+        self.kv.slide(seq)  # a KV window keeps the arrived prompt's sinks and window
         out = self._postprocess(req, first_token)
         if not out.finished:
             self.scheduler.add_running(seq)
@@ -490,6 +493,32 @@ class LLMEngine:
                             return
         finally:
             self.abort(request_id)
+
+    def score(self, token_ids: Seq[int], chunk_tokens: int | None = None) -> list[float]:
+        """The log-probability of each of ``token_ids[1:]`` given the tokens before it,
+        computed as a prefill computes a prompt: chunks of ``chunk_tokens`` (default
+        max_num_batched_tokens) through the paged cache, in this engine's KV dtype and
+        window. For benchmarks and tests (perplexity); call it on an idle engine."""
+        ids = list(token_ids)
+        if len(ids) < 2:
+            return []
+        chunk = chunk_tokens or self.config.max_num_batched_tokens
+        seq = Sequence("score", ids, len(ids), SamplingParams(max_tokens=1))
+        logps: list[float] = []
+        try:
+            while seq.num_computed < len(ids) - 1:
+                start = seq.num_computed
+                n = min(chunk, len(ids) - 1 - start)
+                if not self.kv.ensure(seq, start + n):
+                    free = self.kv.pool.num_free
+                    raise OutOfBlocksError(f"scoring needs more than the {free} free blocks")
+                _, logits = self.runner.run([(seq, n)], all_logits=True)
+                targets = torch.tensor(ids[start + 1 : start + n + 1], device=logits.device)
+                logp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])
+                logps.extend(logp[:, 0].tolist())
+        finally:
+            self.kv.free(seq)
+        return logps
 
     def generate(
         self, prompts: list[Seq[int]], params: SamplingParams | list[SamplingParams]

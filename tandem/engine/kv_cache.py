@@ -42,11 +42,17 @@ class KVCache:
         device: torch.device,
         enable_prefix_caching: bool = True,
         allocate: KVAllocator | None = None,
+        window_tokens: int | None = None,
+        sink_tokens: int = 0,
     ) -> None:
         """``allocate``: makes the zeroed cache tensor (default ``torch.zeros``); a KV
-        transfer backend may place it where its peers can read it in place."""
+        transfer backend may place it where its peers can read it in place.
+        ``window_tokens`` and ``sink_tokens``: see ``slide``."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window_tokens = window_tokens
+        self.sink_blocks = -(-sink_tokens // block_size)
+        self.window_evicted_blocks = 0  # counter: blocks freed by the window
         self.pool = BlockPool(num_blocks, block_size)
         # Prefix-cache counters (for the hit-rate metric): prompt tokens looked up, found.
         self.prefix_query_tokens = 0
@@ -64,6 +70,39 @@ class KVCache:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def table_index(self, seq: Sequence, num_tokens: int) -> int:
+        """Where the first ``num_tokens`` of ``seq`` end in its block table (tokens)."""
+        return num_tokens - seq.num_evicted_blocks * self.block_size
+
+    def max_blocks_per_sequence(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once, computed in
+        steps of at most ``chunk_tokens`` (bounded by the window where there is one)."""
+        if self.window_tokens is None:
+            return self.blocks_for(num_tokens)
+        kept = self.sink_blocks * self.block_size + self.window_tokens + self.block_size
+        return self.blocks_for(min(num_tokens, kept + chunk_tokens))
+
+    def slide(self, seq: Sequence) -> int:
+        """With a KV window: free the oldest blocks after the sinks while the rest still
+        hold ``window_tokens`` computed tokens; returns how many were freed.
+
+        The attention that follows sees the sink blocks, then the window, as one run
+        of tokens (the block table's order); their K were rotated at their original
+        positions, so the gap is only missing context. A prefill-only sequence keeps
+        all its KV: it is shipped whole.
+        """
+        if self.window_tokens is None or seq.prefill_only:
+            return 0
+        bs, freed = self.block_size, 0
+        while self.table_index(seq, seq.num_computed) - (self.sink_blocks + 1) * bs >= (
+            self.window_tokens
+        ):
+            self.pool.free([seq.block_table.pop(self.sink_blocks)])
+            seq.num_evicted_blocks += 1
+            freed += 1
+        self.window_evicted_blocks += freed
+        return freed
 
     def match_prefix(self, seq: Sequence) -> None:
         """Reuse cached blocks for the longest run of full blocks already computed elsewhere.
@@ -94,7 +133,7 @@ class KVCache:
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens; False if the pool is short."""
-        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        need = self.blocks_for(self.table_index(seq, num_tokens)) - len(seq.block_table)
         if need <= 0:
             return True
         if need > self.pool.num_free:
@@ -108,8 +147,9 @@ class KVCache:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Register hashes of blocks that became full and computed, for prefix reuse."""
-        if not self.enable_prefix_caching:
+        """Register hashes of blocks that became full and computed, for prefix reuse
+        (not once the window freed some: table indices no longer count from 0)."""
+        if not self.enable_prefix_caching or seq.num_evicted_blocks:
             return
         bs = self.block_size
         while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
@@ -125,4 +165,5 @@ class KVCache:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
+        seq.num_evicted_blocks = 0
         seq.last_block_hash = None

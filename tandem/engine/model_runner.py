@@ -26,12 +26,14 @@ class ModelRunner:
         self,
         work: list[tuple[Sequence, int]],
         after_layer: Callable[[int], None] | None = None,
+        all_logits: bool = False,
     ) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the scheduled tokens (single-token work first, as the scheduler orders it).
 
         Returns the sequences that reached their last token and so need a new one
-        sampled, with their logits [n, vocab] float32. ``after_layer``: see
-        ``LlamaModel.forward``.
+        sampled, with their logits [n, vocab] float32; ``all_logits``: the logits of
+        every token computed instead, in work order (scoring a text). ``after_layer``:
+        see ``LlamaModel.forward``. A KV window slides after the step (KVCache.slide).
         """
         bs = self.kv.block_size
         input_ids: list[int] = []
@@ -48,19 +50,22 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            positions.extend(range(start, end))  # RoPE: the original positions
+            # Where the tokens lie in the block table: behind blocks a window freed,
+            # the kept context is one run of tokens from index 0.
+            first, last = self.kv.table_index(seq, start), self.kv.table_index(seq, end)
+            slots.extend(table[i // bs] * bs + i % bs for i in range(first, last))
             if n == 1:
                 num_decode += 1
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
+                decode_tables.append(table[: -(-last // bs)])
+                decode_lens.append(last)
             else:
                 prefills.append(
                     PrefillSlice(
                         start=len(input_ids) - n,
                         query_len=n,
-                        context_len=end,
-                        block_table=torch.tensor(table[: -(-end // bs)], device=self.device),
+                        context_len=last,
+                        block_table=torch.tensor(table[: -(-last // bs)], device=self.device),
                     )
                 )
             if end == len(seq.token_ids):
@@ -83,9 +88,10 @@ class ModelRunner:
             self.ops,
             after_layer,
         )
-        logits = self.model.logits(hidden[self._tensor(sample_rows)])
+        logits = self.model.logits(hidden if all_logits else hidden[self._tensor(sample_rows)])
         for seq, n in work:
             seq.num_computed += n
+            self.kv.slide(seq)
         return to_sample, logits
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

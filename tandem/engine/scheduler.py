@@ -82,7 +82,7 @@ class Scheduler:
         """
         while True:
             room = (len(seq.block_table) + self.kv.pool.num_free) * self.kv.block_size
-            fit = min(n, room - seq.num_computed)
+            fit = min(n, room - self.kv.table_index(seq, seq.num_computed))
             if fit > 0:
                 self.kv.ensure(seq, seq.num_computed + fit)
                 return fit

@@ -49,6 +49,10 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading full blocks whose hash is registered
+    # Blocks freed by the KV window (after the sink blocks): the token at position p
+    # lies at index p - num_evicted_blocks * block_size of the block table, for every
+    # p past the evicted ones (KVCache.slide).
+    num_evicted_blocks: int = 0
     last_block_hash: int | None = None
     finish_reason: FinishReason | None = None
     prefill_only: bool = False  # stop after the first token and keep the KV (HELD)

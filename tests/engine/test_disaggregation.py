@@ -240,3 +240,19 @@ def test_prefill_here_that_does_not_fit_keeps_no_block(tiny_engine):
     assert decode.kv.pool.num_used == used
     assert decode.abort("hold") and not decode.has_unfinished()
     decode.kv.pool.check_integrity()
+
+
+def test_a_decode_worker_with_a_kv_window_slides_the_arrived_kv(tiny_engine):
+    # The prefill side ships every block; the decode side keeps the sinks and the window
+    # from admission on, as the colocated engine with the same window does.
+    window = dict(block_size=4, kv_sink_tokens=4, kv_window_tokens=8)
+    prefill = make_engine(block_size=4)
+    decode = make_engine(num_blocks=16, **window)
+    prompt = tiny_engine.tokenizer.encode("hello there")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = _colocated(make_engine(**window), prompt, params)
+    assert _split(prefill, decode, prompt, params) == expected
+    assert decode.kv.window_evicted_blocks > 0
+    for engine in (prefill, decode):
+        engine.kv.pool.check_integrity()
+        assert engine.kv.pool.num_used == 0

@@ -1,0 +1,111 @@
+"""Attention sinks + a sliding KV window: constant memory past the pool, and the
+tokens Hugging Face gives when each position attends to what the window kept.
+
+The window keeps the first ``kv_sink_tokens`` (whole blocks) and at least the last
+``kv_window_tokens`` (whole blocks) of each sequence. The reference is the HF model
+on the whole text with a 4-D attention mask whose row p holds exactly the positions
+the engine kept when it computed position p, so that every K and V the engine read
+was computed, in HF, under the same mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.errors import InvalidRequestError
+from tests.conftest import make_engine
+
+BLOCK, SINKS, WINDOW = 4, 4, 8
+
+
+def _window_engine(**overrides):
+    options = dict(block_size=BLOCK, kv_sink_tokens=SINKS, kv_window_tokens=WINDOW)
+    return make_engine(**{**options, **overrides})
+
+
+def _kept(positions: int, computed_before: int) -> list[int]:
+    """The positions a token at ``positions`` attends to, the engine's window having
+    slid after ``computed_before`` tokens: the sink blocks, then whole blocks from the
+    first one that leaves at least WINDOW tokens after it."""
+    sink_end = -(-SINKS // BLOCK) * BLOCK
+    evicted = 0
+    while computed_before - evicted * BLOCK - sink_end - BLOCK >= WINDOW:
+        evicted += 1
+    start = sink_end + evicted * BLOCK
+    return list(range(min(sink_end, positions + 1))) + list(range(max(start, sink_end),
+                                                                   positions + 1))  # fmt: skip
+
+
+def _hf_windowed_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        n = len(ids)
+        mask = torch.full((1, 1, n, n), float("-inf"))
+        for p in range(n):
+            # Prompt rows were computed in one prefill (all earlier prompt tokens); a
+            # generated token's row when n - 1 ... were computed one step at a time.
+            seen = list(range(p + 1)) if p < len(prompt) else _kept(p, p)
+            mask[0, 0, p, seen] = 0.0
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids]), attention_mask=mask).logits
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_windowed_decoding_matches_hf_under_the_same_mask(tiny_engine, tiny_hf):
+    prompt = tiny_engine.tokenizer.encode("hello there")  # shorter than sinks + window
+    assert len(prompt) < SINKS + WINDOW
+    engine = _window_engine(num_blocks=32)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    got = engine.generate([prompt], params)[0]
+
+    assert got == _hf_windowed_greedy(tiny_hf, prompt, 40)
+    assert got != tiny_engine.generate([prompt], params)[0]  # the window changed something
+    assert engine.kv.window_evicted_blocks > 0
+    engine.kv.pool.check_integrity()
+    assert engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_sequence_runs_past_the_pool_in_constant_memory(tiny_engine, kv_cache_dtype):
+    # 8 blocks of 4 tokens hold 32 tokens; the request asks for 300, in chunks of 16.
+    engine = _window_engine(num_blocks=8, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+    prompt = tiny_engine.tokenizer.encode("The quick brown fox jumps over the lazy dog " * 3)
+    assert len(prompt) > 2 * (SINKS + WINDOW)  # the prompt itself slides while prefilled
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    used, tokens = [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.token_ids)
+        used.append(engine.kv.pool.num_used)
+
+    assert tokens == 300
+    # Sinks (1 block) + the window (at most 3 blocks) + the block being filled, and a
+    # prefill chunk's blocks while the prompt runs.
+    decode_steps = used[-250:-1]  # the last step finished the request: nothing held
+    assert max(decode_steps) <= 1 + 3 + 1
+    assert min(decode_steps) >= 1 + 2
+    assert max(used) <= engine.kv.max_blocks_per_sequence(len(prompt) + 300, 16) <= 8
+    assert engine.kv.pool.num_used == 0 and rid
+
+
+def test_without_a_window_the_same_request_is_refused_by_name(tiny_engine):
+    engine = make_engine(block_size=BLOCK, num_blocks=8, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    needs = "= 311 tokens needs 78 KV blocks, the pool has 8"
+    with pytest.raises(InvalidRequestError, match=needs):
+        engine.validate(tiny_engine.tokenizer.encode("hello there"), params)
+
+
+def test_scoring_through_the_window_differs_only_past_it(tiny_engine):
+    text = tiny_engine.tokenizer.encode("The quick brown fox jumps over the lazy dog " * 4)
+    full = make_engine(block_size=BLOCK).score(text, chunk_tokens=1)
+    windowed = _window_engine(num_blocks=16).score(text, chunk_tokens=1)
+    # Until the first block leaves, the window holds everything.
+    first_slide = -(-SINKS // BLOCK) * BLOCK + WINDOW + BLOCK
+    assert windowed[: first_slide - 1] == pytest.approx(full[: first_slide - 1], abs=1e-5)
+    assert windowed != pytest.approx(full, abs=1e-5)

@@ -80,41 +80,9 @@ def greedy(engine, args: argparse.Namespace) -> list[list[int]]:
 
 def perplexity(engine, ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ``ids[1:]``, prefilled CHUNK tokens at a
-    time through the engine's paged cache."""
-    import torch
-
-    from tandem.engine.model import AttentionMetadata, PrefillSlice
-    from tandem.engine.sampling_params import SamplingParams
-    from tandem.engine.sequence import Sequence
-
-    kv, bs = engine.kv, engine.kv.block_size
-    seq = Sequence("ppl", list(ids), len(ids), SamplingParams())
-    if not kv.ensure(seq, len(ids)):
-        raise SystemExit(f"the KV cache cannot hold {len(ids)} tokens: lower --ppl-tokens")
-    table = torch.tensor(seq.block_table)
-    nll, scored = 0.0, 0
-    try:
-        for start in range(0, len(ids) - 1, CHUNK):
-            end = min(start + CHUNK, len(ids) - 1)
-            positions = torch.arange(start, end)
-            meta = AttentionMetadata(
-                slot_mapping=table[positions // bs] * bs + positions % bs,
-                num_decode=0,
-                decode_block_tables=None,
-                decode_context_lens=None,
-                decode_max_len=0,
-                prefills=[PrefillSlice(0, end - start, end, table[: -(-end // bs)])],
-            )
-            hidden = engine.model(
-                torch.tensor(ids[start:end]), positions, kv.tensor, meta, engine.runner.ops
-            )
-            logp = torch.log_softmax(engine.model.logits(hidden), dim=-1)
-            targets = torch.tensor(ids[start + 1 : end + 1])
-            nll -= logp.gather(1, targets[:, None]).sum().item()
-            scored += end - start
-    finally:
-        kv.free(seq)
-    return math.exp(nll / scored)
+    time through the engine's paged cache (``LLMEngine.score``)."""
+    logps = engine.score(ids, chunk_tokens=CHUNK)
+    return math.exp(-sum(logps) / len(logps))
 
 
 def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:

@@ -53,6 +53,11 @@ class EngineConfig:
     # its memory stays constant. Positions stay the original ones (RoPE as computed).
     kv_window_tokens: int | None = None
     kv_sink_tokens: int = 4
+    # A tier of KV blocks in host memory behind the cache (pinned when the cache is on
+    # a GPU): evicted prefix blocks and preempted sequences go there instead of being
+    # recomputed. 0: none. Off by default: on a CPU the cache already is host memory,
+    # and the same bytes in kv_cache_bytes serve at least as well.
+    host_kv_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -88,6 +93,11 @@ class EngineConfig:
             raise ConfigError(
                 "kv_window_tokens must be >= 1 (or null: keep every token's KV), "
                 f"got {self.kv_window_tokens}"
+            )
+        if self.host_kv_cache_bytes < 0:
+            raise ConfigError(
+                "host_kv_cache_bytes must be >= 0 (0: no host tier), "
+                f"got {self.host_kv_cache_bytes}"
             )
         if self.kv_sink_tokens < 0:
             raise ConfigError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +44,9 @@ class BlockPool:
         self.hash_to_block: dict[int, int] = {}
         # Insertion order = order of freeing; the front is reused first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # on_evict(block, hash): a cached block is about to be reused for other data
+        # (a host tier copies it out first).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -60,6 +63,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None and self.on_evict is not None:
+                self.on_evict(block, h)
             self._forget_hash(block)
             self.ref_counts[block] = 1
             out.append(block)

@@ -132,6 +132,12 @@ class LLMEngine:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         per_block = bytes_per_block(cfg, config.block_size, self.kv_dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        host_blocks = config.host_kv_cache_bytes // per_block
+        if config.host_kv_cache_bytes and not host_blocks:
+            raise ConfigError(
+                f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no KV block of "
+                f"{per_block} bytes (0 turns the host tier off)"
+            )
         self.kv = KVCache(
             cfg,
             num_blocks,
@@ -142,6 +148,7 @@ class LLMEngine:
             kv_allocator,
             config.kv_window_tokens,
             config.kv_sink_tokens,
+            host_blocks,
         )
         log.info(
             "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s), %s attention",
@@ -154,6 +161,9 @@ class LLMEngine:
             self.device,
             self.attention_backend,
         )
+        if host_blocks:
+            mib = host_blocks * per_block / 2**20
+            log.info("host KV tier: %d blocks (%.0f MiB)", host_blocks, mib)
         self.runner = ModelRunner(self.model, self.kv, get_backend(self.attention_backend))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()

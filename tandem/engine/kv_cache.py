@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.engine.block_manager import BlockPool, hash_block
+from tandem.engine.host_tier import HostTier
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sequence import Sequence
 from tandem.kernels.torch_ref import row_width
@@ -44,10 +45,12 @@ class KVCache:
         allocate: KVAllocator | None = None,
         window_tokens: int | None = None,
         sink_tokens: int = 0,
+        host_blocks: int = 0,
     ) -> None:
         """``allocate``: makes the zeroed cache tensor (default ``torch.zeros``); a KV
         transfer backend may place it where its peers can read it in place.
-        ``window_tokens`` and ``sink_tokens``: see ``slide``."""
+        ``window_tokens`` and ``sink_tokens``: see ``slide``. ``host_blocks``: the
+        size of a host-memory tier behind the cache (host_tier.py; 0: none)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window_tokens = window_tokens
@@ -67,6 +70,9 @@ class KVCache:
         width = row_width(cfg.head_dim, dtype)
         shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, width)
         self.tensor = (allocate or _zeros)(shape, dtype, device)
+        self.host = HostTier(self.tensor, host_blocks) if host_blocks else None
+        if self.host is not None:
+            self.pool.on_evict = self._save_to_host
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -116,15 +122,64 @@ class KVCache:
         for i in range((len(seq.token_ids) - 1) // bs):
             h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             block = self.pool.lookup(h)
-            if block is None:
+            if block is not None:
+                self.pool.share(block)
+            elif self.host is not None and self.pool.num_free and self.host.has_prefix(h):
+                block = self._load_from_host(h)
+            else:
                 break
-            self.pool.share(block)
             seq.block_table.append(block)
             parent = h
         n = len(seq.block_table)
         seq.num_hashed_blocks = n
         seq.num_computed = n * bs
         seq.last_block_hash = parent
+
+    def _save_to_host(self, block: int, block_hash: int) -> None:
+        assert self.host is not None
+        self.host.save_prefix(block_hash, self.tensor, block)
+
+    def _load_from_host(self, block_hash: int) -> int:
+        """A device block holding the host tier's copy of a prefix block, hashed."""
+        assert self.host is not None
+        host = self.host.take_prefix(block_hash)  # before allocate may spill into the tier
+        (block,) = self.pool.allocate(1)
+        self.host.restore(host, self.tensor, block)
+        self.pool.set_hash(block, block_hash)
+        return block
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Preemption by swapping: copy ``seq``'s computed blocks to the host tier and
+        free them here, keeping what it computed; False (nothing changed) without a
+        tier or room in it, and the caller recomputes instead.
+
+        Swapping a block costs two copies of its bytes; recomputing it, its tokens'
+        prefill: bench/host_tier.py measures both (swapping was ~130x cheaper on
+        this CPU, and a GPU's compute and PCIe keep it far ahead), so the policy is
+        to swap whenever the tier has room.
+        """
+        computed = self.blocks_for(self.table_index(seq, seq.num_computed))
+        if self.host is None or seq.host_blocks is not None or not computed:
+            return False  # (nothing computed: nothing to keep)
+        host = self.host.swap_out(self.tensor, seq.block_table[:computed])
+        if host is None:
+            return False
+        self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.host_blocks = host
+        return True
+
+    def swap_in(self, seq: Sequence, num_tokens: int) -> bool:
+        """Bring a swapped sequence back with blocks for its first ``num_tokens``; False
+        (nothing changed) if the pool cannot hold them now."""
+        assert self.host is not None and seq.host_blocks is not None
+        if self.blocks_for(self.table_index(seq, num_tokens)) > self.pool.num_free:
+            return False
+        blocks = self.pool.allocate(len(seq.host_blocks))
+        self.host.swap_in(seq.host_blocks, self.tensor, blocks)
+        seq.block_table = blocks
+        seq.host_blocks = None
+        return self.ensure(seq, num_tokens)
 
     def count_admission(self, seq: Sequence) -> None:
         """Account a just-admitted sequence's prefix hit (its computed tokens so far)."""
@@ -163,6 +218,10 @@ class KVCache:
         """Return all of ``seq``'s blocks; tail first, so shared prefixes are evicted last."""
         self.pool.free(seq.block_table[::-1])
         seq.block_table = []
+        if seq.host_blocks is not None:
+            assert self.host is not None
+            self.host.release(seq.host_blocks)
+            seq.host_blocks = None
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
         seq.num_evicted_blocks = 0

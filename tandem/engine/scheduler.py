@@ -4,7 +4,8 @@ Each step has a token budget. Running decodes come first (one token each, so
 inter-token latency does not suffer from admissions), then running sequences
 that are part-way through a chunked prefill, then waiting requests in arrival
 order. A sequence that cannot get a KV block preempts the most recently admitted
-running sequence, whose blocks are freed and whose tokens are recomputed later.
+running sequence, which is swapped out to the host tier where there is one with
+room, else has its blocks freed and its tokens recomputed later.
 """
 
 from __future__ import annotations
@@ -58,13 +59,20 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.kv.match_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
-            if not self.kv.ensure(seq, seq.num_computed + n):
-                self.kv.free(seq)  # do not hold prefix blocks while waiting
-                break
+            swapped = seq.host_blocks is not None
+            if swapped:  # preempted by swapping: back in, its computed KV with it
+                n = min(seq.num_uncomputed, budget)
+                if not self.kv.swap_in(seq, seq.num_computed + n):
+                    break
+            else:
+                self.kv.match_prefix(seq)
+                n = min(seq.num_uncomputed, budget)
+                if not self.kv.ensure(seq, seq.num_computed + n):
+                    self.kv.free(seq)  # do not hold prefix blocks while waiting
+                    break
             self.waiting.popleft()
-            self.kv.count_admission(seq)
+            if not swapped:
+                self.kv.count_admission(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.work.append((seq, n))
@@ -94,8 +102,11 @@ class Scheduler:
                 return 0
 
     def _preempt(self, seq: Sequence) -> None:
+        """Swap the sequence out to the host tier where it has room (its KV is kept),
+        else free its blocks (its tokens are recomputed when it runs again)."""
         self.running.remove(seq)
-        self.kv.free(seq)
+        if not self.kv.swap_out(seq):
+            self.kv.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -53,6 +53,9 @@ class Sequence:
     # lies at index p - num_evicted_blocks * block_size of the block table, for every
     # p past the evicted ones (KVCache.slide).
     num_evicted_blocks: int = 0
+    # Preempted and swapped out: its computed blocks, in table order, in the host tier
+    # (KVCache.swap_out); num_computed is kept.
+    host_blocks: list[int] | None = None
     last_block_hash: int | None = None
     finish_reason: FinishReason | None = None
     prefill_only: bool = False  # stop after the first token and keep the KV (HELD)

@@ -109,7 +109,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("tandem_worker_prefix_cache_hit_tokens_total", "counter", _WORKER,
            "Prompt tokens found in the prefix cache (hit rate: hits / queries)"),
     Metric("tandem_worker_preemptions_total", "counter", _WORKER,
-           "Running sequences preempted for lack of KV blocks (recomputed later)"),
+           "Running sequences preempted for lack of KV blocks (swapped out or recomputed)"),
+    Metric("tandem_worker_host_kv_blocks_used", "gauge", _WORKER,
+           "KV blocks held in the host-memory tier (prefix blocks and swapped sequences)"),
+    Metric("tandem_worker_host_swaps_out_total", "counter", _WORKER,
+           "Preempted sequences swapped out to the host tier instead of recomputed"),
+    Metric("tandem_worker_host_swaps_in_total", "counter", _WORKER,
+           "Swapped sequences brought back from the host tier"),
+    Metric("tandem_worker_host_prefix_hit_blocks_total", "counter", _WORKER,
+           "Prefix blocks served back from the host tier instead of recomputed"),
     Metric("tandem_worker_requests_served_total", "counter", _WORKER,
            "Requests this worker completed successfully"),
     Metric("tandem_worker_prefilled_here_total", "counter", _WORKER,
@@ -313,6 +321,7 @@ class _WorkerCollector(Collector):
             ("tandem_worker_kv_blocks_free", s.kv_blocks_free),
             ("tandem_worker_kv_blocks_capacity", s.kv_blocks_total),
             ("tandem_worker_kv_usage_ratio", s.kv_blocks_used / max(1, s.kv_blocks_total)),
+            ("tandem_worker_host_kv_blocks_used", s.host_blocks_used),
         ):
             g = _gauge(name, _WORKER)
             g.add_metric(labels, value)
@@ -326,6 +335,9 @@ class _WorkerCollector(Collector):
             ("tandem_worker_prefilled_here_total", s.prefilled_here),
             ("tandem_worker_generated_tokens_total", stats.generated_tokens if stats else 0),
             ("tandem_worker_kv_transfers_total", s.kv_transfers_total),
+            ("tandem_worker_host_swaps_out_total", s.host_swaps_out_total),
+            ("tandem_worker_host_swaps_in_total", s.host_swaps_in_total),
+            ("tandem_worker_host_prefix_hit_blocks_total", s.host_prefix_hit_blocks_total),
         ):
             c = _counter(name, _WORKER)
             c.add_metric(labels, value)

@@ -62,6 +62,10 @@ class EngineLoad(NamedTuple):
     kv_blocks_total: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    host_blocks_used: int = 0
+    host_swaps_out_total: int = 0
+    host_swaps_in_total: int = 0
+    host_prefix_hit_blocks_total: int = 0
 
 
 class WorkerServer(abc.ABC):
@@ -225,7 +229,7 @@ class WorkerServer(abc.ABC):
 
     def _publish_load(self, engine: LLMEngine) -> None:
         """Engine thread, before every step: one consistent snapshot of its numbers."""
-        pool = engine.kv.pool
+        pool, host = engine.kv.pool, engine.kv.host
         self.engine_load = EngineLoad(
             queue_depth=len(engine.scheduler.waiting) + self._waiting_outside_engine(),
             running=len(engine.scheduler.running),
@@ -234,6 +238,10 @@ class WorkerServer(abc.ABC):
             kv_blocks_total=pool.num_blocks,
             prefix_query_tokens=engine.kv.prefix_query_tokens,
             prefix_hit_tokens=engine.kv.prefix_hit_tokens,
+            host_blocks_used=host.num_used if host else 0,
+            host_swaps_out_total=host.swaps_out if host else 0,
+            host_swaps_in_total=host.swaps_in if host else 0,
+            host_prefix_hit_blocks_total=host.prefix_hits if host else 0,
         )
 
     def _waiting_outside_engine(self) -> int:

@@ -49,3 +49,26 @@ def test_status_answers_from_a_snapshot_while_a_long_step_runs(config_cls):
         engine.step = real_step
         stop_worker(bg, worker)
         bg.close()
+
+
+def test_status_reports_the_host_tier(tiny_engine):
+    from tandem.engine.kv_cache import bytes_per_block
+
+    per_block = bytes_per_block(tiny_engine.model_config, 16, tiny_engine.dtype)
+    config = engine_config(num_blocks=12, host_kv_cache_bytes=64 * per_block)
+    bg = BackgroundLoop()
+    worker = start_worker(bg, DecodeConfig(engine=config, kv_backend="inproc"))
+    engine = worker.server.engine
+    try:
+        assert worker.status().host_blocks_used == 0
+        # Six growing sequences in 12 blocks: some are swapped out and back in.
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        prompts = [engine.tokenizer.encode(t * 40) for t in "abcdef"]
+        worker.server.loop.submit(lambda e: e.generate(prompts, params)).result(60)
+        wait_until(lambda: worker.status().host_swaps_in_total > 0, timeout=30, what="snapshot")
+        status = worker.status()
+        assert status.host_swaps_out_total == status.host_swaps_in_total > 0
+        assert status.host_swaps_out_total == engine.stats.preemptions
+    finally:
+        stop_worker(bg, worker)
+        bg.close()

@@ -1,0 +1,123 @@
+"""A second tier of KV blocks in host memory, behind the engine's cache.
+
+Two kinds of blocks live here:
+- prefix blocks: a cached block (full, hashed, free) that the device pool reuses
+  for other data is copied here first, least recently used out first when the tier
+  is full; a later prefix lookup that misses the device finds it here and copies
+  it back instead of recomputing its tokens;
+- a preempted sequence's blocks (swapped out), held until it is admitted again
+  and swapped back in; these are never evicted, and a sequence that does not fit
+  is recomputed instead.
+
+The tier's tensor has the cache's layout and dtype with its own block count; on a
+CUDA cache it is pinned, so copies run at PCIe rather than pageable speed. Copies
+are ``index_select`` / ``index_copy_`` along the blocks dim, all layers and K/V at
+once. Counters (for Status and the metrics): blocks held, swaps out and in, prefix
+blocks and tokens served from the tier.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class HostTier:
+    def __init__(self, cache: torch.Tensor, num_blocks: int) -> None:
+        """``cache``: the engine's KV tensor [layers, 2, blocks + 1, block_size, ...]."""
+        if num_blocks < 1:
+            raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
+        shape = (*cache.shape[:2], num_blocks, *cache.shape[3:])
+        pin = cache.is_cuda
+        self.tensor = torch.zeros(shape, dtype=cache.dtype, pin_memory=pin)
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))
+        self._prefix: OrderedDict[int, int] = OrderedDict()  # hash -> block, oldest first
+        self.swapped_blocks = 0  # held by swapped-out sequences
+        self.swaps_out = 0
+        self.swaps_in = 0
+        self.prefix_hits = 0  # blocks served back from the tier
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    # --- prefix blocks ---
+
+    def save_prefix(self, block_hash: int, cache: torch.Tensor, block: int) -> None:
+        """Keep a copy of device block ``block`` (content ``block_hash``) before the
+        device reuses it; evicts the least recently saved prefix block if full, and
+        drops the copy if every block is held by swapped sequences."""
+        if block_hash in self._prefix:
+            self._prefix.move_to_end(block_hash)
+            return
+        if not self._free:
+            if not self._prefix:
+                return
+            _, oldest = self._prefix.popitem(last=False)
+            self._free.append(oldest)
+        host = self._free.pop()
+        self._copy_out(cache, [block], [host])
+        self._prefix[block_hash] = host
+
+    def has_prefix(self, block_hash: int) -> bool:
+        return block_hash in self._prefix
+
+    def take_prefix(self, block_hash: int) -> int:
+        """Take a saved prefix block out of the LRU (its copy stays until ``restore``)."""
+        host = self._prefix.pop(block_hash)
+        self.swapped_blocks += 1  # held, as a swapped block is, until restored
+        return host
+
+    def restore(self, host: int, cache: torch.Tensor, block: int) -> None:
+        """Copy a taken prefix block into device block ``block`` and free it here (the
+        device holds it now, and saves it again if it reuses the block)."""
+        self._copy_in(cache, [host], [block])
+        self.release([host])
+        self.prefix_hits += 1
+
+    # --- swapped sequences ---
+
+    def swap_out(self, cache: torch.Tensor, blocks: list[int]) -> list[int] | None:
+        """Copy ``blocks`` out to the tier (evicting prefix blocks for room); None, and
+        nothing taken, when the tier cannot hold them."""
+        n = len(blocks)
+        if n > len(self._free) + len(self._prefix):
+            return None
+        while len(self._free) < n:
+            _, oldest = self._prefix.popitem(last=False)
+            self._free.append(oldest)
+        host = [self._free.pop() for _ in range(n)]
+        self._copy_out(cache, blocks, host)
+        self.swapped_blocks += n
+        self.swaps_out += 1
+        return host
+
+    def swap_in(self, host: list[int], cache: torch.Tensor, blocks: list[int]) -> None:
+        """Copy a swapped sequence's blocks back into device ``blocks`` and free them here."""
+        self._copy_in(cache, host, blocks)
+        self.release(host)
+        self.swaps_in += 1
+
+    def release(self, host: list[int]) -> None:
+        """Free a swapped sequence's blocks without copying them back (it ended)."""
+        self._free.extend(host)
+        self.swapped_blocks -= len(host)
+
+    # --- copies ---
+
+    def _copy_out(self, cache: torch.Tensor, blocks: list[int], host: list[int]) -> None:
+        src = cache.index_select(2, torch.tensor(blocks, device=cache.device))
+        self.tensor.index_copy_(2, torch.tensor(host), src.to("cpu", non_blocking=False))
+
+    def _copy_in(self, cache: torch.Tensor, host: list[int], blocks: list[int]) -> None:
+        src = self.tensor.index_select(2, torch.tensor(host))
+        cache.index_copy_(2, torch.tensor(blocks, device=cache.device), src.to(cache.device))
+
+    def check_integrity(self) -> None:
+        held = len(self._prefix) + self.swapped_blocks
+        assert held + len(self._free) == self.num_blocks, (
+            f"host tier: {held} held + {len(self._free)} free != {self.num_blocks}"
+        )
+        assert len(set(self._free)) == len(self._free), "host tier: a block is free twice"

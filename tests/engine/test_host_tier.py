@@ -1,0 +1,135 @@
+"""The host-memory KV tier: prefix blocks evicted from the cache come back from it, and
+a preempted sequence is swapped out and in instead of recomputed; the tokens are the
+same as without the tier, and no block stays held on either side."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.kv_cache import bytes_per_block
+from tandem.engine.sampling_params import SamplingParams
+from tests.conftest import make_engine
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+BLOCK = 4
+
+
+def _tiered(tiny_engine, num_blocks: int, host_blocks: int, **overrides):
+    per_block = bytes_per_block(tiny_engine.model_config, BLOCK, tiny_engine.dtype)
+    return make_engine(
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        host_kv_cache_bytes=host_blocks * per_block,
+        **overrides,
+    )
+
+
+def _no_leaks(engine) -> None:
+    engine.kv.pool.check_integrity()
+    assert engine.kv.pool.num_used == 0
+    if engine.kv.host is not None:
+        engine.kv.host.check_integrity()
+        assert engine.kv.host.swapped_blocks == 0
+
+
+def _computed_tokens(engine) -> list[int]:
+    """Counts every token the model computes from now on (prompt chunks and decodes)."""
+    counted = [0]
+    run = engine.runner.run
+
+    def counting(work, *args, **kwargs):
+        counted[0] += sum(n for _, n in work)
+        return run(work, *args, **kwargs)
+
+    engine.runner.run = counting
+    return counted
+
+
+def test_an_evicted_prefix_is_served_from_the_host_tier(tiny_engine):
+    shared = tiny_engine.tokenizer.encode("The quick brown fox jumps")
+    question = shared + tiny_engine.tokenizer.encode(" and then?")
+    expected = tiny_engine.generate([question], GREEDY)[0]
+    engine = _tiered(tiny_engine, num_blocks=24, host_blocks=32)
+
+    engine.generate([shared], GREEDY)  # its full blocks stay cached when it ends
+    assert engine.kv.host.prefix_hits == 0
+    # Other prompts take every block: the cached prefix blocks are reused, and saved.
+    others = [tiny_engine.tokenizer.encode(f"{i} " * 20) for i in range(3)]
+    for other in others:
+        engine.generate([other], GREEDY)
+    hits_before = engine.kv.prefix_hit_tokens
+
+    got = engine.generate([question], GREEDY)[0]
+
+    assert got == expected
+    served = engine.kv.host.prefix_hits
+    assert served >= (len(shared) - 1) // BLOCK - 1  # all but what the device still held
+    assert engine.kv.prefix_hit_tokens - hits_before >= served * BLOCK
+    _no_leaks(engine)
+
+
+def test_preemption_swaps_out_and_in_with_the_same_tokens_and_no_recompute(tiny_engine):
+    texts = ("hello there", "你好，世界", "a" * 40, "The quick brown fox " * 6, "x", "hi")
+    prompts = [tiny_engine.tokenizer.encode(t) for t in texts]
+    expected = [tiny_engine.generate([p], GREEDY)[0] for p in prompts]
+    # 12 blocks of 16 tokens cannot hold six growing sequences at once (as in
+    # test_engine.py's preemption test); the tier can hold every preempted one.
+    per_block = bytes_per_block(tiny_engine.model_config, 16, tiny_engine.dtype)
+    recompute = make_engine(num_blocks=12, block_size=16)
+    swap = make_engine(num_blocks=12, block_size=16, host_kv_cache_bytes=64 * per_block)
+    counts = [_computed_tokens(recompute), _computed_tokens(swap)]
+
+    assert recompute.generate(prompts, GREEDY) == expected
+    assert swap.generate(prompts, GREEDY) == expected
+
+    assert recompute.stats.preemptions > 0 and swap.stats.preemptions > 0
+    host = swap.kv.host
+    assert host.swaps_out == swap.stats.preemptions and host.swaps_in == host.swaps_out
+    exact = sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+    assert counts[1][0] == exact  # nothing computed twice
+    assert counts[0][0] > exact  # recompute did
+    _no_leaks(swap)
+    _no_leaks(recompute)
+
+
+def test_a_swapped_request_that_is_aborted_frees_its_host_blocks(tiny_engine):
+    engine = _tiered(tiny_engine, num_blocks=8, host_blocks=16)
+    long = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first = engine.add_request(tiny_engine.tokenizer.encode("a" * 10), long)
+    second = engine.add_request(tiny_engine.tokenizer.encode("b" * 10), long)
+    while engine.kv.host.swapped_blocks == 0:
+        assert engine.has_unfinished(), "the scenario must swap a sequence out"
+        engine.step()
+    swapped = next(r for r in (first, second) if engine._requests[r].seq.host_blocks)
+
+    engine.abort(swapped)
+
+    assert engine.kv.host.swapped_blocks == 0
+    while engine.has_unfinished():
+        engine.step()
+    _no_leaks(engine)
+
+
+def test_without_room_in_the_tier_preemption_recomputes(tiny_engine):
+    engine = _tiered(tiny_engine, num_blocks=8, host_blocks=1)
+    prompts = [tiny_engine.tokenizer.encode(t) for t in ("a" * 10, "b" * 10)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expected = [tiny_engine.generate([p], params)[0] for p in prompts]
+    assert engine.generate(prompts, params) == expected
+    assert engine.stats.preemptions > 0 and engine.kv.host.swaps_out == 0
+    _no_leaks(engine)
+
+
+def test_a_negative_host_tier_is_refused_by_name():
+    from tandem.config import EngineConfig
+    from tandem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="host_kv_cache_bytes must be >= 0"):
+        EngineConfig(host_kv_cache_bytes=-1)
+
+
+def test_a_host_tier_too_small_for_one_block_is_refused_by_name():
+    from tandem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="host_kv_cache_bytes 100 holds no KV block of"):
+        make_engine(host_kv_cache_bytes=100)

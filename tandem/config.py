@@ -34,7 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # triton on CUDA, cpu on CPU (when they load), else torch
     # auto: the model's dtype. int8: each token's K and V per head as int8 with a float16
     # scale (absmax / 127), 0.52x the bytes of bfloat16 in memory, on the wire and per
-    # decode step; a small loss of quality (bench/kv_int8_quality.py). A KV transfer
+    # decode step; a small loss of quality (bench/kv_int8.py). A KV transfer
     # needs the same on both sides (the handshake names it).
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default

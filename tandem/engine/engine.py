@@ -223,6 +223,8 @@ class LLMEngine:
         ``output_ids``: tokens this request already generated (and streamed) elsewhere;
         it continues after them exactly as if it had generated them here.
         """
+        if prefill_only:  # its KV is shipped whole: no window applies
+            self._check_fits_whole(len(prompt_ids) + len(output_ids), "a prefill worker ships")
         seq = self._new_sequence(prompt_ids, params, request_id, output_ids)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
@@ -296,19 +298,32 @@ class LLMEngine:
         reserved = sum(r.seq.status is Status.RESERVED for r in self._requests.values())
         if len(self.scheduler.running) + reserved >= self.config.max_num_seqs:
             raise OutOfBlocksError(f"max_num_seqs ({self.config.max_num_seqs}) reached")
-        seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
-        if match_prefix:
-            self.kv.match_prefix(seq)
         ahead = self.config.reserve_output_tokens
         output = params.max_tokens
         if ahead is not None:
             output = min(output, len(output_ids) + ahead)
         total = len(prompt_ids) + output
+        self._check_fits_whole(total, "a decode worker reserves")
+        seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
+        if match_prefix:
+            self.kv.match_prefix(seq)
+            self.kv.slide(seq)
         if not self.kv.ensure(seq, total):
             need = self.kv.blocks_for(total) - len(seq.block_table)
             self.kv.free(seq)  # the shared prefix blocks, if any
             raise OutOfBlocksError(f"request needs {need} KV blocks, {self.kv.pool.num_free} free")
         return seq
+
+    def _check_fits_whole(self, num_tokens: int, holder: str) -> None:
+        """Refuse, naming the limit, KV that must be held whole (before any window
+        applies) but can never fit the pool. Without a window ``validate`` implies it."""
+        blocks = self.kv.blocks_for(num_tokens)
+        if blocks > self.kv.pool.num_blocks:
+            raise InvalidRequestError(
+                "prompt",
+                f"{holder} the KV of {num_tokens} tokens whole: {blocks} KV blocks, the pool "
+                f"has {self.kv.pool.num_blocks} (kv_window_tokens applies after admission)",
+            )
 
     def admit(self, request_id: str, first_token: int) -> RequestOutput:
         """Decode side: the KV of every token so far (prompt and any earlier output) is

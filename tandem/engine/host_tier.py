@@ -10,10 +10,9 @@ Two kinds of blocks live here:
   is recomputed instead.
 
 The tier's tensor has the cache's layout and dtype with its own block count; on a
-CUDA cache it is pinned, so copies run at PCIe rather than pageable speed. Copies
-are ``index_select`` / ``index_copy_`` along the blocks dim, all layers and K/V at
-once. Counters (for Status and the metrics): blocks held, swaps out and in, prefix
-blocks and tokens served from the tier.
+CUDA cache it is pinned, and each block is copied slice to slice between the two
+(all layers, K and V) with no staging copy in pageable memory. Counters (for
+Status and the metrics): blocks held, swaps out and in, prefix blocks served.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ class HostTier:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))
         self._prefix: OrderedDict[int, int] = OrderedDict()  # hash -> block, oldest first
-        self.swapped_blocks = 0  # held by swapped-out sequences
+        self.held_blocks = 0  # out of the LRU: swapped sequences', prefix blocks taken
         self.swaps_out = 0
         self.swaps_in = 0
         self.prefix_hits = 0  # blocks served back from the tier
@@ -67,7 +66,7 @@ class HostTier:
     def take_prefix(self, block_hash: int) -> int:
         """Take a saved prefix block out of the LRU (its copy stays until ``restore``)."""
         host = self._prefix.pop(block_hash)
-        self.swapped_blocks += 1  # held, as a swapped block is, until restored
+        self.held_blocks += 1  # until restored
         return host
 
     def restore(self, host: int, cache: torch.Tensor, block: int) -> None:
@@ -90,7 +89,7 @@ class HostTier:
             self._free.append(oldest)
         host = [self._free.pop() for _ in range(n)]
         self._copy_out(cache, blocks, host)
-        self.swapped_blocks += n
+        self.held_blocks += n
         self.swaps_out += 1
         return host
 
@@ -101,22 +100,26 @@ class HostTier:
         self.swaps_in += 1
 
     def release(self, host: list[int]) -> None:
-        """Free a swapped sequence's blocks without copying them back (it ended)."""
+        """Free held blocks (copied back, or of a swapped sequence that ended)."""
         self._free.extend(host)
-        self.swapped_blocks -= len(host)
+        self.held_blocks -= len(host)
 
     # --- copies ---
 
     def _copy_out(self, cache: torch.Tensor, blocks: list[int], host: list[int]) -> None:
-        src = cache.index_select(2, torch.tensor(blocks, device=cache.device))
-        self.tensor.index_copy_(2, torch.tensor(host), src.to("cpu", non_blocking=False))
+        for b, h in zip(blocks, host, strict=True):
+            self.tensor[:, :, h].copy_(cache[:, :, b], non_blocking=True)
+        if cache.is_cuda:  # the device blocks are reused right after
+            torch.cuda.synchronize(cache.device)
 
     def _copy_in(self, cache: torch.Tensor, host: list[int], blocks: list[int]) -> None:
-        src = self.tensor.index_select(2, torch.tensor(host))
-        cache.index_copy_(2, torch.tensor(blocks, device=cache.device), src.to(cache.device))
+        for h, b in zip(host, blocks, strict=True):
+            cache[:, :, b].copy_(self.tensor[:, :, h], non_blocking=True)
+        if cache.is_cuda:  # the host blocks are released right after
+            torch.cuda.synchronize(cache.device)
 
     def check_integrity(self) -> None:
-        held = len(self._prefix) + self.swapped_blocks
+        held = len(self._prefix) + self.held_blocks
         assert held + len(self._free) == self.num_blocks, (
             f"host tier: {held} held + {len(self._free)} free != {self.num_blocks}"
         )

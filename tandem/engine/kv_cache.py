@@ -86,7 +86,8 @@ class KVCache:
         steps of at most ``chunk_tokens`` (bounded by the window where there is one)."""
         if self.window_tokens is None:
             return self.blocks_for(num_tokens)
-        kept = self.sink_blocks * self.block_size + self.window_tokens + self.block_size
+        # After a slide the table holds the sinks and fewer than window + block tokens.
+        kept = self.sink_blocks * self.block_size + self.window_tokens + self.block_size - 1
         return self.blocks_for(min(num_tokens, kept + chunk_tokens))
 
     def slide(self, seq: Sequence) -> int:
@@ -159,8 +160,8 @@ class KVCache:
         to swap whenever the tier has room.
         """
         computed = self.blocks_for(self.table_index(seq, seq.num_computed))
-        if self.host is None or seq.host_blocks is not None or not computed:
-            return False  # (nothing computed: nothing to keep)
+        if self.host is None or not computed:  # (nothing computed: nothing to keep)
+            return False
         host = self.host.swap_out(self.tensor, seq.block_table[:computed])
         if host is None:
             return False

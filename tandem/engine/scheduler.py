@@ -66,6 +66,7 @@ class Scheduler:
                     break
             else:
                 self.kv.match_prefix(seq)
+                self.kv.slide(seq)  # a cached prefix longer than a KV window
                 n = min(seq.num_uncomputed, budget)
                 if not self.kv.ensure(seq, seq.num_computed + n):
                     self.kv.free(seq)  # do not hold prefix blocks while waiting

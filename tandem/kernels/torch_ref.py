@@ -38,11 +38,6 @@ def row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if cache_dtype == torch.int8 else head_dim
 
 
-def head_dim_of(cache: torch.Tensor) -> int:
-    """The model's head_dim of a cache (its last dim, less an int8 cache's scale)."""
-    return cache.shape[-1] - (INT8_SCALE_BYTES if cache.dtype == torch.int8 else 0)
-
-
 @functools.cache
 def _hadamard(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Orthonormal and symmetric: a block-diagonal of Sylvester Hadamard matrices, one

@@ -247,8 +247,9 @@ def test_a_decode_worker_with_a_kv_window_slides_the_arrived_kv(tiny_engine):
     # from admission on, as the colocated engine with the same window does.
     window = dict(block_size=4, kv_sink_tokens=4, kv_window_tokens=8)
     prefill = make_engine(block_size=4)
-    decode = make_engine(num_blocks=16, **window)
-    prompt = tiny_engine.tokenizer.encode("hello there")
+    decode = make_engine(num_blocks=24, **window)
+    prompt = tiny_engine.tokenizer.encode("hello there, general kenobi")  # past the window
+    assert len(prompt) >= 4 + 8 + 4
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = _colocated(make_engine(**window), prompt, params)
     assert _split(prefill, decode, prompt, params) == expected

@@ -29,7 +29,7 @@ def _no_leaks(engine) -> None:
     assert engine.kv.pool.num_used == 0
     if engine.kv.host is not None:
         engine.kv.host.check_integrity()
-        assert engine.kv.host.swapped_blocks == 0
+        assert engine.kv.host.held_blocks == 0
 
 
 def _computed_tokens(engine) -> list[int]:
@@ -97,14 +97,14 @@ def test_a_swapped_request_that_is_aborted_frees_its_host_blocks(tiny_engine):
     long = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     first = engine.add_request(tiny_engine.tokenizer.encode("a" * 10), long)
     second = engine.add_request(tiny_engine.tokenizer.encode("b" * 10), long)
-    while engine.kv.host.swapped_blocks == 0:
+    while engine.kv.host.held_blocks == 0:
         assert engine.has_unfinished(), "the scenario must swap a sequence out"
         engine.step()
     swapped = next(r for r in (first, second) if engine._requests[r].seq.host_blocks)
 
     engine.abort(swapped)
 
-    assert engine.kv.host.swapped_blocks == 0
+    assert engine.kv.host.held_blocks == 0
     while engine.has_unfinished():
         engine.step()
     _no_leaks(engine)
@@ -133,3 +133,23 @@ def test_a_host_tier_too_small_for_one_block_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="host_kv_cache_bytes 100 holds no KV block of"):
         make_engine(host_kv_cache_bytes=100)
+
+
+def test_swapping_keeps_an_int8_windowed_sequence_exactly(tiny_engine):
+    # A swapped sequence keeps its quantized blocks, its window and what the window
+    # freed: the tokens of an unpreempted run with the same settings.
+    settings = dict(
+        block_size=BLOCK, kv_cache_dtype="int8", kv_window_tokens=8, max_num_batched_tokens=8
+    )
+    texts = ("a" * 10, "b" * 12, "c" * 9)
+    prompts = [tiny_engine.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    reference = make_engine(**settings)
+    expected = [reference.generate([p], params)[0] for p in prompts]
+    per_block = bytes_per_block(tiny_engine.model_config, BLOCK, reference.kv_dtype)
+    engine = make_engine(num_blocks=10, host_kv_cache_bytes=32 * per_block, **settings)
+
+    assert engine.generate(prompts, params) == expected
+
+    assert engine.kv.host.swaps_in > 0 and engine.kv.window_evicted_blocks > 0
+    _no_leaks(engine)

@@ -38,31 +38,35 @@ def _kept(positions: int, computed_before: int) -> list[int]:
                                                                    positions + 1))  # fmt: skip
 
 
-def _hf_windowed_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+def _hf_windowed_greedy(hf, prompt: list[int], steps: int, chunk: int) -> list[int]:
     ids = list(prompt)
     for _ in range(steps):
         n = len(ids)
         mask = torch.full((1, 1, n, n), float("-inf"))
         for p in range(n):
-            # Prompt rows were computed in one prefill (all earlier prompt tokens); a
-            # generated token's row when n - 1 ... were computed one step at a time.
-            seen = list(range(p + 1)) if p < len(prompt) else _kept(p, p)
-            mask[0, 0, p, seen] = 0.0
+            # A prompt row was computed in its chunk, over what the window kept before
+            # the chunk and the chunk's tokens up to it; a generated token's row alone.
+            computed_before = p // chunk * chunk if p < len(prompt) else p
+            mask[0, 0, p, _kept(p, computed_before)] = 0.0
         with torch.no_grad():
             logits = hf(torch.tensor([ids]), attention_mask=mask).logits
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
 
-def test_windowed_decoding_matches_hf_under_the_same_mask(tiny_engine, tiny_hf):
-    prompt = tiny_engine.tokenizer.encode("hello there")  # shorter than sinks + window
-    assert len(prompt) < SINKS + WINDOW
-    engine = _window_engine(num_blocks=32)
+@pytest.mark.parametrize(
+    ("text", "chunk"),
+    [("hello there", 1024), ("The quick brown fox jumps over the lazy dog", 8)],
+    ids=["short-prompt", "prompt-in-chunks-past-the-window"],
+)
+def test_windowed_decoding_matches_hf_under_the_same_mask(tiny_engine, tiny_hf, text, chunk):
+    prompt = tiny_engine.tokenizer.encode(text)
+    engine = _window_engine(num_blocks=32, max_num_batched_tokens=chunk)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
     got = engine.generate([prompt], params)[0]
 
-    assert got == _hf_windowed_greedy(tiny_hf, prompt, 40)
+    assert got == _hf_windowed_greedy(tiny_hf, prompt, 40, chunk)
     assert got != tiny_engine.generate([prompt], params)[0]  # the window changed something
     assert engine.kv.window_evicted_blocks > 0
     engine.kv.pool.check_integrity()
@@ -77,11 +81,17 @@ def test_a_sequence_runs_past_the_pool_in_constant_memory(tiny_engine, kv_cache_
     assert len(prompt) > 2 * (SINKS + WINDOW)  # the prompt itself slides while prefilled
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     rid = engine.add_request(prompt, params)
+    seq = engine._requests[rid].seq
     used, tokens = [], 0
     while engine.has_unfinished():
         for out in engine.step():
             tokens += len(out.token_ids)
         used.append(engine.kv.pool.num_used)
+        # The spec: the sink block, then at least WINDOW and fewer than WINDOW + BLOCK
+        # computed tokens, once the sequence is past them.
+        window = engine.kv.table_index(seq, seq.num_computed) - BLOCK
+        if seq.num_computed >= BLOCK + WINDOW + BLOCK and not seq.finished:
+            assert WINDOW <= window < WINDOW + BLOCK, (seq.num_computed, window)
 
     assert tokens == 300
     # Sinks (1 block) + the window (at most 3 blocks) + the block being filled, and a
@@ -109,3 +119,17 @@ def test_scoring_through_the_window_differs_only_past_it(tiny_engine):
     first_slide = -(-SINKS // BLOCK) * BLOCK + WINDOW + BLOCK
     assert windowed[: first_slide - 1] == pytest.approx(full[: first_slide - 1], abs=1e-5)
     assert windowed != pytest.approx(full, abs=1e-5)
+
+
+def test_kv_held_whole_that_cannot_fit_is_refused_by_name(tiny_engine):
+    # A prefill worker ships a prompt's KV whole, and a decode worker reserves it whole:
+    # the window applies only after, so such a prompt must fit the pool.
+    engine = _window_engine(num_blocks=8, max_num_batched_tokens=8)
+    prompt = tiny_engine.tokenizer.encode("a" * 40)  # 10 blocks of 4
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.validate(prompt, params)  # colocated, the window bounds it
+    with pytest.raises(InvalidRequestError, match="ships the KV of 40 tokens whole: 10 KV"):
+        engine.add_request(prompt, params, "p", prefill_only=True)
+    with pytest.raises(InvalidRequestError, match="reserves the KV of 44 tokens whole: 11 KV"):
+        engine.reserve(prompt, params, "d")
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()

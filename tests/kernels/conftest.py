@@ -40,3 +40,28 @@ def cpu_backend_or_skip():
 
     assert cpu.load(), "the cpu backend's kernels did not build: see the log"
     return cpu
+
+
+BACKEND_NAMES = ("torch", "cpu", "triton")
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request: pytest.FixtureRequest):
+    """Each attention backend that can run here (triton interpreted on CPU)."""
+    if request.param == "triton":
+        triton_backend_or_skip()
+    if request.param == "cpu":
+        cpu_backend_or_skip()
+    from tandem.kernels import get_backend
+
+    return get_backend(request.param)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for the module: on tiny tensors extra threads only add
+    synchronisation, which costs tens of milliseconds per op when the cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,7 +1,7 @@
 """The attention backends against a naive dense reference.
 
-The reference and the cases are backend-generic: every backend in ``BACKEND_NAMES``
-runs every case (triton on CPU through its interpreter, cpu where a C compiler is;
+The reference and the cases are backend-generic: every backend in conftest.py's
+``BACKEND_NAMES`` runs every case (triton on CPU through its interpreter, cpu where a C compiler is;
 see conftest.py). Only
 ``gather_kv``, a helper of the torch reference itself, is tested outside that list.
 
@@ -20,10 +20,11 @@ from types import ModuleType
 import pytest
 import torch
 
-from tandem.kernels import get_backend, torch_ref
-from tests.kernels.conftest import cpu_backend_or_skip, triton_backend_or_skip
+from tandem.kernels import torch_ref
 
-BACKEND_NAMES = ("torch", "cpu", "triton")
+# The backend fixture (conftest.py) runs each test on every backend; tiny tensors
+# run on one torch thread.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 KV_HEADS = 2
 HEAD_DIM = 32
@@ -55,25 +56,6 @@ class Shape:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(HEAD_DIM)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tensors here are tiny: extra intra-op threads only add synchronisation, which
-    # costs tens of milliseconds per op when the cores are busy with other work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(params=BACKEND_NAMES)
-def backend(request: pytest.FixtureRequest) -> ModuleType:
-    if request.param == "triton":
-        triton_backend_or_skip()
-    if request.param == "cpu":
-        cpu_backend_or_skip()
-    return get_backend(request.param)
 
 
 @pytest.fixture(

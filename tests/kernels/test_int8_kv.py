@@ -15,29 +15,14 @@ from types import ModuleType
 import pytest
 import torch
 
-from tandem.kernels import get_backend, torch_ref
-from tests.kernels.conftest import cpu_backend_or_skip, triton_backend_or_skip
+from tandem.kernels import torch_ref
 from tests.kernels.test_backends import TOLERANCES, reference_attention
+
+# Every backend that runs here (the backend fixture, conftest.py), on one thread.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 32, 4, 12
 WIDTH = HEAD_DIM + torch_ref.INT8_SCALE_BYTES
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(params=["torch", "cpu", "triton"])
-def backend(request: pytest.FixtureRequest) -> ModuleType:
-    if request.param == "triton":
-        triton_backend_or_skip()
-    if request.param == "cpu":
-        cpu_backend_or_skip()
-    return get_backend(request.param)
 
 
 def _randn(*size: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -191,3 +176,37 @@ def test_decode_attention_over_an_int8_cache(
         torch.testing.assert_close(out[i : i + 1].double(), expected, **TOLERANCES[dtype])
         unquantized = reference_attention(q[i : i + 1], s[1], s[2], [n - 1], scale)
         assert (out[i : i + 1].double() - unquantized).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96])
+def test_the_cpu_store_is_the_reference_bit_for_bit_for_any_head_size(head_dim: int) -> None:
+    # 80 and 96 rotate in two Hadamard blocks (64 + 16, 64 + 32), in C as in torch.
+    from tests.kernels.conftest import cpu_backend_or_skip
+
+    cpu = cpu_backend_or_skip()
+    k = _randn(9, KV_HEADS, head_dim, seed=60, dtype=torch.bfloat16)
+    v = _randn(9, KV_HEADS, head_dim, seed=61, dtype=torch.bfloat16)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE)[:9]
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim + 2)
+    caches = [torch.zeros(shape, dtype=torch.int8) for _ in range(4)]
+    torch_ref.store_kv(k, v, caches[0], caches[1], slots)
+    cpu.store_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_the_cpu_store_refuses_shapes_it_would_write_past() -> None:
+    from tests.kernels.conftest import cpu_backend_or_skip
+
+    cpu = cpu_backend_or_skip()
+    k = _randn(3, KV_HEADS, HEAD_DIM, seed=62)
+    cache = _empty_cache()
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="is not k's"):
+        cpu.store_kv(k, k[:, :1], cache, cache.clone(), slots)
+    narrow = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.int8)
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu.store_kv(k, k, narrow, narrow.clone(), slots)
+    with pytest.raises(ValueError, match="slots for 3 tokens"):
+        cpu.store_kv(k, k, cache, cache.clone(), slots[:2])
+    with pytest.raises(ValueError, match="a slot outside"):
+        cpu.store_kv(k, k, cache, cache.clone(), torch.tensor([0, 1, NUM_BLOCKS * BLOCK_SIZE]))

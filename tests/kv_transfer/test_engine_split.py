@@ -90,33 +90,25 @@ def test_a_continued_request_ships_the_kv_of_its_earlier_output_too(tiny_engine)
         assert engine.kv.pool.num_used == 0
 
 
-def test_engines_with_different_block_sizes_refuse_to_connect():
+@pytest.mark.parametrize(
+    ("prefill_settings", "decode_settings", "named"),
+    [
+        ({"block_size": 16}, {"block_size": 32}, "block_size: prefill 16, decode 32"),
+        ({"kv_cache_dtype": "int8"}, {}, "kv_cache_dtype: prefill int8, decode auto"),
+    ],
+    ids=["block_size", "kv_cache_dtype"],
+)
+def test_engines_with_different_kv_layouts_refuse_each_other_by_name(
+    prefill_settings, decode_settings, named
+):
     from tandem.kv_transfer import HandshakeError
 
-    prefill, decode = make_engine(block_size=16), make_engine(block_size=32, num_blocks=8)
+    prefill, decode = make_engine(**prefill_settings), make_engine(num_blocks=8, **decode_settings)
     receiver = make_receiver("inproc", decode.kv.tensor, decode.kv_fingerprint())
     sender = make_sender("inproc", prefill.kv.tensor, prefill.kv_fingerprint())
     try:
         dest = receiver.expect("r", decode.reserve([5] * 20, GREEDY, "r"), lease_s=5)
-        with pytest.raises(HandshakeError, match="block_size: prefill 16, decode 32"):
-            sender.send(dest, [0], 1).result(5)
-    finally:
-        receiver.release("r")
-        decode.abort("r")
-        sender.close()
-        receiver.close()
-    assert decode.kv.pool.num_used == 0
-
-
-def test_engines_with_different_kv_cache_dtypes_refuse_each_other_by_name():
-    from tandem.kv_transfer import HandshakeError
-
-    prefill, decode = make_engine(kv_cache_dtype="int8"), make_engine(num_blocks=8)
-    receiver = make_receiver("inproc", decode.kv.tensor, decode.kv_fingerprint())
-    sender = make_sender("inproc", prefill.kv.tensor, prefill.kv_fingerprint())
-    try:
-        dest = receiver.expect("r", decode.reserve([5] * 20, GREEDY, "r"), lease_s=5)
-        with pytest.raises(HandshakeError, match="kv_cache_dtype: prefill int8, decode auto"):
+        with pytest.raises(HandshakeError, match=named):
             sender.send(dest, [0], 1).result(5)
     finally:
         receiver.release("r")

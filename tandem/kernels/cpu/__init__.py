@@ -80,7 +80,7 @@ def store_kv(
     """As :func:`tandem.kernels.torch_ref.store_kv`: into an int8 cache by the C store
     (bit-identical rows, one pass), into a float cache by the reference's copy."""
     store = _stores.get(k.dtype)
-    head_dim = k.shape[-1]
+    tokens, kv_heads, head_dim = k.shape
     if (
         k_cache.dtype != torch.int8
         or store is None
@@ -90,6 +90,16 @@ def store_kv(
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
     ):
         return _torch_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    # The kernel trusts every shape it is given.
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"store_kv: v {tuple(v.shape)} {v.dtype} is not k's")
+    if v_cache.shape != k_cache.shape or k_cache.shape[2:] != (kv_heads, head_dim + 2):
+        raise ValueError(
+            f"store_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
+            f"{kv_heads} heads of {head_dim} int8 values and a scale"
+        )
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"store_kv: {tuple(slot_mapping.shape)} slots for {tokens} tokens")
     slots = slot_mapping.to(torch.int64).contiguous()
     capacity = k_cache.shape[0] * k_cache.shape[1]
     # The kernel trusts the slots, as it must not write past the cache.
@@ -98,8 +108,8 @@ def store_kv(
     status = store(
         k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), slots.numel(),
-        k.shape[1], head_dim, torch.get_num_threads(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), tokens,
+        kv_heads, head_dim, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"store_kv: the CPU kernel refused the shapes (status {status})")

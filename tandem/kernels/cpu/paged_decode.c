@@ -189,9 +189,13 @@ DEFINE_DECODE(tandem_decode_attention_f32_i8, float, f32_load, f32_store,
  *   slots   [tokens] int64 */
 static void quantize_row(const float* x, int64_t dim, int8_t* out) {
     float absmax = 0.f;
-    for (int64_t d = 0; d < dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+    int nan = 0; /* as torch's amax and clamp: a NaN in the row makes the scale NaN */
+    for (int64_t d = 0; d < dim; d++) {
+        nan |= isnan(x[d]);
+        absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
+    }
     float limit = absmax / 127.f;
-    limit = limit < 65504.f ? limit : 65504.f;
+    limit = nan ? NAN : (limit < 65504.f ? limit : 65504.f);
     const _Float16 scale = (_Float16)limit;
     const float s = (float)scale;
     for (int64_t d = 0; d < dim; d++) {
@@ -212,13 +216,14 @@ static void quantize_row(const float* x, int64_t dim, int8_t* out) {
         for (int64_t task = 0; task < tokens * kv_heads; task++) {                            \
             const int64_t t = task / kv_heads, h = task % kv_heads;                           \
             const int64_t at = (slots[t] * kv_heads + h) * width;                             \
-            float x[MAX_DIM];                                                                 \
-            for (int64_t d = 0; d < dim; d++) x[d] = LOAD(k[t * k_st + h * k_sh + d]);        \
-            walsh_hadamard(x, dim);                                                           \
-            quantize_row(x, dim, k_cache + at);                                               \
-            for (int64_t d = 0; d < dim; d++) x[d] = LOAD(v[t * v_st + h * v_sh + d]);        \
-            walsh_hadamard(x, dim);                                                           \
-            quantize_row(x, dim, v_cache + at);                                               \
+            const T* rows[2] = {k + t * k_st + h * k_sh, v + t * v_st + h * v_sh};            \
+            int8_t* caches[2] = {k_cache, v_cache};                                           \
+            for (int kv = 0; kv < 2; kv++) {                                                  \
+                float x[MAX_DIM];                                                             \
+                for (int64_t d = 0; d < dim; d++) x[d] = LOAD(rows[kv][d]);                   \
+                walsh_hadamard(x, dim);                                                       \
+                quantize_row(x, dim, caches[kv] + at);                                        \
+            }                                                                                 \
         }                                                                                     \
         return 0;                                                                             \
     }

@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+# An int8 cache's rows: head_dim values, then their float16 scale as two bytes.
+from tandem.kernels.torch_ref import INT8_SCALE_BYTES
+
 try:  # newer Triton parses its environment in one place
     from triton import knobs
 
@@ -25,9 +28,6 @@ except ImportError:  # older Triton's jit compares the variable with "1"
 INTERPRET: bool = _interpret
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# An int8 cache's rows: head_dim values, then their float16 scale as two bytes
-# (tandem/kernels/torch_ref.py).
-INT8_SCALE_BYTES = 2
 # The kernels' softmax runs in base 2 (exp2): scores are scaled by scale x log2(e).
 LOG2E = 1.4426950408889634
 

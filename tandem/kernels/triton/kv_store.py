@@ -33,9 +33,10 @@ def _store_rows(cache_ptr, rows, x, h_mask, d, HEAD_DIM: tl.constexpr, QUANT: tl
     if QUANT:
         x = x.to(tl.float32)
         absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), 1)
-        scale = tl.minimum(absmax / 127.0, 65504.0).to(tl.float16)
+        # div_rn: IEEE division as torch's (a GPU's "/" is approximate).
+        scale = tl.minimum(tl.math.div_rn(absmax, 127.0), 65504.0).to(tl.float16)
         s = scale.to(tl.float32)[:, None]
-        q = tl.where(s > 0, x / tl.where(s > 0, s, 1.0), 0.0)
+        q = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
         q = tl.minimum(tl.maximum(tl.floor(q + 0.5), -127.0), 127.0)
         tl.store(dst, q.to(tl.int8), mask=mask)
         bits = scale.to(tl.uint16, bitcast=True)

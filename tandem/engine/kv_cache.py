@@ -155,7 +155,7 @@ class KVCache:
         tier or room in it, and the caller recomputes instead.
 
         Swapping a block costs two copies of its bytes; recomputing it, its tokens'
-        prefill: bench/host_tier.py measures both (swapping was ~130x cheaper on
+        prefill: bench/host_tier.py measures both (swapping was ~500x cheaper on
         this CPU, and a GPU's compute and PCIe keep it far ahead), so the policy is
         to swap whenever the tier has room.
         """

@@ -76,15 +76,20 @@ class Streams:
         return [len(t) for t in self.tokens]
 
 
-def _busiest_decode(c):
+def _busiest_decode(c, timeout: float = 10):
     """The decode worker with the most streams in its batch now (the victim to pick:
     on a crowded machine one worker's 200-token streams can all end before the last
-    stream of the other has begun)."""
+    stream of the other has begun). Asked until one has a stream: a Status snapshot
+    is taken before each step, and right after an admission it can still read 0."""
     decode = [w for w in _workers(c) if w.name.startswith("decode")]
-    running = {w.name: _status(c, w).running for w in decode}
-    victim = max(decode, key=lambda w: running[w.name])
-    assert running[victim.name] > 0, f"no stream left in any decode batch: {running}"
-    return victim
+    deadline = time.monotonic() + timeout
+    while True:
+        running = {w.name: _status(c, w).running for w in decode}
+        victim = max(decode, key=lambda w: running[w.name])
+        if running[victim.name] > 0:
+            return victim
+        assert time.monotonic() < deadline, f"no stream left in any decode batch: {running}"
+        time.sleep(0.01)
 
 
 def _router_log(c) -> str:
@@ -168,7 +173,10 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_and_it_leaves(
     expected = _expected(tiny_engine, n)
     with _cluster(tmp_path_factory, "drain", prefill=1, decode=2) as c:
         streams = Streams(c.address, n)
-        streams.wait_until_all_stream()
+        # Every stream begun, and the victim picked at once: the engines run ahead of
+        # their clients, and on a busy machine waiting for 8 tokens each could see the
+        # streams already done.
+        streams.wait_until_all_stream(at_least=1)
         victim = _busiest_decode(c)
         os.kill(victim.popen.pid, signal.SIGTERM)
         streams.join()

@@ -70,9 +70,10 @@ def greedy(engine, args: argparse.Namespace) -> list[list[int]]:
     prompts = []
     for i in range(args.prompts):
         # The fixed questions first, then seeded variations of them.
-        q = QUESTIONS[i] if i < len(QUESTIONS) else f"{rng.choice(QUESTIONS)} Then mention "
-        if i >= len(QUESTIONS):
-            q += rng.choice(topics) + "."
+        if i < len(QUESTIONS):
+            q = QUESTIONS[i]
+        else:
+            q = f"{rng.choice(QUESTIONS)} Then mention {rng.choice(topics)}."
         prompts.append(engine.tokenizer.encode_chat([{"role": "user", "content": q}]))
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     return engine.generate(prompts, params)

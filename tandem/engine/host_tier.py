@@ -51,14 +51,11 @@ class HostTier:
         if block_hash in self._prefix:
             self._prefix.move_to_end(block_hash)
             return
-        if not self._free:
-            if not self._prefix:
-                return
-            _, oldest = self._prefix.popitem(last=False)
-            self._free.append(oldest)
-        host = self._free.pop()
-        self._copy_out(cache, [block], [host])
-        self._prefix[block_hash] = host
+        host = self._take(1)
+        if host is None:
+            return
+        self._copy_out(cache, [block], host)
+        self._prefix[block_hash] = host[0]
 
     def has_prefix(self, block_hash: int) -> bool:
         return block_hash in self._prefix
@@ -81,15 +78,11 @@ class HostTier:
     def swap_out(self, cache: torch.Tensor, blocks: list[int]) -> list[int] | None:
         """Copy ``blocks`` out to the tier (evicting prefix blocks for room); None, and
         nothing taken, when the tier cannot hold them."""
-        n = len(blocks)
-        if n > len(self._free) + len(self._prefix):
+        host = self._take(len(blocks))
+        if host is None:
             return None
-        while len(self._free) < n:
-            _, oldest = self._prefix.popitem(last=False)
-            self._free.append(oldest)
-        host = [self._free.pop() for _ in range(n)]
         self._copy_out(cache, blocks, host)
-        self.held_blocks += n
+        self.held_blocks += len(blocks)
         self.swaps_out += 1
         return host
 
@@ -103,6 +96,16 @@ class HostTier:
         """Free held blocks (copied back, or of a swapped sequence that ended)."""
         self._free.extend(host)
         self.held_blocks -= len(host)
+
+    def _take(self, n: int) -> list[int] | None:
+        """``n`` free blocks, evicting the least recently saved prefix blocks for room;
+        None, and nothing evicted, when even that is not enough."""
+        if n > len(self._free) + len(self._prefix):
+            return None
+        while len(self._free) < n:
+            _, oldest = self._prefix.popitem(last=False)
+            self._free.append(oldest)
+        return [self._free.pop() for _ in range(n)]
 
     # --- copies ---
 

@@ -199,7 +199,8 @@ def test_a_saturated_cluster_queues_and_refuses_but_never_reports_a_worker_down(
     tmp_path_factory,
 ):
     # Decode takes 4 sequences at a time; the router admits 12; 24 clients ask at once,
-    # for longer than the old 2 s down-marking window.
+    # for longer than the old 2 s down-marking window (3 waves of 384 tokens: ~4 s here;
+    # 192 tokens once ran in 1.97 s).
     router = {"max_queue": 12, "status_interval_s": 0.2}
     with _cluster(tmp_path_factory, "saturate", router=router, max_num_seqs=4) as c:
         outcomes: list[str] = []
@@ -209,7 +210,7 @@ def test_a_saturated_cluster_queues_and_refuses_but_never_reports_a_worker_down(
                 with TandemClient(c.address, timeout=120) as client:
                     client.complete(
                         messages=[{"role": "user", "content": _prompt(i)}],
-                        max_tokens=192, ignore_eos=True,
+                        max_tokens=384, ignore_eos=True,
                     )  # fmt: skip
                 outcomes.append("done")
             except Overloaded:

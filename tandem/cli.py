@@ -63,7 +63,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--kv-sinks", type=int, default=None, help="with --kv-window: first tokens kept (4)"
     )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    _add_tensor_parallel_flag(g)
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
+
+
+def _add_tensor_parallel_flag(p) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model over N processes and devices (default 1)",
+    )
 
 
 # The router's public-port flags (tandem serve, python -m tandem.router): dest is the
@@ -142,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router also serves the OpenAI-compatible HTTP API here (0: a free port)",
     )
-    serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    _add_tensor_parallel_flag(serve)
     serve.add_argument(
         "--metrics",
         action="store_true",
@@ -242,6 +256,7 @@ def engine_config(args: argparse.Namespace):
         ("kv_window", "kv_window_tokens"),
         ("kv_sinks", "kv_sink_tokens"),
         ("threads", "num_threads"),
+        ("tensor_parallel_size", "tensor_parallel_size"),
     ):
         if getattr(args, flag, None) is not None:
             values[field] = getattr(args, flag)
@@ -281,15 +296,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.engine.engine import LLMEngine
 
     engine = LLMEngine(engine_config(args))
-    tok = engine.tokenizer
-    if args.raw:
-        prompt_ids = tok.encode(args.prompt)
-    else:
-        prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    stats = _Stream()
-    for out in engine.stream(prompt_ids, params):
-        stats.write(out.text)
-    stats.finish(out.num_prompt_tokens, out.num_output_tokens, out.finish_reason.value)
+    try:
+        tok = engine.tokenizer
+        if args.raw:
+            prompt_ids = tok.encode(args.prompt)
+        else:
+            prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+        stats = _Stream()
+        for out in engine.stream(prompt_ids, params):
+            stats.write(out.text)
+        stats.finish(out.num_prompt_tokens, out.num_output_tokens, out.finish_reason.value)
+    finally:
+        engine.close()
     return 0
 
 
@@ -388,13 +406,16 @@ def serve_config(args: argparse.Namespace):
         router_values["disaggregation"] = {**(router_values.get("disaggregation") or {}),
                                            "mode": mode}  # fmt: skip
         values["router"] = router_values
+    engine = {k: v for k, v in (("model", args.model),
+              ("tensor_parallel_size", getattr(args, "tensor_parallel_size", None)))
+              if v is not None}  # fmt: skip
+    if engine:
+        values["engine"] = {**(values.get("engine") or {}), **engine}
     cfg = cluster_config(values, where=args.config or "")
     given = (("host", args.host), ("port", args.port),
              ("http_port", getattr(args, "http_port", None)))  # fmt: skip
     router = {k: v for k, v in given if v is not None}
     router.update(router_security_settings(args))
-    if args.model is not None:
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=args.model))
     if router:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, **router))
     return cfg

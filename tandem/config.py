@@ -58,6 +58,11 @@ class EngineConfig:
     # recomputed. 0: none. Off by default: on a CPU the cache already is host memory,
     # and the same bytes in kv_cache_bytes serve at least as well.
     host_kv_cache_bytes: int = 0
+    # The model split over this many processes and devices (tandem/engine/parallel.py:
+    # heads and MLP split, one all-reduce after each of a layer's two halves); must
+    # divide the model's attention heads and MLP width. kv_cache_bytes is per rank.
+    # A tensor-parallel worker serves colocated: KV transfer moves one rank's cache.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -98,6 +103,13 @@ class EngineConfig:
             raise ConfigError(
                 "host_kv_cache_bytes must be >= 0 (0: no host tier), "
                 f"got {self.host_kv_cache_bytes}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.host_kv_cache_bytes:
+            raise ConfigError(
+                "host_kv_cache_bytes needs tensor_parallel_size 1: the host tier copies "
+                "one rank's KV"
             )
         if self.kv_sink_tokens < 0:
             raise ConfigError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
@@ -199,6 +211,12 @@ class PrefillConfig:
             raise ConfigError(f"kv_ack_timeout_s must be > 0, got {self.kv_ack_timeout_s}")
         if self.kv_connect_timeout_s <= 0:
             raise ConfigError(f"kv_connect_timeout_s must be > 0, got {self.kv_connect_timeout_s}")
+        if self.engine.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"a prefill worker needs tensor_parallel_size 1, got "
+                f"{self.engine.tensor_parallel_size}: KV transfer between tensor-parallel "
+                "workers is not supported yet (serve tensor-parallel workers colocated)"
+            )
 
 
 @dataclass(frozen=True)
@@ -272,6 +290,15 @@ class DisaggregationConfig:
         for name in ("local_max_tokens", "prefill_queue_max", "local_max_running"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Tensor-parallel workers serve colocated: KV transfer moves one rank's cache."""
+        if size > 1 and self.mode != "never":
+            raise ConfigError(
+                f"tensor_parallel_size {size} needs router.disaggregation.mode 'never' "
+                "(colocated workers, tandem serve --colocated N): KV transfer between "
+                "tensor-parallel workers is not supported yet"
+            )
 
     def check_prefill_workers(self, n: int, setting: str) -> None:
         """A deployment's prefill worker count (``setting`` names it) against the mode."""

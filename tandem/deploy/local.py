@@ -94,13 +94,16 @@ class ClusterConfig:
                 f"got prefill={self.num_prefill}, decode={self.num_decode}"
             )
         self.router.disaggregation.check_prefill_workers(self.num_prefill, "num_prefill")
+        self.router.disaggregation.check_tensor_parallel(self.engine.tensor_parallel_size)
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
 
     def worker_threads(self) -> int:
+        """torch threads for each process that computes (each rank of each worker)."""
         if self.threads_per_worker:
             return self.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
+        ranks = (self.num_prefill + self.num_decode) * self.engine.tensor_parallel_size
+        return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def cluster_config(values: dict, where: str = "") -> ClusterConfig:

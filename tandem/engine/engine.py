@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,13 @@ from tandem.engine.loader import load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.parallel import (
+    ONE_DEVICE,
+    Shard,
+    TensorParallel,
+    check_tensor_parallel,
+    rank_threads,
+)
 from tandem.engine.sampler import Sampler, TokenLogprob, draw_seed, new_seed, token_logprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -93,78 +101,90 @@ class _Request:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig | None = None, kv_allocator: KVAllocator | None = None
+        self,
+        config: EngineConfig | None = None,
+        kv_allocator: KVAllocator | None = None,
+        on_rank_lost: Callable[[str], None] | None = None,
     ) -> None:
-        """``kv_allocator``: where the KV cache tensor is made (see ``KVCache``)."""
+        """``kv_allocator``: where the KV cache tensor is made (see ``KVCache``).
+        ``on_rank_lost(reason)``: with tensor_parallel_size > 1, runs on a watcher
+        thread when another rank exits (parallel.py); steps fail from then on.
+        Call ``close`` when done: it stops the other ranks."""
         self.config = config = config or EngineConfig()
         self.stats = EngineStats()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.tensor_parallel: TensorParallel | None = None
         self.device = resolve_device(config.device)
+        threads = rank_threads(config, self.device)
+        if threads:
+            torch.set_num_threads(threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Before the weights load: a backend that cannot run here fails at once.
         self.attention_backend = resolve_backend(
             config.attention_backend, self.device, config.cache_dir
         )
 
-        model_dir = resolve_model(config.model, config.cache_dir)
-        self.model_dir = model_dir
-        self.model_config = cfg = ModelConfig.from_hf(read_config(model_dir))
-        self.max_model_len = min(
-            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-        model = LlamaModel(cfg, self.max_model_len)
-        try:
-            model.load_hf_state_dict(load_state_dict(model_dir))
-        except ValueError as exc:
-            raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        # The RoPE tables stay float32: positions near the context end need the precision.
-        self.model.rope_cos = self.model.rope_cos.float()
-        self.model.rope_sin_signed = self.model.rope_sin_signed.float()
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()
-            keep_step_buffers_mapped()
-
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)
-
+        self.model_dir, cfg = model_source(config)
+        self.model_config = cfg
+        self.max_model_len = max_model_len(config, cfg)
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(cfg, tp)
+        shard = Shard(0, tp)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        per_block = bytes_per_block(cfg, config.block_size, self.kv_dtype)
+        # Per rank: each holds the KV of its own heads (the same blocks on each).
+        per_block = bytes_per_block(shard.config(cfg), config.block_size, self.kv_dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)
         host_blocks = config.host_kv_cache_bytes // per_block
         if config.host_kv_cache_bytes and not host_blocks:
             raise ConfigError(
                 f"host_kv_cache_bytes {config.host_kv_cache_bytes} holds no KV block of "
                 f"{per_block} bytes (0 turns the host tier off)"
             )
-        self.kv = KVCache(
-            cfg,
-            num_blocks,
-            config.block_size,
-            self.kv_dtype,
-            self.device,
-            config.enable_prefix_caching,
-            kv_allocator,
-            config.kv_window_tokens,
-            config.kv_sink_tokens,
-            host_blocks,
-        )
+
+        # The other ranks load their shards while this one loads its own.
+        if tp > 1:
+            self.tensor_parallel = TensorParallel(config, num_blocks, self.device, on_rank_lost)
+        try:
+            self.model = load_model(config, self.model_dir, cfg, self.device, self.dtype, shard)
+            if self.tensor_parallel is not None:
+                self.model.all_reduce = self.tensor_parallel.connect().all_reduce
+            self.kv = KVCache(
+                shard.config(cfg),
+                num_blocks,
+                config.block_size,
+                self.kv_dtype,
+                self.device,
+                config.enable_prefix_caching,
+                kv_allocator,
+                config.kv_window_tokens,
+                config.kv_sink_tokens,
+                host_blocks,
+            )
+        except BaseException:
+            self.close()
+            raise
         log.info(
-            "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB, %s, %s), %s attention",
+            "model %s: %d layers, KV cache %d blocks x %d tokens (%.0f MiB%s, %s, %s), "
+            "%s attention",
             config.model,
             cfg.num_layers,
             num_blocks,
             config.block_size,
             num_blocks * per_block / 2**20,
+            f" on each of {tp} ranks" if tp > 1 else "",
             str(self.kv_dtype).removeprefix("torch."),
             self.device,
             self.attention_backend,
         )
+        if self.tensor_parallel is not None:
+            self.kv.on_zero = self.tensor_parallel.zeroed
         if host_blocks:
             mib = host_blocks * per_block / 2**20
             log.info("host KV tier: %d blocks (%.0f MiB)", host_blocks, mib)
-        self.runner = ModelRunner(self.model, self.kv, get_backend(self.attention_backend))
+        self.runner = ModelRunner(
+            self.model, self.kv, get_backend(self.attention_backend), self.tensor_parallel
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
@@ -173,6 +193,11 @@ class LLMEngine:
         # Prefill side: on_prefill_layer(layer, [(request_id, block_ids)]) for the
         # prefill_only prompts that complete in the current step, after each layer.
         self.on_prefill_layer: Callable[[int, list[tuple[str, list[int]]]], None] | None = None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def kv_fingerprint(self) -> Fingerprint:
         """What a KV transfer peer must match: model identity, dtype and KV geometry."""
@@ -189,6 +214,7 @@ class LLMEngine:
             block_size=self.kv.block_size,
             checksum=checksum_algorithm_for(self.device),
             kv_cache_dtype=self.config.kv_cache_dtype,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -556,6 +582,40 @@ class LLMEngine:
             for out in self.step():
                 outputs[out.request_id].extend(out.token_ids)
         return [outputs[i] for i in ids]
+
+
+def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:
+    """The model's Hugging Face directory (converted or built once) and its architecture."""
+    model_dir = resolve_model(config.model, config.cache_dir)
+    return model_dir, ModelConfig.from_hf(read_config(model_dir))
+
+
+def max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    return min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def load_model(
+    config: EngineConfig,
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Shard = ONE_DEVICE,
+) -> LlamaModel:
+    """The weights (``shard``'s part of them) on ``device`` in ``dtype``, ready to run."""
+    model = LlamaModel(shard.config(cfg), max_model_len(config, cfg))
+    try:
+        model.load_hf_state_dict(shard.state_dict(load_state_dict(model_dir), cfg))
+    except ValueError as exc:
+        raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
+    model = model.to(device=device, dtype=dtype).eval()
+    # The RoPE tables stay float32: positions near the context end need the precision.
+    model.rope_cos = model.rope_cos.float()
+    model.rope_sin_signed = model.rope_sin_signed.float()
+    if device.type == "cpu":
+        model.pack_for_cpu()
+        keep_step_buffers_mapped()
+    return model
 
 
 def check_request(

@@ -34,6 +34,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class KVCache:
+    # Called with the blocks ``ensure`` zeroed: tensor-parallel ranks zero theirs too.
+    on_zero: Callable[[list[int]], None] | None = None
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -199,6 +202,8 @@ class KVCache:
         # there could be NaN/inf, and masking cannot hide those. Zero them once here
         # rather than masking on every read.
         self.tensor.index_fill_(2, torch.tensor(blocks, device=self.tensor.device), 0)
+        if self.on_zero is not None:
+            self.on_zero(blocks)
         seq.block_table.extend(blocks)
         return True
 

@@ -173,6 +173,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Tensor parallelism (parallel.py): sums a row-parallel output over the ranks in
+    # place; None on one device.
+    all_reduce: Callable[[torch.Tensor], None] | None = None
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -201,13 +205,20 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype)
         sin_signed = self.rope_sin_signed[positions].to(h.dtype)
+        reduce = self.all_reduce
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(
+            out = layer.self_attn(
                 layer.input_layernorm(h), cos, sin_signed, kv_cache[i, 0], kv_cache[i, 1], meta, ops
             )
+            if reduce is not None:
+                reduce(out)
+            h = h + out
             if after_layer is not None:
                 after_layer(i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out = layer.mlp(layer.post_attention_layernorm(h))
+            if reduce is not None:
+                reduce(out)
+            h = h + out
         return self.norm(h)
 
     def pack_for_cpu(self) -> bool:

@@ -91,6 +91,10 @@ class Fingerprint:
     # The setting: auto (the model's dtype) or int8 (values and scales); a peer that
     # predates the field sends none, and its cache is the model's dtype.
     kv_cache_dtype: str = "auto"
+    # A tensor-parallel worker's cache holds one rank's heads (tandem/engine/parallel.py);
+    # KV moves only between workers of width 1 for now, and a peer predating the
+    # field is of width 1.
+    tensor_parallel_size: int = 1
 
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
         """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""

@@ -23,6 +23,10 @@ them, a worker serves only on loopback unless ``cluster.insecure`` is set.
 Metrics: with ``metrics_port`` set, Prometheus text on HTTP (tandem/metrics/),
 read from the same snapshot as ``Status`` plus step and transfer histograms.
 
+A worker with tensor_parallel_size > 1 is that many processes (tandem/engine/parallel.py):
+this one is rank 0; when another rank dies, this process exits (``EXIT_RANK_LOST``)
+and takes the rest with it, so that the router and Ray see one worker's death.
+
 Subclasses add their servicer and their KV transfer endpoint.
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 from typing import NamedTuple
 
 import grpc
@@ -50,6 +55,7 @@ from tandem.security.cluster import ClusterCredentials
 from tandem.security.tls import is_loopback
 
 log = logging.getLogger(__name__)
+EXIT_RANK_LOST = 3  # the worker's exit code when one of its tensor-parallel ranks died
 
 
 class EngineLoad(NamedTuple):
@@ -94,6 +100,7 @@ class WorkerServer(abc.ABC):
         self.engine_load = EngineLoad()
         self.metrics: WorkerMetrics | None = None  # from start(), once the worker id is known
         self._metrics_endpoint: MetricsEndpoint | None = None
+        self._owns_engine = False  # made in start(): closed in stop()
 
     @property
     def metrics_address(self) -> str | None:
@@ -126,8 +133,9 @@ class WorkerServer(abc.ABC):
         self._load_credentials()
         if self.engine is None:
             self.engine = await asyncio.to_thread(
-                LLMEngine, self.config.engine, self._kv_allocator()
+                LLMEngine, self.config.engine, self._kv_allocator(), _rank_lost
             )
+            self._owns_engine = True
         self.loop = EngineLoop(self.engine)
         await asyncio.to_thread(self._open_transfer)
         self.loop.add_hook(self._publish_load)
@@ -202,6 +210,8 @@ class WorkerServer(abc.ABC):
         await self.loop.call(self._abort_all)
         self.loop.stop()
         self._close_transfer()
+        if self._owns_engine:
+            self.engine.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
         log.info("%s worker %s stopped", self.role, self.address)
@@ -261,3 +271,12 @@ class WorkerServer(abc.ABC):
     @abc.abstractmethod
     def _abort_all(self, engine: LLMEngine) -> None:
         """Engine thread: end every request and free its blocks."""
+
+
+def _rank_lost(reason: str) -> None:
+    """A tensor-parallel rank of this worker exited: the worker cannot compute, so it
+    ends as a crashed worker would (the router moves its requests elsewhere, Ray
+    restarts the actor), and its other ranks end with it (parallel.py)."""
+    log.critical("%s; this worker exits", reason)
+    logging.shutdown()
+    os._exit(EXIT_RANK_LOST)

@@ -3,8 +3,10 @@
 Each actor runs the same server class the processes of ``tandem serve`` run
 (``PrefillServer``, ``DecodeServer``, ``Router``), in the actor's own process, on
 an asyncio event loop in a background thread; the engine keeps its own thread.
-Nothing else is spawned, so when Ray kills or restarts the actor's process the
-server goes with it, and no process is left behind.
+Nothing else is spawned but a tensor-parallel worker's other ranks, which are the
+actor's children and end with it (tandem/engine/parallel.py), so when Ray kills or
+restarts the actor's process the server goes with it, its ranks are restarted
+together, and no process is left behind.
 
 Cluster credentials (CA, member certificate and key, KV secret) arrive as an
 argument, from the controller, so they reach the actor's process through Ray

@@ -24,6 +24,12 @@ the resource (``ray start --resources '{"prefill": 1}'``). A pool's workers are
 spread over the nodes that qualify (``strategy: SPREAD``). A worker that needs
 several GPUs gets a placement group of one STRICT_PACK bundle: its devices are
 reserved on one node together, and stay reserved for it across restarts.
+``tensor_parallel_size: N`` in a pool's section makes each of its workers N ranks
+(colocated deployments only for now: ``router.disaggregation.mode: never``), with
+``num_cpus``/``num_gpus`` per rank: the bundle holds all N ranks' devices. One
+bundle, not one per rank: the other ranks are the actor's child processes (so they
+start, die and restart with it), and Ray makes a bundle's GPUs visible only to the
+actor placed in it.
 Security inside: ``tandem ray up`` reads the ``cluster:`` files (or creates a
 throw-away CA, member certificate and KV secret) and hands the bytes to the
 controller, which passes them to every router and worker actor as an argument:
@@ -67,8 +73,10 @@ class ActorResources:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom, e.g. {"decode": 1}
     strategy: str = "SPREAD"  # across nodes; DEFAULT lets Ray pack them
-    placement_group: bool | None = None  # None: when num_gpus > 1
+    placement_group: bool | None = None  # None: when the worker needs > 1 GPU
     max_restarts: int = -1  # Ray restarts a crashed actor; -1: without limit
+    # Ranks per worker (tandem/engine/parallel.py); num_cpus and num_gpus are per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resources", dict(self.resources))
@@ -90,17 +98,30 @@ class ActorResources:
                 )
         if self.max_restarts < -1:
             raise ConfigError(f"max_restarts must be >= -1, got {self.max_restarts}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    @property
+    def worker_cpus(self) -> float:
+        """CPUs of one worker: every rank's."""
+        return self.num_cpus * self.tensor_parallel_size
+
+    @property
+    def worker_gpus(self) -> float:
+        return self.num_gpus * self.tensor_parallel_size
 
     @property
     def uses_placement_group(self) -> bool:
-        return self.num_gpus > 1 if self.placement_group is None else self.placement_group
+        if self.placement_group is None:
+            return self.worker_gpus > 1
+        return self.placement_group
 
     def bundle(self) -> dict[str, float]:
-        """The resources of one actor, as a placement-group bundle or a request to the
-        Ray autoscaler."""
-        bundle = {"CPU": self.num_cpus, **self.resources}
+        """The resources of one actor (all its ranks), as a placement-group bundle or a
+        request to the Ray autoscaler."""
+        bundle = {"CPU": self.worker_cpus, **self.resources}
         if self.num_gpus:
-            bundle["GPU"] = self.num_gpus
+            bundle["GPU"] = self.worker_gpus
         return {k: v for k, v in bundle.items() if v}
 
 
@@ -149,6 +170,13 @@ class RayDeployConfig:
         self.router.disaggregation.check_prefill_workers(
             self.prefill_pool.replicas, "ray.prefill.replicas"
         )
+        if self.engine.tensor_parallel_size != 1:
+            raise ConfigError(
+                "set ray.decode.tensor_parallel_size (per pool), not "
+                "engine.tensor_parallel_size, in a Ray deployment"
+            )
+        for name in self.pools:
+            self.router.disaggregation.check_tensor_parallel(self.pool(name).tensor_parallel_size)
 
     @property
     def pools(self) -> tuple[str, ...]:
@@ -160,8 +188,13 @@ class RayDeployConfig:
 
     def worker_config(self, pool: str, host: str) -> PrefillConfig | DecodeConfig:
         """The role config one worker of ``pool`` runs, bound to ``host`` on free ports."""
-        threads = max(1, int(self.pool(pool).num_cpus))
-        engine = dataclasses.replace(self.engine, num_threads=self.engine.num_threads or threads)
+        res = self.pool(pool)
+        threads = max(1, int(res.num_cpus))  # per rank
+        engine = dataclasses.replace(
+            self.engine,
+            num_threads=self.engine.num_threads or threads,
+            tensor_parallel_size=res.tensor_parallel_size,
+        )
         where = {"engine": engine, "host": host, "port": 0, "cluster": self.cluster}
         role = self.prefill if pool == "prefill" else self.decode
         where.update(self._metrics(role))

@@ -21,8 +21,8 @@ from tandem.deploy.ray_cluster.config import ActorResources
 def actor_options(res: ActorResources) -> dict[str, Any]:
     """Options for ``ActorClass.options(...)`` when no placement group is used."""
     return {
-        "num_cpus": res.num_cpus,
-        "num_gpus": res.num_gpus,
+        "num_cpus": res.worker_cpus,
+        "num_gpus": res.worker_gpus,
         "resources": dict(res.resources),
         "scheduling_strategy": res.strategy,
         "max_restarts": res.max_restarts,

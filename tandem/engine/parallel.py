@@ -1,0 +1,399 @@
+"""Tensor parallelism: one engine's model split over N processes, one per device.
+
+Layout (Megatron-style). Rank r of N holds, in every layer:
+- query heads [r*H/N, (r+1)*H/N) of q_proj (column-parallel) and the matching
+  input columns of o_proj (row-parallel);
+- the KV heads those query heads read: a contiguous 1/N of them when N divides
+  the KV heads, or, when there are fewer KV heads than ranks (N a multiple of
+  them), the one KV head its query heads share, replicated on the N/KV ranks
+  whose query heads read it;
+- a 1/N slice of the MLP's intermediate width: gate/up column-parallel, down
+  row-parallel.
+So each rank attends over its own heads from its own KV cache (the KV of its KV
+heads only), and the two row-parallel outputs per layer are summed over ranks
+with one all-reduce each; a row-parallel bias is added on rank 0 alone.
+
+The embedding, the norms and the LM head are replicated, not sharded by
+vocabulary: a sharded head would need an all-gather of the logits every step,
+and sampling (penalties, top-p, logprobs) wants whole rows in one place; for the
+models tensor parallelism is for (7B and up) the embedding and head are 1-3% of
+the weights. Only rank 0 computes logits.
+
+Lockstep. Rank 0 is the engine: it schedules, and before computing each step it
+sends every other rank the step's plan (token ids, positions, block tables:
+``StepPlan``, plain lists) and the KV blocks it zeroed since the last one; each
+rank builds the same tensors on its device and runs the same forward, and the
+all-reduces keep the ranks in step. The block pool lives on rank 0 only: every
+rank's cache has the same number of blocks, so a block id means the same tokens
+on each.
+
+Processes. Rank 0 (the worker process, or ``tandem generate``) starts ranks 1..N-1
+as ``python -m tandem.engine.parallel`` children and sends each its messages over
+the child's stdin, which is also the child's lifeline: at end of file (rank 0
+closed it, or exited, however it ended) the child exits. The all-reduces go over
+a torch.distributed process group (gloo on CPU, NCCL on CUDA) that meets at a
+TCPStore on 127.0.0.1: a worker's ranks share a machine (the Ray deployment packs
+them, STRICT_PACK). A rank that exits ends its worker: rank 0's watcher calls
+``on_lost`` (a worker stops itself, which the router sees as one worker's death),
+and a collective in flight fails at once (gloo: "connection closed by peer")
+instead of hanging.
+
+Not yet: KV transfer between tensor-parallel workers (each rank would ship its
+head slice to the decode rank that owns those heads). A tensor-parallel worker
+serves colocated (it prefills and decodes); its fingerprint names its width, so a
+KV peer of another layout is refused at connect time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.engine.model_config import ModelConfig
+from tandem.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
+    from tandem.engine.model_runner import StepPlan
+
+log = logging.getLogger(__name__)
+
+# How long one rank waits for the others at an all-reduce. They are at most one
+# layer apart, so only a wedged or dead rank reaches it (a dead one usually fails
+# the collective at once).
+COLLECTIVE_TIMEOUT_S = 300
+# How long the ranks may take to load their weights and meet.
+START_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``size``: which heads and which MLP slice it holds."""
+
+    rank: int = 0
+    size: int = 1
+
+    def q_heads(self, cfg: ModelConfig) -> slice:
+        n = cfg.num_heads // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def kv_heads(self, cfg: ModelConfig) -> slice:
+        if cfg.num_kv_heads >= self.size:
+            n = cfg.num_kv_heads // self.size
+            return slice(self.rank * n, (self.rank + 1) * n)
+        head = self.rank // (self.size // cfg.num_kv_heads)  # replicated on size/kv ranks
+        return slice(head, head + 1)
+
+    def intermediate(self, cfg: ModelConfig) -> slice:
+        n = cfg.intermediate_size // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this rank sees it: its heads and MLP width, the whole hidden size."""
+        if self.size == 1:
+            return cfg
+        kv = self.kv_heads(cfg)
+        return dataclasses.replace(
+            cfg,
+            num_heads=cfg.num_heads // self.size,
+            num_kv_heads=kv.stop - kv.start,
+            intermediate_size=cfg.intermediate_size // self.size,
+        )
+
+    def state_dict(
+        self, tensors: dict[str, torch.Tensor], cfg: ModelConfig
+    ) -> dict[str, torch.Tensor]:
+        """This rank's part of a Hugging Face state dict (same names, sliced tensors)."""
+        if self.size == 1:
+            return tensors
+        hd = cfg.head_dim
+        q, kv, mlp = self.q_heads(cfg), self.kv_heads(cfg), self.intermediate(cfg)
+        rows = {  # output rows (column-parallel): weight and bias sliced alike
+            "self_attn.q_proj": slice(q.start * hd, q.stop * hd),
+            "self_attn.k_proj": slice(kv.start * hd, kv.stop * hd),
+            "self_attn.v_proj": slice(kv.start * hd, kv.stop * hd),
+            "mlp.gate_proj": mlp,
+            "mlp.up_proj": mlp,
+        }
+        cols = {  # input columns (row-parallel): the bias is added once, on rank 0
+            "self_attn.o_proj": slice(q.start * hd, q.stop * hd),
+            "mlp.down_proj": mlp,
+        }
+        out = {}
+        for name, value in tensors.items():
+            module, _, kind = name.rpartition(".")
+            proj = module.split(".", 3)[-1] if module.startswith("model.layers.") else ""
+            if proj in rows:
+                value = value[rows[proj]]
+            elif proj in cols and kind == "weight":
+                value = value[:, cols[proj]]
+            elif proj in cols and self.rank:
+                value = torch.zeros_like(value)
+            out[name] = value.contiguous()
+        return out
+
+
+ONE_DEVICE = Shard()
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Refuse, naming each setting, a width that does not split this model."""
+    if size == 1:
+        return
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"num_attention_heads ({cfg.num_heads})")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads ({kv}), or be a multiple of it")
+    if cfg.intermediate_size % size:
+        problems.append(f"intermediate_size ({cfg.intermediate_size})")
+    if problems:
+        raise ConfigError(f"tensor_parallel_size {size} must divide " + "; ".join(problems))
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: its own GPU (cuda:rank from rank 0's index), or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def rank_threads(config: EngineConfig, device: torch.device) -> int | None:
+    """torch threads per rank: num_threads, or the CPU's cores shared out between ranks."""
+    if config.num_threads or device.type != "cpu" or config.tensor_parallel_size == 1:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+class Collective:
+    """The all-reduce between a worker's ranks (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, port: int, rank: int, size: int, device: torch.device) -> None:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        )
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place."""
+        self.group.allreduce([tensor]).wait()
+
+
+# ---- messages: length-prefixed pickles over a follower's stdin ------------------------
+
+
+def _send(stream: IO[bytes], message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _recv(stream: IO[bytes]) -> Any:
+    """The next message, or None at end of file (rank 0 is done or gone)."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    data = stream.read(n)
+    if len(data) < n:
+        return None
+    return pickle.loads(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    config: EngineConfig
+    rank: int
+    port: int
+    num_blocks: int
+
+
+class TensorParallel:
+    """Rank 0's side: starts ranks 1..N-1, sends them each step, watches them.
+
+    ``on_lost(reason)`` runs on a watcher thread when a rank exits while this side
+    still runs (a worker stops itself there); every later ``step`` raises.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        device: torch.device,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.size = config.tensor_parallel_size
+        self.on_lost = on_lost
+        self.lost: str | None = None
+        self._closing = False
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        )
+        self._device = device
+        self._procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, self.size):
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tandem.engine.parallel"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+                self._procs.append(proc)
+                _send(proc.stdin, _Start(config, rank, self._store.port, num_blocks))
+        except BaseException:
+            self.close()
+            raise
+        self._zeroed: list[int] = []
+        self.collective: Collective | None = None
+
+    def connect(self) -> Collective:
+        """Wait until every rank has loaded its shard, then join their process group."""
+        try:
+            for rank, proc in enumerate(self._procs, start=1):
+                line = proc.stdout.readline()  # "ready", or EOF if it died loading
+                if line.strip() != b"ready":
+                    proc.wait()
+                    raise ConfigError(
+                        f"tensor-parallel rank {rank} exited with code {proc.returncode} "
+                        "while starting (its log is above)"
+                    )
+            self.collective = Collective(self._store.port, 0, self.size, self._device)
+        except BaseException:
+            self.close()
+            raise
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}", daemon=True
+            ).start()
+        return self.collective
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        self.lost = f"tensor-parallel rank {rank} exited with code {code}"
+        log.error("%s: this worker cannot compute without it", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+
+    def zeroed(self, blocks: list[int]) -> None:
+        """Blocks rank 0 zeroed (new to a sequence): the others zero theirs with the next step."""
+        self._zeroed.extend(blocks)
+
+    def step(self, plan: StepPlan) -> None:
+        """Send every other rank this step (call before computing it on rank 0)."""
+        if self.lost:
+            raise RuntimeError(self.lost)
+        message = (self._zeroed, plan)
+        self._zeroed = []
+        for rank, proc in enumerate(self._procs, start=1):
+            try:
+                _send(proc.stdin, message)
+            except (BrokenPipeError, OSError) as exc:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End every other rank (end of file on its stdin) and wait for it."""
+        self._closing = True
+        for proc in self._procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
+    """Ranks 1..N-1: load this rank's shard, then run every step rank 0 sends."""
+    from tandem.engine.device import resolve_device, resolve_dtype
+    from tandem.engine.engine import load_model, model_source
+    from tandem.engine.kv_cache import KVCache, kv_cache_dtype
+    from tandem.kernels import get_backend, resolve_backend
+
+    start: _Start | None = _recv(stdin)
+    if start is None:
+        return 0
+    config, shard = start.config, Shard(start.rank, start.config.tensor_parallel_size)
+    device = rank_device(resolve_device(config.device), shard.rank)
+    dtype = resolve_dtype(config.dtype, device)
+    threads = rank_threads(config, device)
+    if threads:
+        torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model_dir, cfg = model_source(config)
+    model = load_model(config, model_dir, cfg, device, dtype, shard)
+    ops = get_backend(resolve_backend(config.attention_backend, device, config.cache_dir))
+    kv = KVCache(
+        shard.config(cfg),
+        start.num_blocks,
+        config.block_size,
+        kv_cache_dtype(config.kv_cache_dtype, dtype),
+        device,
+        enable_prefix_caching=False,
+    )
+    stdout.write(b"ready\n")
+    stdout.flush()
+    model.all_reduce = Collective(start.port, shard.rank, shard.size, device).all_reduce
+    while (message := _recv(stdin)) is not None:
+        zeroed, plan = message
+        if zeroed:
+            kv.tensor.index_fill_(2, torch.tensor(zeroed, device=device), 0)
+        input_ids, positions, meta = plan.inputs(device, kv.null_block)
+        model(input_ids, positions, kv.tensor, meta, ops)
+    return 0
+
+
+def main() -> int:
+    from tandem import logs
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # stdout carries "ready" only
+    logs.configure("tp-rank")
+    try:
+        return follower(stdin, stdout)
+    except Exception:
+        log.exception("tensor-parallel rank failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

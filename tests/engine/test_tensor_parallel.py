@@ -1,0 +1,201 @@
+"""Tensor parallelism with real processes (gloo on CPU): N ranks give the tokens of one.
+
+The reference is the same engine on one device, in float32: the ranks' partial sums
+round differently from one matmul, but greedy tokens match.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.parallel import Shard, check_tensor_parallel
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tiny_random import build_tokenizer, config_dict
+from tandem.errors import ConfigError
+from tests.conftest import make_engine
+from tests.engine.test_architectures import COMMON, VARIANTS, _peaked_random_
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPTS = [list(range(3, 40)), [11, 12, 13] * 7, [40, 41], list(range(50, 90))]
+
+
+def _cfg(**overrides) -> ModelConfig:
+    return ModelConfig.from_hf({**config_dict(256), **overrides})
+
+
+def _same_tokens(model: str, tp: int, prompts=PROMPTS, params=GREEDY, **overrides) -> int:
+    """Asserts a width-``tp`` engine gives one device's tokens; returns its preemptions."""
+    one = make_engine(model, **overrides)
+    want = one.generate(prompts, params)
+    wide = make_engine(model, tensor_parallel_size=tp, **overrides)
+    try:
+        assert wide.generate(prompts, params) == want
+        wide.kv.pool.check_integrity()
+        assert wide.kv.pool.num_used == 0
+    finally:
+        wide.close()
+    assert not any(p.poll() is None for p in wide.tensor_parallel._procs)
+    return wide.stats.preemptions
+
+
+# ---- layout ---------------------------------------------------------------------------
+
+
+def test_shards_split_heads_and_mlp_and_reassemble_the_weights():
+    cfg = _cfg(num_attention_heads=4, num_key_value_heads=2)
+    hd, tensors = cfg.head_dim, {}
+    for name, shape in {
+        "q_proj.weight": (4 * hd, 64),
+        "k_proj.weight": (2 * hd, 64),
+        "o_proj.weight": (64, 4 * hd),
+        "o_proj.bias": (64,),
+    }.items():
+        tensors[f"model.layers.0.self_attn.{name}"] = torch.randn(shape)
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.randn(64, 128)
+    tensors["model.embed_tokens.weight"] = torch.randn(256, 64)
+    parts = [Shard(r, 2).state_dict(tensors, cfg) for r in range(2)]
+    p = "model.layers.0."
+    for name, dim in (("self_attn.q_proj.weight", 0), ("self_attn.k_proj.weight", 0),
+                      ("self_attn.o_proj.weight", 1), ("mlp.down_proj.weight", 1)):  # fmt: skip
+        whole = torch.cat([part[p + name] for part in parts], dim)
+        assert torch.equal(whole, tensors[p + name]), name
+    # A row-parallel bias is added once (rank 0), not once per rank.
+    assert torch.equal(parts[0][p + "self_attn.o_proj.bias"], tensors[p + "self_attn.o_proj.bias"])
+    assert not parts[1][p + "self_attn.o_proj.bias"].any()
+    assert all(torch.equal(part["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+               for part in parts)  # fmt: skip
+    local = Shard(1, 2).config(cfg)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 64)
+    assert local.hidden_size == cfg.hidden_size
+
+
+def test_fewer_kv_heads_than_ranks_replicates_each_on_the_ranks_that_read_it():
+    cfg = _cfg(num_attention_heads=8, num_key_value_heads=2)  # 4 query heads per KV head
+    shards = [Shard(r, 4) for r in range(4)]
+    assert [s.kv_heads(cfg) for s in shards] == [slice(0, 1)] * 2 + [slice(1, 2)] * 2
+    for s in shards:  # every local query head reads the local KV head, as on one device
+        group = cfg.num_heads // cfg.num_kv_heads
+        q = s.q_heads(cfg)
+        assert {h // group for h in range(q.start, q.stop)} == {s.kv_heads(cfg).start}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size", "named"),
+    [
+        ({"num_attention_heads": 9, "num_key_value_heads": 3}, 2, "num_attention_heads (9)"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3}, 2, "num_key_value_heads (3)"),
+        ({"intermediate_size": 130}, 4, "intermediate_size (130)"),
+    ],
+)
+def test_a_width_that_does_not_split_the_model_is_refused_by_name(overrides, size, named):
+    with pytest.raises(ConfigError, match=rf"tensor_parallel_size {size} must divide .*"):
+        check_tensor_parallel(_cfg(**overrides), size)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        check_tensor_parallel(_cfg(**overrides), size)
+
+
+def test_the_host_tier_with_tensor_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="host_kv_cache_bytes needs tensor_parallel_size 1"):
+        EngineConfig(tensor_parallel_size=2, host_kv_cache_bytes=2**20)
+
+
+# ---- real ranks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tp", "overrides"),
+    [
+        (2, {}),
+        (4, {}),  # 2 KV heads on 4 ranks: each replicated twice
+        # A pool small enough to preempt and recompute: re-zeroed blocks on every rank.
+        (2, {"num_blocks": 9, "max_num_batched_tokens": 16}),
+        (2, {"kv_cache_dtype": "int8"}),
+        (2, {"kv_window_tokens": 16, "kv_sink_tokens": 4, "block_size": 4}),
+    ],
+    ids=["tp2", "tp4-replicated-kv", "tp2-preempt-chunked", "tp2-int8", "tp2-window"],
+)
+def test_tensor_parallel_tokens_equal_one_device(tp, overrides):
+    preemptions = _same_tokens("tiny-random", tp, **overrides)
+    assert preemptions or "num_blocks" not in overrides
+
+
+@pytest.mark.parametrize("variant", ["llama-attention-bias", "qwen2-qkv-bias"])
+def test_tensor_parallel_with_biases_equals_one_device(tmp_path, variant):
+    model_cls, config_cls, extra = VARIANTS[variant]
+    tok = build_tokenizer()
+    hf = model_cls(config_cls(vocab_size=len(tok), **{**COMMON, **extra})).eval()
+    _peaked_random_(hf, seed=len(variant))
+    hf.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    _same_tokens(str(tmp_path), 2)
+
+
+@pytest.mark.slow
+def test_default_model_on_three_ranks_equals_one_device():
+    # SmolLM2: 9 query heads and 3 KV heads, one KV head per rank.
+    _same_tokens("smollm2-135m-instruct", 3, prompts=PROMPTS[:2])
+
+
+def test_a_rank_that_dies_fails_the_next_step_and_is_reported():
+    lost: list[str] = []
+    config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=2)
+    engine = LLMEngine(config, on_rank_lost=lost.append)
+    try:
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+        (pid,) = engine.tensor_parallel.pids
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost == ["tensor-parallel rank 1 exited with code -9"]
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            engine.step()
+        engine.abort_all()
+    finally:
+        engine.close()
+
+
+def test_the_other_ranks_die_with_rank_zero_however_it_ends():
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from tandem.config import EngineConfig
+        from tandem.engine.engine import LLMEngine
+        e = LLMEngine(EngineConfig(model="tiny-random", dtype="float32",
+                                   tensor_parallel_size=4, num_blocks=16))
+        print(*e.tensor_parallel.pids, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tandem.cli import build_parser, serve_config
@@ -16,6 +18,14 @@ def test_colocated_is_decode_workers_that_prefill_with_no_prefill_pool():
     cfg = _config("--colocated", "3")
     assert (cfg.num_prefill, cfg.num_decode) == (0, 3)
     assert cfg.router.disaggregation.mode == "never"
+
+
+def test_tensor_parallel_workers_serve_colocated_with_threads_per_rank():
+    cfg = _config("--colocated", "2", "--tp", "2", "--model", "tiny-random")
+    assert cfg.engine.tensor_parallel_size == 2 and cfg.engine.model == "tiny-random"
+    assert cfg.worker_threads() == max(1, (os.cpu_count() or 1) // 4)  # 2 workers x 2 ranks
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs router.disaggregation"):
+        _config("--tensor-parallel-size", "2")  # KV transfer: not between TP workers yet
 
 
 def test_the_default_is_one_plus_one_always_disaggregated():

@@ -25,6 +25,7 @@ from tandem.errors import ConfigError
         ),
         ({"max_model_len": 1}, "max_model_len must be >= 2, got 1"),
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
         ({"num_threads": 0}, "num_threads must be >= 1, got 0"),
         (
@@ -102,3 +103,10 @@ def test_router_intervals_must_be_positive(field):
 
     with pytest.raises(ConfigError, match=field):
         RouterConfig(**{field: 0})
+
+
+def test_a_prefill_worker_must_not_be_tensor_parallel():
+    from tandem.config import PrefillConfig
+
+    with pytest.raises(ConfigError, match="a prefill worker needs tensor_parallel_size 1, got 2"):
+        PrefillConfig(engine=EngineConfig(tensor_parallel_size=2))

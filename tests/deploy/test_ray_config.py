@@ -79,6 +79,36 @@ def test_actor_options_ask_for_resources_and_spread_and_restart():
     assert ActorResources(num_cpus=0.5).bundle() == {"CPU": 0.5}
 
 
+def test_a_tensor_parallel_pool_reserves_every_ranks_devices_in_one_bundle():
+    cfg = deploy_config(
+        {
+            "router": {"disaggregation": {"mode": "never"}},
+            "ray": {
+                "prefill": {"replicas": 0},
+                "decode": {"num_cpus": 4, "num_gpus": 1, "tensor_parallel_size": 2},
+            },
+        }  # fmt: skip
+    )
+    res = cfg.decode_pool
+    assert res.uses_placement_group and res.bundle() == {"CPU": 8, "GPU": 2, "decode": 1}
+    assert actor_options(res)["num_gpus"] == 2
+    engine = cfg.worker_config("decode", host="10.0.0.5").engine
+    assert (engine.tensor_parallel_size, engine.num_threads) == (2, 4)  # threads per rank
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"ray": {"decode": {"tensor_parallel_size": 2}}}, "needs router.disaggregation.mode"),
+        ({"engine": {"tensor_parallel_size": 2}}, "set ray.decode.tensor_parallel_size"),
+        ({"ray": {"decode": {"tensor_parallel_size": 0}}}, "tensor_parallel_size must be >= 1"),
+    ],
+)
+def test_tensor_parallel_settings_the_deployment_cannot_run_are_refused(values, message):
+    with pytest.raises(ConfigError, match=message):
+        deploy_config(values, where="ray.yaml")
+
+
 def test_a_local_head_gets_the_custom_resources_every_pool_can_grow_to():
     cfg = RayDeployConfig(
         decode_pool=ActorResources(replicas=2, resources={"decode": 1}),

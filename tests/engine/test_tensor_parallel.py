@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from tandem.engine.tiny_random import build_tokenizer, config_dict
 from tandem.errors import ConfigError
 from tests.conftest import make_engine
 from tests.engine.test_architectures import COMMON, VARIANTS, _peaked_random_
+from tests.processes import survivors
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [11, 12, 13] * 7, [40, 41], list(range(50, 90))]
@@ -181,21 +183,10 @@ def test_the_other_ranks_die_with_rank_zero_however_it_ends():
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 3
+        ranks = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert len(ranks) == 3
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in pids)
+        assert survivors(ranks, within_s=15) == []
     finally:
         proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False

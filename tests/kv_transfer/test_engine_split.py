@@ -95,8 +95,10 @@ def test_a_continued_request_ships_the_kv_of_its_earlier_output_too(tiny_engine)
     [
         ({"block_size": 16}, {"block_size": 32}, "block_size: prefill 16, decode 32"),
         ({"kv_cache_dtype": "int8"}, {}, "kv_cache_dtype: prefill int8, decode auto"),
+        # A tensor-parallel cache holds one rank's heads: refused until KV moves per rank.
+        ({}, {"tensor_parallel_size": 2}, "tensor_parallel_size: prefill 1, decode 2"),
     ],
-    ids=["block_size", "kv_cache_dtype"],
+    ids=["block_size", "kv_cache_dtype", "tensor_parallel_size"],
 )
 def test_engines_with_different_kv_layouts_refuse_each_other_by_name(
     prefill_settings, decode_settings, named
@@ -115,4 +117,5 @@ def test_engines_with_different_kv_layouts_refuse_each_other_by_name(
         decode.abort("r")
         sender.close()
         receiver.close()
+        decode.close()
     assert decode.kv.pool.num_used == 0

@@ -1,0 +1,61 @@
+"""Tensor-parallel workers in a real colocated cluster: each worker is two processes.
+
+What must hold: the cluster streams the tokens of one device, and a rank that dies
+takes its whole worker down, so the router treats it as one worker's death (its
+streams move to the other worker and go on exactly) and no rank is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import psutil
+
+from tandem.config import DisaggregationConfig
+from tandem.worker.server import EXIT_RANK_LOST
+from tests.e2e.test_cluster import PROMPTS, _assert_no_blocks_used, _cluster, _colocated, _remote
+from tests.e2e.test_resilience import (
+    Streams,
+    _assert_exact,
+    _busiest_decode,
+    _expected,
+    _router_log,
+)
+from tests.processes import survivors
+
+COLOCATED = {"disaggregation": DisaggregationConfig(mode="never")}
+
+
+def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
+    tmp_path_factory, tiny_engine
+):
+    n = 4
+    expected = _expected(tiny_engine, n)
+    with _cluster(
+        tmp_path_factory, "tp", prefill=0, decode=2, router=COLOCATED, tensor_parallel_size=2
+    ) as c:
+        from tandem.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for text in PROMPTS:
+            tokens, out, _ = _remote(c.address, text, max_tokens=24, temperature=0,
+                                     ignore_eos=True)  # fmt: skip
+            assert (tokens, out) == _colocated(tiny_engine, text, params)
+
+        streams = Streams(c.address, n)
+        streams.wait_until_all_stream(at_least=1)
+        victim = _busiest_decode(c)
+        (rank,) = psutil.Process(victim.popen.pid).children()  # rank 1: rank 0's child
+        os.kill(rank.pid, signal.SIGKILL)
+        assert victim.popen.wait(timeout=30) == EXIT_RANK_LOST
+        streams.join()
+        _assert_exact(streams, expected)
+        assert re.search(rf"decode worker {victim.ready['grpc']} is down", _router_log(c))
+        assert "tensor-parallel rank 1 exited with code -9" in victim.log_path.read_text()
+        c.processes.remove(victim)
+        _assert_no_blocks_used(c, within_s=30)
+        ranks = [psutil.Process(p.popen.pid).children() for p in c.processes]
+    # Stopping the cluster ends the other worker's rank too.
+    assert survivors([r for rs in ranks for r in rs], within_s=15) == []

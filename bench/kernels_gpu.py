@@ -26,7 +26,9 @@ In order, each case caught and reported on its own (a failure does not stop the 
    and its time against the host path it replaced (each run copied to the host,
    then xxh3) in the same run; 10. decode attention over an int8 KV cache
    (kv_cache_dtype: int8; checked in section 2 too) against the same kernel over
-   the bf16 cache it was quantized from.
+   the bf16 cache it was quantized from; 11. tensor parallelism over NCCL, one rank
+   per GPU (tandem/engine/parallel.py): greedy tokens of tiny-random on 2 ranks
+   against one GPU, float32, and the time of each (skipped with fewer than 2 GPUs).
 Timings: CUDA events around each launch, L2 flushed before it, median of many runs
 after warm-up. Progress goes to stdout as it runs, then a table; the last line is
 JSON. Exit status 1 if any check or timed case is wrong or raised.
@@ -513,6 +515,39 @@ def kv_transfer_case(b: Bench, size_mib: int, copy_gbps: float) -> Row:
     )
 
 
+def tensor_parallel_case(b: Bench, ranks: int) -> Row:
+    """An engine on ``ranks`` GPUs (NCCL) against one: the same greedy tokens, and the
+    time of a short batch on each (tiny-random: the collectives' cost, not compute).
+    (generate returns tokens, so each timing ends with the device's work.)"""
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 200)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    times, outputs = [], []
+    for tp in (1, ranks):
+        engine = LLMEngine(EngineConfig(model="tiny-random", device=str(b.device),
+                                        dtype="float32", tensor_parallel_size=tp))  # fmt: skip
+        try:
+            engine.generate(prompts, params)  # warm-up
+            started = time.perf_counter()
+            outputs.append(engine.generate(prompts, params))
+            times.append(1e3 * (time.perf_counter() - started))
+        finally:
+            engine.close()
+    same = outputs[0] == outputs[1]
+    return Row(
+        "",
+        "",
+        ok=same,
+        ms=times[1],
+        note=f"{'same tokens' if same else 'tokens differ'}; one GPU {times[0]:.1f} ms, "
+        f"{ranks} ranks {times[1]:.1f} ms for 3 x 64 tokens",
+        data={"one_gpu_ms": round(times[0], 2), "ranks_ms": round(times[1], 2)},
+    )
+
+
 def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | None = None) -> Row:
     """One request's KV (every layer, K and V, ``size_mib`` of it) checksummed where it
     lies on ``b.device``: the Triton kernel against the torch computation (equal), a
@@ -738,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
     for mib in (64,) if args.quick else (16, 256):
         name = f"{mib} MiB on the device"
         b.run("checksum", name, partial(checksum_case, b, mib, copy_bw))
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        note = f"skipped: NCCL needs one rank per GPU, and this machine has {gpus}"
+        b.rows.append(Row("tp", "tiny-random on 2 ranks", note=note))
+    else:
+        b.run("tp", "tiny-random on 2 ranks", partial(tensor_parallel_case, b, 2))
     return report(b, summary)
 
 

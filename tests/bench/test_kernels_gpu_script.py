@@ -73,6 +73,8 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     monkeypatch.setattr(script, "KV_SHAPE", {"layers": 4, "kv_heads": 2, "head_dim": 16})
     # The device-to-device check, host to host here (UCX gets, as between GPUs).
     b.run("kvxfer", "ucx", lambda: script.kv_transfer_case(b, 1, 10.0))
+    # Tensor parallelism as on GPUs with NCCL, with gloo on the CPU here.
+    b.run("tp", "2 ranks", lambda: script.tensor_parallel_case(b, 2))
     tiles = {"block_n": 16, "num_warps": 1, "num_stages": 1}
     b.run("sweep", "tiles", lambda: script.decode_case(b, ops, 1, 20, 10.0, **tiles))
     b.run("broken", "raises", lambda: 1 / 0)
@@ -91,6 +93,7 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
         assert rows[case]["ms"] > 0 and rows[case]["sdpa_ms"] > 0
     assert rows["ucx"]["ok"] is True and rows["ucx"]["gbps"] > 0, rows["ucx"]
     assert rows["ucx"]["bytes"] == 1 << 20  # 512 blocks of 2 KiB
+    assert rows["2 ranks"]["ok"] is True and rows["2 ranks"]["one_gpu_ms"] > 0
     assert "sdpa_gbps" in rows["2 x 37"] and "sdpa_tflops" in rows["9 new"]
     assert rows["int8"]["bf16_over_int8"] > 0
     assert rows["norms"]["ok"] is None and rows["norms"]["rmsnorm_ms"] > 0

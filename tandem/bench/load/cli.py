@@ -151,10 +151,18 @@ def add_plan_parser(sub) -> None:
         "--device-memory-gib", type=float, default=80.0, help="memory per device (default 80)"
     )
     p.add_argument(
+        "--decode-tp",
         "--devices-per-worker",
+        dest="devices_per_worker",
         type=int,
         default=1,
-        help="devices per worker (tensor parallel; default 1)",
+        help="decode workers' tensor_parallel_size: ranks (devices) per worker (default 1)",
+    )
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="prefill workers' tensor_parallel_size, for the device count (default 1)",
     )
     p.add_argument(
         "--memory-utilization",
@@ -314,6 +322,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hw = plan.Hardware(
         device_memory_gib=args.device_memory_gib,
         devices_per_worker=args.devices_per_worker,
+        prefill_devices_per_worker=args.prefill_tp,
         memory_utilization=args.memory_utilization,
         kv_dtype=args.kv_dtype,
         weight_dtype=args.weight_dtype,
@@ -324,7 +333,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     memory = plan.memory_plan(mc, hw, args.context_len, model=args.model)
     print("\n".join(memory.lines))
     if sweep is not None:
-        workers = plan.worker_plan(sweep, args.target_rate, memory, hw.block_size)
+        workers = plan.worker_plan(sweep, args.target_rate, memory, hw.block_size, hw)
         print("\n".join(workers.lines))
     return 0
 

@@ -3,9 +3,14 @@
 Memory, from the model's config and the hardware:
     KV bytes per token = 2 (K and V) x layers x KV heads x head size x dtype bytes
 (KV heads, not attention heads: grouped-query attention shares each KV head among
-several query heads). A worker of ``devices`` devices gives the KV cache
-``devices x memory x utilisation - weights``, cut into blocks of ``block_size``
-tokens; a sequence of ``context`` tokens holds ``ceil(context / block_size)`` blocks.
+several query heads). A worker of N devices is N tensor-parallel ranks, laid out
+as Tandem's engine lays them (tandem/engine/parallel.py): each rank holds 1/N of
+the query heads and of the MLP, its share of the KV heads (one, replicated, when
+there are fewer KV heads than ranks), and the whole embedding and LM head. So every
+figure is per rank: the KV cache of a rank is ``memory x utilisation - its
+weights``, cut into blocks of ``block_size`` tokens of its KV heads; every rank has
+the same number of blocks, and a sequence of ``context`` tokens holds
+``ceil(context / block_size)`` of them.
 Activation workspace is not subtracted: lower the utilisation to leave room for it.
 
 Workers, from a ``tandem bench sweep`` result: the deployment that was swept (P
@@ -38,7 +43,8 @@ DTYPE_BYTES = {
 @dataclass(frozen=True)
 class Hardware:
     device_memory_gib: float = 80.0
-    devices_per_worker: int = 1  # tensor parallelism: weights and KV heads split across them
+    devices_per_worker: int = 1  # decode workers' tensor_parallel_size
+    prefill_devices_per_worker: int = 1  # prefill workers' (device totals only)
     memory_utilization: float = 0.9
     kv_dtype: str = "bfloat16"
     weight_dtype: str | None = None  # default: kv_dtype, or bfloat16 for a 1-byte kv_dtype
@@ -53,9 +59,9 @@ class Hardware:
         if not self.device_memory_gib > 0:
             raise InvalidRequestError("device_memory_gib", "--device-memory-gib must be > 0, "
                                       f"got {self.device_memory_gib}")  # fmt: skip
-        if self.devices_per_worker < 1 or self.block_size < 1:
-            raise InvalidRequestError("hardware", "--devices-per-worker and --block-size must "
-                                      "be >= 1")  # fmt: skip
+        if min(self.devices_per_worker, self.prefill_devices_per_worker, self.block_size) < 1:
+            raise InvalidRequestError("hardware", "--decode-tp, --prefill-tp and --block-size "
+                                      "must be >= 1")  # fmt: skip
         if not 0 < self.memory_utilization <= 1:
             raise InvalidRequestError("memory_utilization", "--memory-utilization must be in "
                                       f"(0, 1], got {self.memory_utilization}")  # fmt: skip
@@ -72,7 +78,21 @@ def row_bytes(mc: ModelConfig, kv_dtype: str) -> int:
 
 
 def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
+    """Of the whole model (a rank's: ``kv_bytes_per_token(rank_config(mc, n), ...)``)."""
     return 2 * mc.num_layers * mc.num_kv_heads * row_bytes(mc, kv_dtype)
+
+
+def rank_config(mc: ModelConfig, n: int) -> ModelConfig:
+    """The model as one of ``n`` tensor-parallel ranks holds it (refused by name if ``n``
+    does not split it)."""
+    from tandem.engine.parallel import Shard, check_tensor_parallel
+    from tandem.errors import ConfigError
+
+    try:
+        check_tensor_parallel(mc, n)
+    except ConfigError as exc:
+        raise InvalidRequestError("devices_per_worker", str(exc)) from exc
+    return Shard(0, n).config(mc)
 
 
 def weight_dtype(hw: Hardware) -> str:
@@ -85,6 +105,7 @@ def weight_dtype(hw: Hardware) -> str:
 def param_count(mc: ModelConfig) -> int:
     """Parameters of the Llama-family decoder Tandem runs (embeddings, layers, norms, head)."""
     h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    # (of a rank's config: its heads and MLP slice; hidden size, embedding and head whole)
     attn = h * q + 2 * h * kv + q * h
     attn += (q + 2 * kv) * mc.qkv_bias + h * mc.o_bias
     mlp = 3 * h * mc.intermediate_size + (2 * mc.intermediate_size + h) * mc.mlp_bias
@@ -96,7 +117,7 @@ def param_count(mc: ModelConfig) -> int:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # per rank, as weight_bytes and kv_budget_bytes
     weight_bytes: int
     kv_budget_bytes: int
     num_blocks: int
@@ -108,43 +129,56 @@ class MemoryPlan:
 
 
 def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = "") -> MemoryPlan:
+    """What fits on one decode worker of ``hw.devices_per_worker`` ranks (figures per rank)."""
     if context_len < 1:
         raise InvalidRequestError("context_len", f"--context-len must be >= 1, got {context_len}")
+    n = hw.devices_per_worker
+    rank = rank_config(mc, n)
     w_dtype = weight_dtype(hw)
-    per_token = kv_bytes_per_token(mc, hw.kv_dtype)
-    params = param_count(mc)
+    per_token = kv_bytes_per_token(rank, hw.kv_dtype)
+    params = param_count(rank)
     weights = params * DTYPE_BYTES[w_dtype]
-    total = hw.device_memory_gib * GiB * hw.devices_per_worker
-    budget = max(0, int(total * hw.memory_utilization) - weights)
+    budget = max(0, int(hw.device_memory_gib * GiB * hw.memory_utilization) - weights)
     block_bytes = hw.block_size * per_token
     blocks = budget // block_bytes
     per_seq = math.ceil(context_len / hw.block_size)
     seqs = blocks // per_seq
     gqa = f" (GQA: {mc.num_heads} query heads share them)" if mc.num_kv_heads < mc.num_heads else ""
-    lines = (
+    lines = [
         f"model {model}: {mc.num_layers} layers, {mc.num_kv_heads} KV heads{gqa}, "
-        f"head size {mc.head_dim}, {params / 1e9:.3f} B parameters",
-        f"KV bytes per token = 2 x {mc.num_layers} layers x {mc.num_kv_heads} KV heads x "
+        f"head size {mc.head_dim}, {param_count(mc) / 1e9:.3f} B parameters",
+    ]
+    per = ""
+    if n > 1:
+        shared = f", replicated on {n // mc.num_kv_heads} ranks" if mc.num_kv_heads < n else ""
+        lines.append(
+            f"tensor parallel, {n} ranks: each holds {rank.num_heads} query heads, "
+            f"{rank.num_kv_heads} KV head(s){shared}, 1/{n} of the MLP, and the whole "
+            "embedding and LM head"
+        )
+        per = " per rank"
+    lines += [
+        f"KV bytes per token{per} = 2 x {mc.num_layers} layers x {rank.num_kv_heads} KV heads x "
         f"{row_bytes(mc, hw.kv_dtype)} B per head ({mc.head_dim} x "
         f"{DTYPE_BYTES[hw.kv_dtype]} B {hw.kv_dtype}"
         f"{' + a 2 B scale' if hw.kv_dtype == 'int8' else ''}) = {per_token:,} B "
         f"({per_token / 1024:.1f} KiB)",
-        f"weights = {params:,} parameters x {DTYPE_BYTES[w_dtype]} B ({w_dtype}) = "
+        f"weights{per} = {params:,} parameters x {DTYPE_BYTES[w_dtype]} B ({w_dtype}) = "
         f"{weights / GiB:.2f} GiB",
-        f"KV budget per decode worker = {hw.devices_per_worker} device(s) x "
-        f"{hw.device_memory_gib:g} GiB x {hw.memory_utilization:g} - {weights / GiB:.2f} GiB "
-        f"weights = {budget / GiB:.2f} GiB",
-        f"blocks = {budget:,} B // ({hw.block_size} tokens x {per_token:,} B) = {blocks:,} "
-        f"blocks = {blocks * hw.block_size:,} tokens",
+        f"KV budget{per or ' per decode worker'} = {hw.device_memory_gib:g} GiB x "
+        f"{hw.memory_utilization:g} - {weights / GiB:.2f} GiB weights = {budget / GiB:.2f} GiB",
+        f"blocks{' (the same on every rank)' if n > 1 else ''} = {budget:,} B // "
+        f"({hw.block_size} tokens x {per_token:,} B) = {blocks:,} blocks = "
+        f"{blocks * hw.block_size:,} tokens",
         f"at {context_len:,} tokens of context: ceil({context_len} / {hw.block_size}) = "
         f"{per_seq} blocks per sequence; {blocks:,} // {per_seq} = {seqs:,} sequences per "
         "decode worker",
-    )
+    ]
     if budget == 0:
-        lines += ("the weights do not leave room for a KV cache: more memory, more "
-                  "--devices-per-worker or a smaller --weight-dtype",)  # fmt: skip
+        lines.append("the weights do not leave room for a KV cache: more memory, a wider "
+                     "--decode-tp or a smaller --weight-dtype")  # fmt: skip
     return MemoryPlan(per_token, weights, budget, blocks, blocks * hw.block_size,
-                      context_len, per_seq, seqs, lines)  # fmt: skip
+                      context_len, per_seq, seqs, tuple(lines))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -155,8 +189,13 @@ class WorkerPlan:
 
 
 def worker_plan(
-    sweep: dict, target_rate: float, memory: MemoryPlan | None, block_size: int = 16
+    sweep: dict,
+    target_rate: float,
+    memory: MemoryPlan | None,
+    block_size: int = 16,
+    hw: Hardware | None = None,
 ) -> WorkerPlan:
+    """``hw``: the pools' widths, for the device count (default: one device a worker)."""
     if not target_rate > 0:
         raise InvalidRequestError("target_rate", f"--target-rate must be > 0, got {target_rate}")
     cap, idx = sweep.get("capacity_rps"), sweep.get("capacity_point")
@@ -195,7 +234,12 @@ def worker_plan(
             f"{memory.num_blocks:,} // {per_seq} = {fits:,} per worker",
             f"decode workers for KV memory = ceil({in_flight:.1f} / {fits:,}) = {decode_mem}",
         ]
+    hw = hw or Hardware()
+    pt, dt = hw.prefill_devices_per_worker, hw.devices_per_worker
+    devices = prefill * pt + decode * dt
     lines.append(f"plan: {prefill} prefill + {decode} decode workers for {target_rate:g} req/s")
+    lines.append(f"devices = {prefill} x {pt} (prefill TP) + {decode} x {dt} (decode TP) = "
+                 f"{devices}")  # fmt: skip
     return WorkerPlan(prefill, decode, tuple(lines))
 
 

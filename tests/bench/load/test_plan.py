@@ -74,10 +74,28 @@ def test_70b_style_config_with_gqa_and_eight_devices(llama70b):
     assert plan.param_count(llama70b) == params == 70_553_706_496
     hw = Hardware(device_memory_gib=80, devices_per_worker=8, memory_utilization=0.9)
     m = plan.memory_plan(llama70b, hw, context_len=4096)
-    assert m.kv_budget_bytes == int(8 * 80 * GiB * 0.9) - 2 * params == 477_367_877_632
-    assert m.num_blocks == 477_367_877_632 // (16 * 327_680) == 91_050
-    assert m.sequences == 91_050 // 256 == 355
+    # Per rank of 8: 8 query heads, 1 KV head, 28672 / 8 MLP; embedding and head whole.
+    assert m.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2 == 40_960
+    rank_layer = 8192 * 1024 + 2 * 8192 * 128 + 1024 * 8192 + 3 * 8192 * 3584 + 2 * 8192
+    rank_params = 2 * 128256 * 8192 + 80 * rank_layer + 8192
+    assert m.weight_bytes == 2 * rank_params == 2 * 10_659_045_376
+    assert m.kv_budget_bytes == int(80 * GiB * 0.9) - 2 * rank_params == 55_991_320_576
+    assert m.num_blocks == 55_991_320_576 // (16 * 40_960) == 85_435
+    assert m.sequences == 85_435 // 256 == 333
+    assert "each holds 8 query heads, 1 KV head(s), 1/8 of the MLP" in m.lines[1]
     assert "GQA: 64 query heads share them" in m.lines[0]
+
+
+def test_more_ranks_than_kv_heads_replicate_them_and_a_width_must_split_the_model(llama70b, smol):
+    m = plan.memory_plan(llama70b, Hardware(devices_per_worker=16), context_len=4096)
+    assert m.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # one KV head a rank, shared by two
+    assert "1 KV head(s), replicated on 2 ranks" in m.lines[1]
+    three = plan.memory_plan(smol, Hardware(devices_per_worker=3), context_len=4096)
+    assert three.kv_bytes_per_token == plan.kv_bytes_per_token(smol, "bfloat16") // 3
+    assert three.sequences > 2.9 * plan.memory_plan(smol, Hardware(), 4096).sequences
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size 2 must divide "
+                       r"num_attention_heads \(9\)"):  # fmt: skip
+        plan.memory_plan(smol, Hardware(devices_per_worker=2), context_len=4096)
 
 
 def test_weights_that_do_not_fit_leave_no_kv(llama70b):
@@ -107,7 +125,11 @@ def test_workers_for_a_target_rate_by_throughput_and_by_kv_memory(smol):
     # KV: 10 req/s x 20 s = 200 in flight, 1500 tokens = 94 blocks each, 30 per worker -> 7.
     assert (w.prefill_workers, w.decode_workers) == (3, math.ceil(200 / 30)) == (3, 7)
     assert "scale = 10 / 4 = 2.500" in w.lines[1]
-    assert w.lines[-1] == "plan: 3 prefill + 7 decode workers for 10 req/s"
+    assert w.lines[-2] == "plan: 3 prefill + 7 decode workers for 10 req/s"
+    assert w.lines[-1] == "devices = 3 x 1 (prefill TP) + 7 x 1 (decode TP) = 10"
+    wide = plan.worker_plan(_sweep(point=0), 10.0, memory, hw=Hardware(
+        devices_per_worker=2, prefill_devices_per_worker=4))  # fmt: skip
+    assert wide.lines[-1] == "devices = 3 x 4 (prefill TP) + 7 x 2 (decode TP) = 26"
     exact = plan.worker_plan(_sweep(point=0), target_rate=8.0, memory=None)
     assert (exact.prefill_workers, exact.decode_workers) == (2, 4)
 

@@ -9,6 +9,7 @@ may be left.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -57,13 +58,13 @@ def _tandem(*args: str, home: Path, timeout: float = 240) -> subprocess.Complete
 
 
 class Deployment:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, config: str = CONFIG) -> None:
         self.home = tmp / "home"
         self.home.mkdir()
         self.state_file = tmp / "ray-state.json"
         self.config_file = tmp / "ray.yaml"
         self.targets_file = tmp / "targets.json"
-        self.config_file.write_text(CONFIG + f"  metrics_targets_file: {self.targets_file}\n")
+        self.config_file.write_text(config + f"  metrics_targets_file: {self.targets_file}\n")
         self.router = ""
         self.head_procs: list = []
 
@@ -88,10 +89,16 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
+    with deployment(Deployment(tmp_path_factory.mktemp("ray"))) as d:
+        yield d
+
+
+@contextlib.contextmanager
+def deployment(d: Deployment):
+    """``tandem ray up`` of ``d``'s config; on exit ``down``, and no process left."""
     from tandem.deploy.ray_cluster.head import head_processes, read_state
     from tandem.deploy.ray_cluster.launch import connected
 
-    d = Deployment(tmp_path_factory.mktemp("ray"))
     started = time.monotonic()
     up = _tandem(
         "ray",

@@ -154,14 +154,14 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         return
     problems = []
     if cfg.num_heads % size:
-        problems.append(f"num_attention_heads ({cfg.num_heads})")
+        problems.append(f"divide num_attention_heads ({cfg.num_heads})")
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
-        problems.append(f"num_key_value_heads ({kv}), or be a multiple of it")
+        problems.append(f"divide num_key_value_heads ({kv}) or be a multiple of it")
     if cfg.intermediate_size % size:
-        problems.append(f"intermediate_size ({cfg.intermediate_size})")
+        problems.append(f"divide intermediate_size ({cfg.intermediate_size})")
     if problems:
-        raise ConfigError(f"tensor_parallel_size {size} must divide " + "; ".join(problems))
+        raise ConfigError(f"tensor_parallel_size {size} must " + ", and ".join(problems))
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

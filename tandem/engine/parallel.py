@@ -258,6 +258,7 @@ class TensorParallel:
             timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
         )
         self._device = device
+        self._zeroed: list[int] = []
         self._procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, self.size):
@@ -271,8 +272,6 @@ class TensorParallel:
         except BaseException:
             self.close()
             raise
-        self._zeroed: list[int] = []
-        self.collective: Collective | None = None
 
     def connect(self) -> Collective:
         """Wait until every rank has loaded its shard, then join their process group."""
@@ -285,7 +284,7 @@ class TensorParallel:
                         f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                         "while starting (its log is above)"
                     )
-            self.collective = Collective(self._store.port, 0, self.size, self._device)
+            collective = Collective(self._store.port, 0, self.size, self._device)
         except BaseException:
             self.close()
             raise
@@ -293,7 +292,7 @@ class TensorParallel:
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}", daemon=True
             ).start()
-        return self.collective
+        return collective
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()

@@ -191,6 +191,7 @@ class Collective:
         )
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL works on the current device
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
@@ -342,6 +343,7 @@ class TensorParallel:
 
 def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
     """Ranks 1..N-1: load this rank's shard, then run every step rank 0 sends."""
+    from tandem import logs
     from tandem.engine.device import resolve_device, resolve_dtype
     from tandem.engine.engine import load_model, model_source
     from tandem.engine.kv_cache import KVCache, kv_cache_dtype
@@ -350,6 +352,7 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
     start: _Start | None = _recv(stdin)
     if start is None:
         return 0
+    logs.configure(f"tp-rank-{start.rank}")
     config, shard = start.config, Shard(start.rank, start.config.tensor_parallel_size)
     device = rank_device(resolve_device(config.device), shard.rank)
     dtype = resolve_dtype(config.dtype, device)
@@ -357,7 +360,7 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
     if threads:
         torch.set_num_threads(threads)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # Triton launches on the current device
     model_dir, cfg = model_source(config)
     model = load_model(config, model_dir, cfg, device, dtype, shard)
     ops = get_backend(resolve_backend(config.attention_backend, device, config.cache_dir))
@@ -382,11 +385,8 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
 
 
 def main() -> int:
-    from tandem import logs
-
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stdout carries "ready" only
-    logs.configure("tp-rank")
     try:
         return follower(stdin, stdout)
     except Exception:

@@ -60,7 +60,8 @@ class EngineConfig:
     host_kv_cache_bytes: int = 0
     # The model split over this many processes and devices (tandem/engine/parallel.py:
     # heads and MLP split, one all-reduce after each of a layer's two halves); must
-    # divide the model's attention heads and MLP width. kv_cache_bytes is per rank.
+    # divide the model's attention heads and MLP width. kv_cache_bytes and
+    # host_kv_cache_bytes are per rank.
     # A tensor-parallel worker serves colocated: KV transfer moves one rank's cache.
     tensor_parallel_size: int = 1
 
@@ -106,11 +107,6 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.host_kv_cache_bytes:
-            raise ConfigError(
-                "host_kv_cache_bytes needs tensor_parallel_size 1: the host tier copies "
-                "one rank's KV"
-            )
         if self.kv_sink_tokens < 0:
             raise ConfigError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
         if self.reserve_output_tokens is not None and self.reserve_output_tokens < 1:

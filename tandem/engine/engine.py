@@ -144,7 +144,9 @@ class LLMEngine:
 
         # The other ranks load their shards while this one loads its own.
         if tp > 1:
-            self.tensor_parallel = TensorParallel(config, num_blocks, self.device, on_rank_lost)
+            self.tensor_parallel = TensorParallel(
+                config, num_blocks, host_blocks, self.device, on_rank_lost
+            )
         try:
             self.model = load_model(config, self.model_dir, cfg, self.device, self.dtype, shard)
             if self.tensor_parallel is not None:
@@ -178,7 +180,9 @@ class LLMEngine:
             self.attention_backend,
         )
         if self.tensor_parallel is not None:
-            self.kv.on_zero = self.tensor_parallel.zeroed
+            self.kv.on_kv_op = self.tensor_parallel.kv_op
+            if self.kv.host is not None:
+                self.kv.host.on_copy = self.tensor_parallel.kv_op
         if host_blocks:
             mib = host_blocks * per_block / 2**20
             log.info("host KV tier: %d blocks (%.0f MiB)", host_blocks, mib)

@@ -13,16 +13,22 @@ The tier's tensor has the cache's layout and dtype with its own block count; on 
 CUDA cache it is pinned, and each block is copied slice to slice between the two
 (all layers, K and V) with no staging copy in pageable memory. Counters (for
 Status and the metrics): blocks held, swaps out and in, prefix blocks served.
+``on_copy``, when set, hears of every copy (``("out", blocks, host)`` or
+``("in", host, blocks)``): tensor-parallel ranks make the same copies of their own
+heads (tandem/engine/parallel.py), so only this one decides where blocks go.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
 
 class HostTier:
+    on_copy: Callable[[tuple], None] | None = None
+
     def __init__(self, cache: torch.Tensor, num_blocks: int) -> None:
         """``cache``: the engine's KV tensor [layers, 2, blocks + 1, block_size, ...]."""
         if num_blocks < 1:
@@ -54,7 +60,7 @@ class HostTier:
         host = self._take(1)
         if host is None:
             return
-        self._copy_out(cache, [block], host)
+        self.copy_out(cache, [block], host)
         self._prefix[block_hash] = host[0]
 
     def has_prefix(self, block_hash: int) -> bool:
@@ -69,7 +75,7 @@ class HostTier:
     def restore(self, host: int, cache: torch.Tensor, block: int) -> None:
         """Copy a taken prefix block into device block ``block`` and free it here (the
         device holds it now, and saves it again if it reuses the block)."""
-        self._copy_in(cache, [host], [block])
+        self.copy_in(cache, [host], [block])
         self.release([host])
         self.prefix_hits += 1
 
@@ -81,14 +87,14 @@ class HostTier:
         host = self._take(len(blocks))
         if host is None:
             return None
-        self._copy_out(cache, blocks, host)
+        self.copy_out(cache, blocks, host)
         self.held_blocks += len(blocks)
         self.swaps_out += 1
         return host
 
     def swap_in(self, host: list[int], cache: torch.Tensor, blocks: list[int]) -> None:
         """Copy a swapped sequence's blocks back into device ``blocks`` and free them here."""
-        self._copy_in(cache, host, blocks)
+        self.copy_in(cache, host, blocks)
         self.release(host)
         self.swaps_in += 1
 
@@ -109,13 +115,19 @@ class HostTier:
 
     # --- copies ---
 
-    def _copy_out(self, cache: torch.Tensor, blocks: list[int], host: list[int]) -> None:
+    def copy_out(self, cache: torch.Tensor, blocks: list[int], host: list[int]) -> None:
+        """Device ``blocks`` into host blocks ``host``, in order."""
+        if self.on_copy is not None:
+            self.on_copy(("out", blocks, host))
         for b, h in zip(blocks, host, strict=True):
             self.tensor[:, :, h].copy_(cache[:, :, b], non_blocking=True)
         if cache.is_cuda:  # the device blocks are reused right after
             torch.cuda.synchronize(cache.device)
 
-    def _copy_in(self, cache: torch.Tensor, host: list[int], blocks: list[int]) -> None:
+    def copy_in(self, cache: torch.Tensor, host: list[int], blocks: list[int]) -> None:
+        """Host blocks ``host`` into device ``blocks``, in order."""
+        if self.on_copy is not None:
+            self.on_copy(("in", host, blocks))
         for h, b in zip(host, blocks, strict=True):
             cache[:, :, b].copy_(self.tensor[:, :, h], non_blocking=True)
         if cache.is_cuda:  # the host blocks are released right after

@@ -34,8 +34,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class KVCache:
-    # Called with the blocks ``ensure`` zeroed: tensor-parallel ranks zero theirs too.
-    on_zero: Callable[[list[int]], None] | None = None
+    # Hears ``("zero", blocks)`` for the blocks ``ensure`` zeroed (and, through the
+    # host tier's on_copy, its copies): tensor-parallel ranks do the same to theirs.
+    on_kv_op: Callable[[tuple], None] | None = None
 
     def __init__(
         self,
@@ -202,8 +203,8 @@ class KVCache:
         # there could be NaN/inf, and masking cannot hide those. Zero them once here
         # rather than masking on every read.
         self.tensor.index_fill_(2, torch.tensor(blocks, device=self.tensor.device), 0)
-        if self.on_zero is not None:
-            self.on_zero(blocks)
+        if self.on_kv_op is not None:
+            self.on_kv_op(("zero", blocks))
         seq.block_table.extend(blocks)
         return True
 

@@ -21,11 +21,12 @@ the weights. Only rank 0 computes logits.
 
 Lockstep. Rank 0 is the engine: it schedules, and before computing each step it
 sends every other rank the step's plan (token ids, positions, block tables:
-``StepPlan``, plain lists) and the KV blocks it zeroed since the last one; each
-rank builds the same tensors on its device and runs the same forward, and the
-all-reduces keep the ranks in step. The block pool lives on rank 0 only: every
-rank's cache has the same number of blocks, so a block id means the same tokens
-on each.
+``StepPlan``, plain lists) and what it did to its KV since the last one (blocks
+zeroed, copies to and from the host tier: ``kv_op``), which each rank does to its
+own, in the same order, first. Each rank builds the same tensors on its device
+and runs the same forward, and the all-reduces keep the ranks in step. The block
+pool and the host tier's bookkeeping live on rank 0 only: every rank's cache and
+tier have the same number of blocks, so a block id means the same tokens on each.
 
 Processes. Rank 0 (the worker process, or ``tandem generate``) starts ranks 1..N-1
 as ``python -m tandem.engine.parallel`` children and sends each its messages over
@@ -230,6 +231,7 @@ class _Start:
     rank: int
     port: int
     num_blocks: int
+    host_blocks: int
 
 
 class TensorParallel:
@@ -243,6 +245,7 @@ class TensorParallel:
         self,
         config: EngineConfig,
         num_blocks: int,
+        host_blocks: int,
         device: torch.device,
         on_lost: Callable[[str], None] | None = None,
     ) -> None:
@@ -259,7 +262,7 @@ class TensorParallel:
             timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
         )
         self._device = device
-        self._zeroed: list[int] = []
+        self._ops: list[tuple] = []
         self._procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, self.size):
@@ -269,7 +272,8 @@ class TensorParallel:
                     stdout=subprocess.PIPE,
                 )
                 self._procs.append(proc)
-                _send(proc.stdin, _Start(config, rank, self._store.port, num_blocks))
+                start = _Start(config, rank, self._store.port, num_blocks, host_blocks)
+                _send(proc.stdin, start)
         except BaseException:
             self.close()
             raise
@@ -304,16 +308,17 @@ class TensorParallel:
         if self.on_lost is not None:
             self.on_lost(self.lost)
 
-    def zeroed(self, blocks: list[int]) -> None:
-        """Blocks rank 0 zeroed (new to a sequence): the others zero theirs with the next step."""
-        self._zeroed.extend(blocks)
+    def kv_op(self, op: tuple) -> None:
+        """A change rank 0 made to its KV outside a step (blocks zeroed, copied to or
+        from the host tier): the others make it to theirs before the next step."""
+        self._ops.append(op)
 
     def step(self, plan: StepPlan) -> None:
         """Send every other rank this step (call before computing it on rank 0)."""
         if self.lost:
             raise RuntimeError(self.lost)
-        message = (self._zeroed, plan)
-        self._zeroed = []
+        message = (self._ops, plan)
+        self._ops = []
         for rank, proc in enumerate(self._procs, start=1):
             try:
                 _send(proc.stdin, message)
@@ -371,17 +376,31 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
         kv_cache_dtype(config.kv_cache_dtype, dtype),
         device,
         enable_prefix_caching=False,
+        host_blocks=start.host_blocks,
     )
     stdout.write(b"ready\n")
     stdout.flush()
     model.all_reduce = Collective(start.port, shard.rank, shard.size, device).all_reduce
     while (message := _recv(stdin)) is not None:
-        zeroed, plan = message
-        if zeroed:
-            kv.tensor.index_fill_(2, torch.tensor(zeroed, device=device), 0)
+        kv_ops, plan = message
+        for op in kv_ops:
+            _apply(kv, op)
         input_ids, positions, meta = plan.inputs(device, kv.null_block)
         model(input_ids, positions, kv.tensor, meta, ops)
     return 0
+
+
+def _apply(kv, op: tuple) -> None:
+    """Make a change rank 0 made to its KV (``TensorParallel.kv_op``) to this rank's."""
+    kind, *args = op
+    if kind == "zero":
+        kv.tensor.index_fill_(2, torch.tensor(args[0], device=kv.tensor.device), 0)
+    elif kind == "out":
+        kv.host.copy_out(kv.tensor, *args)
+    elif kind == "in":
+        kv.host.copy_in(kv.tensor, *args)
+    else:
+        raise ValueError(f"unknown KV operation {kind!r}")
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import Shard, check_tensor_parallel
 from tandem.engine.sampling_params import SamplingParams
@@ -107,11 +108,6 @@ def test_a_width_that_does_not_split_the_model_is_refused_by_name(overrides, siz
         check_tensor_parallel(_cfg(**overrides), size)
 
 
-def test_the_host_tier_with_tensor_parallelism_is_refused():
-    with pytest.raises(ConfigError, match="host_kv_cache_bytes needs tensor_parallel_size 1"):
-        EngineConfig(tensor_parallel_size=2, host_kv_cache_bytes=2**20)
-
-
 # ---- real ranks -----------------------------------------------------------------------
 
 
@@ -141,6 +137,36 @@ def test_tensor_parallel_with_biases_equals_one_device(tmp_path, variant):
     hf.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     _same_tokens(str(tmp_path), 2)
+
+
+def test_the_host_tier_on_two_ranks_swaps_and_serves_prefixes_for_every_rank(tiny_engine):
+    # Rank 0 decides what goes to the tier and back; rank 1 makes the same copies of its
+    # own heads (as in tests/engine/test_host_tier.py, on one device).
+    tok, cfg = tiny_engine.tokenizer, tiny_engine.model_config
+    rank_block = bytes_per_block(Shard(0, 2).config(cfg), 16, torch.float32)
+    prompts = [tok.encode(t) for t in ("hello there", "a" * 40, "The quick brown fox " * 6,
+                                       "x", "hi", "你好，世界")]  # fmt: skip
+    shared = tok.encode("The quick brown fox jumps over the lazy dog " * 2)
+    question = shared + tok.encode(" and then?")
+    want = [tiny_engine.generate([p], GREEDY)[0] for p in [*prompts, question]]
+    wide = make_engine(
+        num_blocks=12,
+        block_size=16,
+        host_kv_cache_bytes=64 * rank_block,
+        tensor_parallel_size=2,
+    )
+    try:
+        # 12 blocks cannot hold six growing sequences: preempted ones are swapped.
+        assert wide.generate(prompts, GREEDY) == want[:-1]
+        host = wide.kv.host
+        assert host.swaps_out > 0 and host.swaps_in == host.swaps_out
+        wide.generate([shared], GREEDY)  # its blocks stay cached, then are reused
+        wide.generate([tok.encode(f"{i} " * 60) for i in range(2)], GREEDY)
+        assert wide.generate([question], GREEDY) == [want[-1]]
+        assert host.prefix_hits > 0
+        assert wide.kv.pool.num_used == 0 and host.held_blocks == 0
+    finally:
+        wide.close()
 
 
 @pytest.mark.slow

@@ -39,7 +39,9 @@ def write(before: dict[str, str], after: dict[str, str], out: str | Path) -> lis
 
 
 def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> str:
-    """Two lines: the router's counts over the run, and the client's same figures."""
+    """The router's counts over the run and the client's same figures, a line each;
+    then a line per decode worker: how many sequences its steps held (what its KV
+    memory and ``reserve_output_tokens`` let it run at once) and how many it preempted."""
     b, a = parse(before["router"]), parse(after["router"])
 
     def moved(name: str, **labels: str) -> float:
@@ -60,7 +62,27 @@ def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> s
     ours = (f"client: {c.completed} ok, {c.failed} failed, {c.output_tokens} output tokens; "
             f"TTFT p50 {c.ttft_ms.median:.0f} ms p99 {c.ttft_ms.p99:.0f} ms, "
             f"ITL p50 {c.itl_ms.median:.0f} ms p99 {c.itl_ms.p99:.0f} ms")  # fmt: skip
-    return server + "\n" + ours
+    return "\n".join([server, ours, *_decode_lines(before, after)])
+
+
+def _decode_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    lines = []
+    batch = "tandem_worker_batch_size"
+    for name in sorted(set(after) - {"router"}):
+        a, b = parse(after[name]), parse(before.get(name, ""))
+        steps = total(a, f"{batch}_count", role="decode") - total(b, f"{batch}_count")
+        if steps <= 0:  # a prefill worker, or no step during the run
+            continue
+        mean = (total(a, f"{batch}_sum") - total(b, f"{batch}_sum")) / steps
+        p99 = quantile(0.99, delta(buckets(a, batch), buckets(b, batch)))
+        preempted = total(a, "tandem_worker_preemptions_total") - total(
+            b, "tandem_worker_preemptions_total"
+        )
+        lines.append(
+            f"decode {name}: {mean:.1f} sequences a step on average, p99 "
+            f"{'-' if p99 is None else f'{p99:.0f}'} (histogram), {preempted:.0f} preempted"
+        )
+    return lines
 
 
 def _ms(seconds: float | None) -> str:

@@ -61,6 +61,9 @@ def test_a_short_load_writes_consistent_outputs(cluster, tmp_path, capsys):
     server, client = (re.search(rf"^{w}: .*?, (\d+) output tokens", table, re.M).group(1)
                       for w in ("server", "client"))  # fmt: skip
     assert server == client
+    # Each decode worker's steps: how many sequences they held, and what was preempted.
+    assert re.search(r"^decode decode-\S+: \d+\.\d sequences a step on average, p99 \d+ "
+                     r"\(histogram\), 0 preempted$", table, re.M), table  # fmt: skip
     for when in ("before", "after"):
         saved = sorted(p.name for p in (out / "server-metrics" / when).iterdir())
         assert len(saved) == 3 and "router.prom" in saved, saved  # and both workers

@@ -14,6 +14,7 @@ import signal
 import psutil
 
 from tandem.config import DisaggregationConfig
+from tandem.engine.sampling_params import SamplingParams
 from tandem.worker.server import EXIT_RANK_LOST
 from tests.e2e.test_cluster import PROMPTS, _assert_no_blocks_used, _cluster, _colocated, _remote
 from tests.e2e.test_resilience import (
@@ -36,8 +37,6 @@ def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
     with _cluster(
         tmp_path_factory, "tp", prefill=0, decode=2, router=COLOCATED, tensor_parallel_size=2
     ) as c:
-        from tandem.engine.sampling_params import SamplingParams
-
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         for text in PROMPTS:
             tokens, out, _ = _remote(c.address, text, max_tokens=24, temperature=0,

@@ -52,10 +52,12 @@ import datetime
 import logging
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
@@ -275,13 +277,21 @@ class TensorParallel:
                 start = _Start(config, rank, self._store.port, num_blocks, host_blocks)
                 _send(proc.stdin, start)
         except BaseException:
-            self.close()
+            self.close(timeout_s=1)  # a rank may be loading, or waiting to meet this one
             raise
 
-    def connect(self) -> Collective:
-        """Wait until every rank has loaded its shard, then join their process group."""
+    def connect(self, timeout_s: float = START_TIMEOUT_S) -> Collective:
+        """Wait until every rank has loaded its shard, then join their process group;
+        ConfigError if a rank dies or is not ready within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         try:
             for rank, proc in enumerate(self._procs, start=1):
+                left = max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([proc.stdout], [], [], left)
+                if not ready:
+                    raise ConfigError(
+                        f"tensor-parallel rank {rank} was not ready within {timeout_s:g} s"
+                    )
                 line = proc.stdout.readline()  # "ready", or EOF if it died loading
                 if line.strip() != b"ready":
                     proc.wait()
@@ -291,7 +301,7 @@ class TensorParallel:
                     )
             collective = Collective(self._store.port, 0, self.size, self._device)
         except BaseException:
-            self.close()
+            self.close(timeout_s=1)  # a rank may be loading, or waiting to meet this one
             raise
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(

@@ -21,7 +21,7 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.parallel import Shard, check_tensor_parallel
+from tandem.engine.parallel import Shard, TensorParallel, check_tensor_parallel
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tiny_random import build_tokenizer, config_dict
 from tandem.errors import ConfigError
@@ -193,6 +193,15 @@ def test_a_rank_that_dies_fails_the_next_step_and_is_reported():
         engine.abort_all()
     finally:
         engine.close()
+
+
+def test_a_rank_not_ready_in_time_is_named_and_every_rank_is_stopped():
+    config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=3)
+    group = TensorParallel(config, num_blocks=8, host_blocks=0, device=torch.device("cpu"))
+    ranks = [psutil.Process(pid) for pid in group.pids]
+    with pytest.raises(ConfigError, match="tensor-parallel rank 1 was not ready within 0.01 s"):
+        group.connect(timeout_s=0.01)  # loading takes longer than that
+    assert survivors(ranks, within_s=15) == []
 
 
 def test_the_other_ranks_die_with_rank_zero_however_it_ends():

@@ -609,7 +609,7 @@ def load_model(
     """The weights (``shard``'s part of them) on ``device`` in ``dtype``, ready to run."""
     model = LlamaModel(shard.config(cfg), max_model_len(config, cfg))
     try:
-        model.load_hf_state_dict(shard.state_dict(load_state_dict(model_dir), cfg))
+        model.load_hf_state_dict(load_state_dict(model_dir, lambda n: shard.part(n, cfg)))
     except ValueError as exc:
         raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
     model = model.to(device=device, dtype=dtype).eval()

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,16 +139,26 @@ def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a directory's safetensors shards (float as stored)."""
-    from safetensors.torch import load_file
+# name -> (the index of the part to load, None for all of it; whether to zero it)
+Part = Callable[[str], tuple[tuple[slice, ...] | None, bool]]
+
+
+def load_state_dict(model_dir: Path, part: Part | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a directory's safetensors shards (float as stored); ``part``: read
+    only that part of each (a tensor-parallel rank's slice: parallel.Shard.part), so a
+    rank never holds the whole model in memory."""
+    from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{model_dir} has no *.safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as weights:
+            for name in weights.keys():
+                index, zero = part(name) if part else (None, False)
+                t = weights.get_tensor(name) if index is None else weights.get_slice(name)[index]
+                tensors[name] = t.zero_() if zero else t
     return tensors
 
 

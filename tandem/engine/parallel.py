@@ -115,12 +115,14 @@ class Shard:
             intermediate_size=cfg.intermediate_size // self.size,
         )
 
-    def state_dict(
-        self, tensors: dict[str, torch.Tensor], cfg: ModelConfig
-    ) -> dict[str, torch.Tensor]:
-        """This rank's part of a Hugging Face state dict (same names, sliced tensors)."""
-        if self.size == 1:
-            return tensors
+    def part(self, name: str, cfg: ModelConfig) -> tuple[tuple[slice, ...] | None, bool]:
+        """How this rank loads the Hugging Face tensor ``name``: the index of its part
+        (None: the whole tensor), and whether it is zeroed (a row-parallel bias is
+        added once, on rank 0). The loader reads only that part (loader.py)."""
+        if self.size == 1 or not name.startswith("model.layers."):
+            return None, False
+        module, _, kind = name.rpartition(".")
+        proj = module.split(".", 3)[-1]
         hd = cfg.head_dim
         q, kv, mlp = self.q_heads(cfg), self.kv_heads(cfg), self.intermediate(cfg)
         rows = {  # output rows (column-parallel): weight and bias sliced alike
@@ -130,22 +132,15 @@ class Shard:
             "mlp.gate_proj": mlp,
             "mlp.up_proj": mlp,
         }
-        cols = {  # input columns (row-parallel): the bias is added once, on rank 0
+        cols = {  # input columns (row-parallel)
             "self_attn.o_proj": slice(q.start * hd, q.stop * hd),
             "mlp.down_proj": mlp,
         }
-        out = {}
-        for name, value in tensors.items():
-            module, _, kind = name.rpartition(".")
-            proj = module.split(".", 3)[-1] if module.startswith("model.layers.") else ""
-            if proj in rows:
-                value = value[rows[proj]]
-            elif proj in cols and kind == "weight":
-                value = value[:, cols[proj]]
-            elif proj in cols and self.rank:
-                value = torch.zeros_like(value)
-            out[name] = value.contiguous()
-        return out
+        if proj in rows:
+            return (rows[proj],), False
+        if proj in cols and kind == "weight":
+            return (slice(None), cols[proj]), False
+        return None, proj in cols and self.rank > 0
 
 
 ONE_DEVICE = Shard()

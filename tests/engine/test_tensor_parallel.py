@@ -20,6 +20,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kv_cache import bytes_per_block
+from tandem.engine.loader import load_state_dict
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import Shard, TensorParallel, check_tensor_parallel
 from tandem.engine.sampling_params import SamplingParams
@@ -55,7 +56,9 @@ def _same_tokens(model: str, tp: int, prompts=PROMPTS, params=GREEDY, **override
 # ---- layout ---------------------------------------------------------------------------
 
 
-def test_shards_split_heads_and_mlp_and_reassemble_the_weights():
+def test_each_rank_loads_its_part_of_the_weights_and_the_parts_reassemble(tmp_path):
+    from safetensors.torch import save_file
+
     cfg = _cfg(num_attention_heads=4, num_key_value_heads=2)
     hd, tensors = cfg.head_dim, {}
     for name, shape in {
@@ -67,7 +70,10 @@ def test_shards_split_heads_and_mlp_and_reassemble_the_weights():
         tensors[f"model.layers.0.self_attn.{name}"] = torch.randn(shape)
     tensors["model.layers.0.mlp.down_proj.weight"] = torch.randn(64, 128)
     tensors["model.embed_tokens.weight"] = torch.randn(256, 64)
-    parts = [Shard(r, 2).state_dict(tensors, cfg) for r in range(2)]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    # Each rank reads only its slices from the file (never the whole tensor).
+    parts = [load_state_dict(tmp_path, lambda n, r=r: Shard(r, 2).part(n, cfg)) for r in range(2)]
+    assert parts[0]["model.layers.0.self_attn.q_proj.weight"].shape == (2 * hd, 64)
     p = "model.layers.0."
     for name, dim in (("self_attn.q_proj.weight", 0), ("self_attn.k_proj.weight", 0),
                       ("self_attn.o_proj.weight", 1), ("mlp.down_proj.weight", 1)):  # fmt: skip

@@ -62,7 +62,8 @@ class EngineConfig:
     # heads and MLP split, one all-reduce after each of a layer's two halves); must
     # divide the model's attention heads and MLP width. kv_cache_bytes and
     # host_kv_cache_bytes are per rank.
-    # A tensor-parallel worker serves colocated: KV transfer moves one rank's cache.
+    # KV moves between workers of the same width, on the host (tensor-parallel caches on
+    # GPUs are not transferable yet: the KV handshake says so).
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -207,12 +208,6 @@ class PrefillConfig:
             raise ConfigError(f"kv_ack_timeout_s must be > 0, got {self.kv_ack_timeout_s}")
         if self.kv_connect_timeout_s <= 0:
             raise ConfigError(f"kv_connect_timeout_s must be > 0, got {self.kv_connect_timeout_s}")
-        if self.engine.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"a prefill worker needs tensor_parallel_size 1, got "
-                f"{self.engine.tensor_parallel_size}: KV transfer between tensor-parallel "
-                "workers is not supported yet (serve tensor-parallel workers colocated)"
-            )
 
 
 @dataclass(frozen=True)
@@ -286,15 +281,6 @@ class DisaggregationConfig:
         for name in ("local_max_tokens", "prefill_queue_max", "local_max_running"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")
-
-    def check_tensor_parallel(self, size: int) -> None:
-        """Tensor-parallel workers serve colocated: KV transfer moves one rank's cache."""
-        if size > 1 and self.mode != "never":
-            raise ConfigError(
-                f"tensor_parallel_size {size} needs router.disaggregation.mode 'never' "
-                "(colocated workers, tandem serve --colocated N): KV transfer between "
-                "tensor-parallel workers is not supported yet"
-            )
 
     def check_prefill_workers(self, n: int, setting: str) -> None:
         """A deployment's prefill worker count (``setting`` names it) against the mode."""

@@ -24,8 +24,8 @@ def test_tensor_parallel_workers_serve_colocated_with_threads_per_rank():
     cfg = _config("--colocated", "2", "--tp", "2", "--model", "tiny-random")
     assert cfg.engine.tensor_parallel_size == 2 and cfg.engine.model == "tiny-random"
     assert cfg.worker_threads() == max(1, (os.cpu_count() or 1) // 4)  # 2 workers x 2 ranks
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs router.disaggregation"):
-        _config("--tensor-parallel-size", "2")  # KV transfer: not between TP workers yet
+    cfg = _config("--tensor-parallel-size", "2")  # disaggregated: both pools of width 2
+    assert (cfg.num_prefill, cfg.num_decode, cfg.engine.tensor_parallel_size) == (1, 1, 2)
 
 
 def test_the_default_is_one_plus_one_always_disaggregated():

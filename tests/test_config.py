@@ -103,10 +103,3 @@ def test_router_intervals_must_be_positive(field):
 
     with pytest.raises(ConfigError, match=field):
         RouterConfig(**{field: 0})
-
-
-def test_a_prefill_worker_must_not_be_tensor_parallel():
-    from tandem.config import PrefillConfig
-
-    with pytest.raises(ConfigError, match="a prefill worker needs tensor_parallel_size 1, got 2"):
-        PrefillConfig(engine=EngineConfig(tensor_parallel_size=2))

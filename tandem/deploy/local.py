@@ -94,7 +94,6 @@ class ClusterConfig:
                 f"got prefill={self.num_prefill}, decode={self.num_decode}"
             )
         self.router.disaggregation.check_prefill_workers(self.num_prefill, "num_prefill")
-        self.router.disaggregation.check_tensor_parallel(self.engine.tensor_parallel_size)
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
 

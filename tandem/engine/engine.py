@@ -12,7 +12,8 @@ The prefill and decode workers run this same engine, split in two:
   token and keeps the prompt's KV blocks (``RequestOutput.held_block_ids``)
   until ``release`` once they have been shipped; ``on_prefill_layer``, when set,
   hears of each layer of the step that completes such a prompt as soon as that
-  layer's KV is in the cache, so shipping can overlap the layers after it;
+  layer's KV is in the cache, so shipping can overlap the layers after it (layers of
+  the KV tensor: in a tensor-parallel cache, layer i of each rank);
 - decode side: ``reserve`` takes blocks for prompt + max_tokens (nothing runs
   yet), the KV transfer fills them, and ``admit(request_id, first_token)`` joins
   the request to the running batch as if it had prefilled here.
@@ -27,6 +28,7 @@ earlier run: output token ``i`` is drawn with ``draw_seed(seed, i)``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine import parallel
 from tandem.engine.device import keep_step_buffers_mapped, resolve_device, resolve_dtype
 from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block, kv_cache_dtype
 from tandem.engine.loader import load_state_dict, read_config, resolve_model
@@ -48,6 +51,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.parallel import (
     ONE_DEVICE,
     Shard,
+    SharedCache,
     TensorParallel,
     check_tensor_parallel,
     rank_threads,
@@ -59,7 +63,7 @@ from tandem.engine.sequence import FinishReason, Sequence, Status
 from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tandem.errors import ConfigError, InvalidRequestError, OutOfBlocksError
 from tandem.kernels import get_backend, resolve_backend
-from tandem.kv_transfer.base import Fingerprint
+from tandem.kv_transfer.base import KV_LAYOUT, Fingerprint
 from tandem.kv_transfer.device_checksum import algorithm_for as checksum_algorithm_for
 
 log = logging.getLogger(__name__)
@@ -142,17 +146,25 @@ class LLMEngine:
                 f"{per_block} bytes (0 turns the host tier off)"
             )
 
+        # With several ranks on the host, one segment holds every rank's cache, and the
+        # KV cache here is all of it (parallel.SharedCache); the first layers are ours.
+        cache_cfg, shared = shard.config(cfg), None
+        if tp > 1 and self.device.type == "cpu" and parallel.SHARE_HOST_CACHE:
+            cache_cfg = dataclasses.replace(cache_cfg, num_layers=tp * cfg.num_layers)
+            shape = KVCache.shape_for(cache_cfg, num_blocks, config.block_size, self.kv_dtype)
+            shared = SharedCache(shape, self.kv_dtype)
+            kv_allocator = shared.allocate
         # The other ranks load their shards while this one loads its own.
         if tp > 1:
             self.tensor_parallel = TensorParallel(
-                config, num_blocks, host_blocks, self.device, on_rank_lost
+                config, num_blocks, host_blocks, self.device, on_rank_lost, shared
             )
         try:
             self.model = load_model(config, self.model_dir, cfg, self.device, self.dtype, shard)
             if self.tensor_parallel is not None:
                 self.model.all_reduce = self.tensor_parallel.connect().all_reduce
             self.kv = KVCache(
-                shard.config(cfg),
+                cache_cfg,
                 num_blocks,
                 config.block_size,
                 self.kv_dtype,
@@ -179,7 +191,8 @@ class LLMEngine:
             self.device,
             self.attention_backend,
         )
-        if self.tensor_parallel is not None:
+        if self.tensor_parallel is not None and shared is None:
+            # Each rank has its own cache: what is done to ours outside a step is logged.
             self.kv.on_kv_op = self.tensor_parallel.kv_op
             if self.kv.host is not None:
                 self.kv.host.on_copy = self.tensor_parallel.kv_op
@@ -219,7 +232,16 @@ class LLMEngine:
             checksum=checksum_algorithm_for(self.device),
             kv_cache_dtype=self.config.kv_cache_dtype,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            kv_layout=self._kv_layout(),
         )
+
+    def _kv_layout(self) -> str:
+        """The KV tensor's layout as transfer peers must share it. Ranks that each hold
+        their own cache (on GPUs) leave only rank 0's here: never transferable."""
+        tp = self.tensor_parallel
+        if tp is None or tp.shared is not None:
+            return KV_LAYOUT
+        return f"{KV_LAYOUT}; rank 0 of {tp.size} only, not transferable"
 
     # ---- requests -------------------------------------------------------------------
 
@@ -488,7 +510,17 @@ class LLMEngine:
             and s.num_computed + n == len(s.token_ids)
             and s.num_output_tokens + 1 < s.params.max_tokens
         ]
-        return (lambda layer: hook(layer, done)) if done else None
+        if not done:
+            return None
+        # Layer i of every rank (a shared tensor-parallel cache: layers i, L + i, ...).
+        num_layers = self.model_config.num_layers
+        cached = range(0, self.kv.tensor.shape[0], num_layers)
+
+        def ship(layer: int) -> None:
+            for first in cached:
+                hook(first + layer, done)
+
+        return ship
 
     def _postprocess(
         self, req: _Request, token: int, logprob: TokenLogprob | None = None

@@ -71,12 +71,18 @@ class KVCache:
         # the [num_blocks, block_size, kv_heads, head_dim] view they expect. An int8
         # cache's rows are head_dim + 2 wide: the values, then their float16 scale
         # (tandem/kernels/torch_ref.py).
-        width = row_width(cfg.head_dim, dtype)
-        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, width)
+        shape = self.shape_for(cfg, num_blocks, block_size, dtype)
         self.tensor = (allocate or _zeros)(shape, dtype, device)
         self.host = HostTier(self.tensor, host_blocks) if host_blocks else None
         if self.host is not None:
             self.pool.on_evict = self._save_to_host
+
+    @staticmethod
+    def shape_for(
+        cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> tuple[int, ...]:
+        width = row_width(cfg.head_dim, dtype)
+        return (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, width)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

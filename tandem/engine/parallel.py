@@ -39,10 +39,16 @@ them, STRICT_PACK). A rank that exits ends its worker: rank 0's watcher calls
 and a collective in flight fails at once (gloo: "connection closed by peer")
 instead of hanging.
 
-Not yet: KV transfer between tensor-parallel workers (each rank would ship its
-head slice to the decode rank that owns those heads). A tensor-parallel worker
-serves colocated (it prefills and decodes); its fingerprint names its width, so a
-KV peer of another layout is refused at connect time.
+KV transfer. On the host, rank 0 makes every rank's cache, in one shared segment
+(``SharedCache``): the KV tensor a transfer backend sees is all ranks' layers, so
+prefill and decode workers of the same width move each rank's heads to the rank
+that holds them on the other side, with the backends as they are (the layer-wise
+hook fires for layer i of every rank). Not yet: different widths on each side
+(each decode rank would read the head slices of several prefill ranks, a strided
+read: heads lie inside a token's row in this cache layout), and transfers between
+GPU caches (each rank's cache is on its own device; the fingerprint marks such a
+cache not transferable, so any peer is refused at connect time, by name). The
+fingerprint names the width, so a peer of another width is refused the same way.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
+import mmap
 import os
 import pickle
 import select
@@ -222,6 +230,43 @@ def _recv(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
+# Every rank's KV cache in host memory that rank 0 made, where it is on the host (see
+# SharedCache); tests turn it off to run the other path (each rank's own cache,
+# changed by the operations rank 0 logs) on a CPU.
+SHARE_HOST_CACHE = True
+
+
+class SharedCache:
+    """Every rank's KV cache in one shared-memory segment (a memfd) that rank 0 makes:
+    ``[ranks x layers, 2, blocks + 1, block_size, kv_heads of a rank, row]``, rank r's
+    layers at ``[r * layers, (r + 1) * layers)``. Each rank computes into its own part;
+    rank 0 reaches them all, so it zeroes blocks, copies them to and from the host
+    tier, and moves them to and from other workers (the KV transfer sees a cache of
+    ranks x layers layers) for every rank itself. The segment has no name: the ranks
+    get its descriptor when they start, and it is gone when the last of them is."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.fd = os.memfd_create("tandem-kv", 0)
+        os.ftruncate(self.fd, self.nbytes)
+        self.tensor = _map_cache(self.fd, self.nbytes, shape, dtype)
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """``KVCache``'s allocator: the segment, which has that shape already."""
+        if tuple(shape) != self.shape or dtype != self.dtype:
+            raise ValueError(f"the shared KV cache is {self.shape} {self.dtype}, not {shape}")
+        return self.tensor
+
+    def close(self) -> None:
+        os.close(self.fd)  # the mapping (and the ranks') keeps the memory until unmapped
+
+
+def _map_cache(fd: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype):
+    memory = mmap.mmap(fd, nbytes)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Start:
     config: EngineConfig
@@ -229,6 +274,9 @@ class _Start:
     port: int
     num_blocks: int
     host_blocks: int
+    # The shared cache (its descriptor in the rank's process, shape, dtype), or None:
+    # the rank makes its own.
+    shared: tuple[int, tuple[int, ...], torch.dtype] | None = None
 
 
 class TensorParallel:
@@ -245,8 +293,12 @@ class TensorParallel:
         host_blocks: int,
         device: torch.device,
         on_lost: Callable[[str], None] | None = None,
+        shared: SharedCache | None = None,
     ) -> None:
+        """``shared``: every rank's cache, made by this rank (None: each makes its own,
+        and the changes this rank makes to its cache outside a step go in ``kv_op``)."""
         self.size = config.tensor_parallel_size
+        self.shared = shared
         self.on_lost = on_lost
         self.lost: str | None = None
         self._closing = False
@@ -267,13 +319,18 @@ class TensorParallel:
                     [sys.executable, "-m", "tandem.engine.parallel"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
+                    pass_fds=() if shared is None else (shared.fd,),
                 )
                 self._procs.append(proc)
-                start = _Start(config, rank, self._store.port, num_blocks, host_blocks)
+                cache = None if shared is None else (shared.fd, shared.shape, shared.dtype)
+                start = _Start(config, rank, self._store.port, num_blocks, host_blocks, cache)
                 _send(proc.stdin, start)
         except BaseException:
             self.close(timeout_s=1)  # a rank may be loading, or waiting to meet this one
             raise
+        finally:
+            if shared is not None:
+                shared.close()  # every rank has its own descriptor now
 
     def connect(self, timeout_s: float = START_TIMEOUT_S) -> Collective:
         """Wait until every rank has loaded its shard, then join their process group;
@@ -374,15 +431,23 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
     model_dir, cfg = model_source(config)
     model = load_model(config, model_dir, cfg, device, dtype, shard)
     ops = get_backend(resolve_backend(config.attention_backend, device, config.cache_dir))
-    kv = KVCache(
-        shard.config(cfg),
-        start.num_blocks,
-        config.block_size,
-        kv_cache_dtype(config.kv_cache_dtype, dtype),
-        device,
-        enable_prefix_caching=False,
-        host_blocks=start.host_blocks,
-    )
+    if start.shared is not None:  # this rank's layers of rank 0's segment
+        fd, shape, kv_dtype = start.shared
+        layers = cfg.num_layers
+        whole = _map_cache(fd, math.prod(shape) * kv_dtype.itemsize, shape, kv_dtype)
+        os.close(fd)
+        kv, cache = None, whole[shard.rank * layers : (shard.rank + 1) * layers]
+    else:
+        kv = KVCache(
+            shard.config(cfg),
+            start.num_blocks,
+            config.block_size,
+            kv_cache_dtype(config.kv_cache_dtype, dtype),
+            device,
+            enable_prefix_caching=False,
+            host_blocks=start.host_blocks,
+        )
+        cache = kv.tensor
     stdout.write(b"ready\n")
     stdout.flush()
     model.all_reduce = Collective(start.port, shard.rank, shard.size, device).all_reduce
@@ -390,8 +455,8 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
         kv_ops, plan = message
         for op in kv_ops:
             _apply(kv, op)
-        input_ids, positions, meta = plan.inputs(device, kv.null_block)
-        model(input_ids, positions, kv.tensor, meta, ops)
+        input_ids, positions, meta = plan.inputs(device, start.num_blocks)  # the null block
+        model(input_ids, positions, cache, meta, ops)
     return 0
 
 

@@ -99,7 +99,10 @@ def test_a_tensor_parallel_pool_reserves_every_ranks_devices_in_one_bundle():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"ray": {"decode": {"tensor_parallel_size": 2}}}, "needs router.disaggregation.mode"),
+        (
+            {"ray": {"decode": {"tensor_parallel_size": 2}}},
+            "and ray.decode.tensor_parallel_size 2 must be equal",
+        ),
         ({"engine": {"tensor_parallel_size": 2}}, "set ray.decode.tensor_parallel_size"),
         ({"ray": {"decode": {"tensor_parallel_size": 0}}}, "tensor_parallel_size must be >= 1"),
     ],
@@ -267,3 +270,9 @@ def test_the_autoscaler_waits_while_a_resize_is_under_way():
 
     asyncio.run(during_a_resize())
     assert ctrl.reconciled == [{"prefill": 3, "decode": 1}]  # only the round after it
+
+
+def test_pools_of_the_same_width_may_be_disaggregated():
+    both = {"tensor_parallel_size": 2}
+    cfg = deploy_config({"ray": {"prefill": both, "decode": both}})
+    assert cfg.worker_config("prefill", host="10.0.0.5").engine.tensor_parallel_size == 2

@@ -12,11 +12,21 @@ import re
 import signal
 
 import psutil
+import torch
 
 from tandem.config import DisaggregationConfig
+from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.sampling_params import SamplingParams
 from tandem.worker.server import EXIT_RANK_LOST
-from tests.e2e.test_cluster import PROMPTS, _assert_no_blocks_used, _cluster, _colocated, _remote
+from tests.e2e.test_cluster import (
+    PROMPTS,
+    _assert_no_blocks_used,
+    _cluster,
+    _colocated,
+    _remote,
+    _status,
+    _workers,
+)
 from tests.e2e.test_resilience import (
     Streams,
     _assert_exact,
@@ -58,3 +68,23 @@ def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
         ranks = [psutil.Process(p.popen.pid).children() for p in c.processes]
     # Stopping the cluster ends the other worker's rank too.
     assert survivors([r for rs in ranks for r in rs], within_s=15) == []
+
+
+def test_disaggregated_tensor_parallel_workers_move_every_ranks_kv(tmp_path_factory, tiny_engine):
+    """Prefill and decode workers of 2 ranks each: the decode worker reads every rank's
+    share of each prompt's KV (layer by layer, as the prefill computes it)."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tok, cfg = tiny_engine.tokenizer, tiny_engine.model_config
+    with _cluster(tmp_path_factory, "tp-split", tensor_parallel_size=2) as c:
+        for text in PROMPTS:
+            tokens, out, _ = _remote(c.address, text, max_tokens=24, temperature=0,
+                                     ignore_eos=True)  # fmt: skip
+            assert (tokens, out) == _colocated(tiny_engine, text, params)
+        (decode,) = [w for w in _workers(c) if w.name.startswith("decode")]
+        status = _status(c, decode)
+        assert status.kv_transfers_total == len(PROMPTS)
+        # Each rank's share is its own heads: together, the whole model's KV of each prompt.
+        prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
+        blocks = sum(-(-len(p) // 16) for p in prompts)
+        assert status.kv_bytes_total == blocks * bytes_per_block(cfg, 16, torch.float32)
+        _assert_no_blocks_used(c)

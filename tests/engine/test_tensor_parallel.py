@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine import parallel
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.loader import load_state_dict
@@ -134,6 +135,28 @@ def test_tensor_parallel_tokens_equal_one_device(tp, overrides):
     assert preemptions or "num_blocks" not in overrides
 
 
+@pytest.fixture
+def own_caches(monkeypatch):
+    """Each rank makes its own cache, as on GPUs (no shared segment): rank 0 logs what
+    it does to its cache outside a step, and the others do the same to theirs."""
+    monkeypatch.setattr(parallel, "SHARE_HOST_CACHE", False)
+
+
+def test_ranks_with_their_own_caches_zero_blocks_as_rank_zero_does(own_caches):
+    # Preemption and chunked prefill: blocks zeroed again and again outside the steps.
+    assert _same_tokens("tiny-random", 2, num_blocks=9, max_num_batched_tokens=16) > 0
+
+
+def test_own_caches_are_not_transferable_and_say_so(own_caches):
+    engine = make_engine("tiny-random", tensor_parallel_size=2, num_blocks=8)
+    try:
+        layout = engine.kv_fingerprint().kv_layout
+        assert layout.endswith("; rank 0 of 2 only, not transferable")
+        assert engine.kv.tensor.shape[0] == engine.model_config.num_layers  # rank 0's only
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("variant", ["llama-attention-bias", "qwen2-qkv-bias"])
 def test_tensor_parallel_with_biases_equals_one_device(tmp_path, variant):
     model_cls, config_cls, extra = VARIANTS[variant]
@@ -145,7 +168,11 @@ def test_tensor_parallel_with_biases_equals_one_device(tmp_path, variant):
     _same_tokens(str(tmp_path), 2)
 
 
-def test_the_host_tier_on_two_ranks_swaps_and_serves_prefixes_for_every_rank(tiny_engine):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-cache", "own-caches"])
+def test_the_host_tier_on_two_ranks_swaps_and_serves_prefixes_for_every_rank(
+    tiny_engine, monkeypatch, shared
+):
+    monkeypatch.setattr(parallel, "SHARE_HOST_CACHE", shared)
     # Rank 0 decides what goes to the tier and back; rank 1 makes the same copies of its
     # own heads (as in tests/engine/test_host_tier.py, on one device).
     tok, cfg = tiny_engine.tokenizer, tiny_engine.model_config

@@ -15,16 +15,19 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize(
+    "settings",
+    # An int8 cache moves its values and their scales: the same tokens as one int8
+    # engine. Tensor-parallel engines move every rank's heads (one shared cache each).
+    [{}, {"kv_cache_dtype": "int8"}, {"tensor_parallel_size": 2}],
+    ids=["auto", "int8", "tp2"],
+)
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("backend", ["inproc", "ucx"])
-def test_split_over_a_transfer_backend_equals_colocated(
-    tiny_engine, backend, params, kv_cache_dtype
-):
-    # An int8 cache moves its values and their scales: the same tokens as one int8 engine.
-    colocated = tiny_engine if kv_cache_dtype == "auto" else make_engine(kv_cache_dtype="int8")
-    prefill = make_engine(kv_cache_dtype=kv_cache_dtype)
-    decode = make_engine(num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, params, settings):
+    colocated = make_engine(**settings) if "kv_cache_dtype" in settings else tiny_engine
+    prefill = make_engine(**settings)
+    decode = make_engine(num_blocks=64, **settings)
     receiver = make_receiver(backend, decode.kv.tensor, decode.kv_fingerprint())
     sender = make_sender(backend, prefill.kv.tensor, prefill.kv_fingerprint())
     try:
@@ -52,6 +55,8 @@ def test_split_over_a_transfer_backend_equals_colocated(
     finally:
         sender.close()
         receiver.close()
+        prefill.close()
+        decode.close()
     for engine in (prefill, decode):
         engine.kv.pool.check_integrity()
         assert engine.kv.pool.num_used == 0

@@ -1,17 +1,28 @@
 """Shared fixtures: engines are expensive, so each model is loaded once per session;
-test certificates (pki, ~50 ms each) are made once too."""
+test certificates (pki, ~50 ms each) are made once too.
+
+Triton kernels run under Triton's interpreter in the tests (tests/kernels):
+``@triton.jit`` and Triton's settings read TRITON_INTERPRET when they are first
+imported, and a test module may import triton indirectly at collection
+(transformers' model classes do), so it is set here, before anything else. A value
+already in the environment wins.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+import os
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tandem.config import EngineConfig
-from tandem.engine.engine import LLMEngine
-from tandem.security import pki
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tandem.config import EngineConfig  # noqa: E402
+from tandem.engine.engine import LLMEngine  # noqa: E402
+from tandem.security import pki  # noqa: E402
 
 
 def make_engine(model: str = "tiny-random", **overrides) -> LLMEngine:

@@ -1,9 +1,5 @@
-"""The kernel tests run the Triton backend on CPU through Triton's interpreter.
-
-``@triton.jit`` reads TRITON_INTERPRET when a kernel module is imported, so it is
-set here, before any test imports ``tandem.kernels.triton`` (nothing imports that
-package at collection time). A value already in the environment wins.
-"""
+"""The kernel tests run the Triton backend on CPU through Triton's interpreter
+(TRITON_INTERPRET=1, set by tests/conftest.py before anything can import triton)."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ import shutil
 
 import pytest
 import torch
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 

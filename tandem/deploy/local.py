@@ -170,6 +170,9 @@ class LocalCluster:
         self._lifeline = self._lifeline or Lifeline()
         try:
             cluster = self.security = self._cluster_security()
+            prefill_cfg = dataclasses.replace(
+                cfg.prefill, engine=engine, port=0, cluster=cluster, **self._metrics(cfg.prefill)
+            )
             decode_cfg = dataclasses.replace(
                 cfg.decode,
                 engine=engine,
@@ -178,19 +181,10 @@ class LocalCluster:
                 cluster=cluster,
                 **self._metrics(cfg.decode),
             )
-            prefill = []
-            if cfg.num_prefill:  # (a colocated cluster's engine may not suit one)
-                prefill_cfg = dataclasses.replace(
-                    cfg.prefill,
-                    engine=engine,
-                    port=0,
-                    cluster=cluster,
-                    **self._metrics(cfg.prefill),
-                )
-                prefill = [
-                    self._spawn(f"prefill-{i}", self.modules["prefill"], prefill_cfg)
-                    for i in range(cfg.num_prefill)
-                ]
+            prefill = [
+                self._spawn(f"prefill-{i}", self.modules["prefill"], prefill_cfg)
+                for i in range(cfg.num_prefill)
+            ]
             decode = [
                 self._spawn(f"decode-{i}", self.modules["decode"], decode_cfg)
                 for i in range(cfg.num_decode)

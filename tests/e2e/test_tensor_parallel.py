@@ -1,8 +1,10 @@
-"""Tensor-parallel workers in a real colocated cluster: each worker is two processes.
+"""Tensor-parallel workers in a real cluster, colocated and disaggregated: each worker
+is two processes.
 
-What must hold: the cluster streams the tokens of one device, and a rank that dies
-takes its whole worker down, so the router treats it as one worker's death (its
-streams move to the other worker and go on exactly) and no rank is left behind.
+What must hold: the cluster streams the tokens of one device, a decode worker
+receives every rank's share of a prompt's KV, and a rank that dies takes its whole
+worker down, so the router treats it as one worker's death (its streams move to the
+other worker and go on exactly) and no rank is left behind.
 """
 
 from __future__ import annotations

@@ -104,17 +104,21 @@ def _assert_exact(streams: Streams, expected) -> None:
 
 
 def test_a_killed_decode_worker_costs_its_streams_nothing(tmp_path_factory, tiny_engine):
-    expected = _expected(tiny_engine, STREAMS)
+    # Long streams, and the victim picked as soon as every stream has begun: the
+    # engines run ahead of their clients, and on a fast machine 200-token streams
+    # were all done in the engines by the time each client had read 8 tokens.
+    max_tokens = 2 * MAX_TOKENS
+    expected = _expected(tiny_engine, STREAMS, max_tokens)
     with _cluster(tmp_path_factory, "kill-decode", prefill=2, decode=2) as c:
-        streams = Streams(c.address, STREAMS)
-        streams.wait_until_all_stream()
+        streams = Streams(c.address, STREAMS, max_tokens)
+        streams.wait_until_all_stream(at_least=1)
         victim = _busiest_decode(c)  # streams are on the victim
         os.kill(victim.popen.pid, signal.SIGKILL)
         streams.join()
         _assert_exact(streams, expected)
         prompt = tiny_engine.tokenizer.encode_chat([{"role": "user", "content": _prompt(0)}])
         assert streams.usage[0].prompt_tokens == len(prompt)  # the client's, not re-prefilled
-        assert streams.usage[0].completion_tokens == MAX_TOKENS
+        assert streams.usage[0].completion_tokens == max_tokens
         migrated = len(re.findall(r"migrating after \d+ tokens", _router_log(c)))
         assert migrated >= 1, "no stream was on the killed worker"
         c.processes.remove(victim)
@@ -152,7 +156,7 @@ def test_a_frozen_decode_worker_is_left_by_keepalive_and_its_streams_migrate(
     with _cluster(tmp_path_factory, "freeze", prefill=1, decode=2, router=keepalive) as c:
         victim = next(w for w in _workers(c) if w.name == "decode-0")
         streams = Streams(c.address, n, max_tokens=400)
-        streams.wait_until_all_stream()
+        streams.wait_until_all_stream(at_least=1)
         os.kill(victim.popen.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()

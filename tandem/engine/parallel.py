@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from tandem.engine.model_config import ModelConfig
 from tandem.errors import ConfigError
+from tandem.kv_transfer.heads import kv_head_slice
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -101,11 +102,7 @@ class Shard:
         return slice(self.rank * n, (self.rank + 1) * n)
 
     def kv_heads(self, cfg: ModelConfig) -> slice:
-        if cfg.num_kv_heads >= self.size:
-            n = cfg.num_kv_heads // self.size
-            return slice(self.rank * n, (self.rank + 1) * n)
-        head = self.rank // (self.size // cfg.num_kv_heads)  # replicated on size/kv ranks
-        return slice(head, head + 1)
+        return kv_head_slice(self.rank, self.size, cfg.num_kv_heads)
 
     def intermediate(self, cfg: ModelConfig) -> slice:
         n = cfg.intermediate_size // self.size

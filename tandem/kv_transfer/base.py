@@ -31,6 +31,10 @@ import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.kv_transfer.heads import HeadMap
 
 # 2 let the final message carry ``extra`` bytes (a sampler RNG state); 3 drops them
 # again, since seeded sampling no longer needs state from the prefill side; 4 makes
@@ -91,19 +95,38 @@ class Fingerprint:
     # The setting: auto (the model's dtype) or int8 (values and scales); a peer that
     # predates the field sends none, and its cache is the model's dtype.
     kv_cache_dtype: str = "auto"
-    # A tensor-parallel worker's cache holds one rank's heads (tandem/engine/parallel.py);
-    # KV moves only between workers of width 1 for now, and a peer predating the
-    # field is of width 1.
+    # A tensor-parallel worker's host cache holds every rank's heads, rank by rank
+    # (tandem/engine/parallel.py); widths may differ, the receiver re-splits the heads
+    # (heads.py). A peer predating the field is of width 1.
     tensor_parallel_size: int = 1
 
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
-        """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'."""
+        """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'.
+
+        The widths may differ. A layout other than ``KV_LAYOUT`` (a tensor-parallel
+        cache that is not all in one place: "not transferable") is named even when
+        both sides have it."""
         diffs = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if a != b:
+            if f.name == "tensor_parallel_size":
+                continue
+            if a != b or (f.name == "kv_layout" and a != KV_LAYOUT):
                 diffs.append(f"{f.name}: {mine} {a}, {theirs} {b}")
         return "; ".join(diffs)
+
+    def head_map(self, sender: Fingerprint) -> HeadMap | None:
+        """How a compatible ``sender``'s ranks feed this side's (None: the same width)."""
+        if sender.tensor_parallel_size == self.tensor_parallel_size:
+            return None
+        from tandem.kv_transfer.heads import head_map
+
+        return head_map(
+            self.num_layers,
+            self.num_kv_heads,
+            sender.tensor_parallel_size,
+            self.tensor_parallel_size,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

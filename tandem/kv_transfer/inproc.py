@@ -31,6 +31,7 @@ import torch
 
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, HandshakeError, TransferError, TransferMetrics
+from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import MessageHeader, copy_blocks
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
 from tandem.kv_transfer.sender import FaultHook, Outgoing, SenderBase
@@ -78,13 +79,14 @@ class InProcSender(SenderBase):
     ) -> None:
         super().__init__(kv, fingerprint, metrics, fault_hook)
         self.secret = auth.check_secret(secret)
-        self._peers: dict[str, ReceiverCore] = {}  # address -> handshaken receiver
+        # address -> handshaken receiver, and how its ranks take ours (another width)
+        self._peers: dict[str, tuple[ReceiverCore, HeadMap | None]] = {}
 
-    def _peer(self, address: str) -> ReceiverCore:
+    def _peer(self, address: str) -> tuple[ReceiverCore, HeadMap | None]:
         with self._lock:
-            core = self._peers.get(address)
-        if core is not None:
-            return core
+            peer = self._peers.get(address)
+        if peer is not None:
+            return peer
         with _registry_lock:
             receiver = _registry.get(address)
         if receiver is None:
@@ -94,41 +96,47 @@ class InProcSender(SenderBase):
         )
         if problem:
             raise HandshakeError(problem)
+        peer = receiver.core, receiver.core.fingerprint.head_map(self.fingerprint)
         with self._lock:
-            self._peers[address] = receiver.core
-        return receiver.core
+            self._peers[address] = peer
+        return peer
 
     def _transmit(self, out: Outgoing, header: MessageHeader) -> None:
         try:
-            core = self._peer(out.destination.address)
+            core, heads = self._peer(out.destination.address)
         except TransferError as exc:
             self._finish(out, exc)
             return
-        status = core.deliver(header, self, functools.partial(self._read, core, header))
+        fill = functools.partial(self._read, core, header, heads)
+        status = core.deliver(header, self, fill, heads)
         if status is not None:
             self._finish(out, self._done_status(out, status))
 
-    def _read(self, core: ReceiverCore, header: MessageHeader) -> int:
+    def _read(self, core: ReceiverCore, header: MessageHeader, heads: HeadMap | None) -> int:
         layers = (header.layer_start, header.layer_end)
+        src, dst = header.src_block_ids, header.dst_block_ids
+        if heads is not None:
+            heads.copy(core.kv, self.kv, src, dst, layers)
+            return heads.land(core.kv, src, dst, layers)
         return copy_blocks(
             core.kv,
             core.kv_bytes,
             self.kv.data_ptr(),
             self.kv.shape[2],
-            header.src_block_ids,
-            header.dst_block_ids,
+            src,
+            dst,
             layers,
         )
 
     def _notify_abort(self, out: Outgoing) -> None:
         with self._lock:
-            core = self._peers.get(out.destination.address)
-        if core is not None:
-            core.sender_abort(out.request_id, source=self)
+            peer = self._peers.get(out.destination.address)
+        if peer is not None:
+            peer[0].sender_abort(out.request_id, source=self)
 
     def close(self) -> None:
         self._fail_all(TransferError("closed", "sender closed"))
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
-        for core in peers:
+        for core, _ in peers:
             core.source_lost(self)

@@ -152,10 +152,20 @@ def decode_header(data: bytes | bytearray | memoryview) -> MessageHeader:
     return h
 
 
-def check_fits(h: MessageHeader, kv: torch.Tensor) -> None:
-    """Raise HeaderError unless the header's payload fits ``kv`` (the receiver's tensor)."""
+def check_fits(
+    h: MessageHeader, kv: torch.Tensor, sender: tuple[int, int, int] | None = None
+) -> None:
+    """Raise HeaderError unless the header's payload fits ``kv`` (the receiver's tensor).
+
+    ``sender``: a sender of another tensor-parallel width (heads.py), as (its layers,
+    its layers per rank, its KV heads per rank); a message holds one rank's layers."""
     num_layers, _, total, *block_shape = kv.shape
     num_blocks = total - 1  # the last block is the null block
+    if sender is not None:
+        num_layers, per_rank, heads = sender
+        block_shape = [block_shape[0], heads, block_shape[2]]
+        if h.num_layers and h.layer_start // per_rank != (h.layer_end - 1) // per_rank:
+            raise HeaderError(f"layer range [{h.layer_start}, {h.layer_end}) spans ranks")
     if h.layer_end > num_layers:
         raise HeaderError(f"layer range [{h.layer_start}, {h.layer_end}) past {num_layers} layers")
     if h.num_layers and h.dtype != dtype_name(kv.dtype):

@@ -55,6 +55,7 @@ from tandem.kv_transfer.base import (
     TransferState,
     TransferStatus,
 )
+from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import (
     HeaderError,
     MessageHeader,
@@ -228,7 +229,11 @@ class ReceiverCore:
         return peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
 
     def deliver(
-        self, header: MessageHeader, source: object = None, fill: Fill | None = None
+        self,
+        header: MessageHeader,
+        source: object = None,
+        fill: Fill | None = None,
+        heads: HeadMap | None = None,
     ) -> TransferStatus | None:
         """Take one received message; returns the request's status if ``header.final``.
 
@@ -238,9 +243,17 @@ class ReceiverCore:
         cannot) and returns the checksum of what it wrote if it took one as it copied,
         else None, and the blocks are checksummed where they landed. The returned
         status is what the sender is told (its ack).
+
+        ``heads``: the sender is of another tensor-parallel width (``Fingerprint.
+        head_map``): its layers are counted, and ``fill`` re-splits the heads of the
+        ones this side reads (heads.py); it is not called for a rank whose heads are
+        read from another.
         """
         if header.nbytes and fill is None:
             raise ValueError("a message with KV needs a fill")
+        if heads is not None and header.nbytes:
+            if not heads.reads(heads.rank_of(header.layer_start)[0]):
+                fill = None  # another sender rank's copy of the same heads is read
         with self._lock:
             res = self._table.get(header.request_id)
             foreign = res is not None and res.source not in (None, source)
@@ -249,7 +262,7 @@ class ReceiverCore:
                     # Lease ran out while nobody polled: drain below, then discard.
                     pass
                 elif res.state not in TERMINAL:
-                    problem = self._check_header(res, header)
+                    problem = self._check_header(res, header, heads)
                     if problem:
                         self._fail_locked(res, "bad header", problem)
                     else:
@@ -272,14 +285,14 @@ class ReceiverCore:
                     live = False
             if not live:
                 return self._discard(header, res)
-            if header.nbytes:
+            if fill is not None:
                 problem = self._fill(header, fill)
                 if problem is not None:
                     with self._lock:
                         self._fail_locked(res, *problem)
                     return res.status() if header.final else None
             with self._lock:
-                self._arrived_locked(res, header)
+                self._arrived_locked(res, header, header.nbytes if fill is not None else 0)
         return res.status() if header.final else None
 
     def _fill(self, header: MessageHeader, fill: Fill) -> tuple[str, str] | None:
@@ -318,9 +331,10 @@ class ReceiverCore:
 
     # --- internals (``_locked``: caller holds self._lock) --------------------------
 
-    def _check_header(self, res: _Reservation, h: MessageHeader) -> str:
+    def _check_header(self, res: _Reservation, h: MessageHeader, heads: HeadMap | None) -> str:
+        sender = None if heads is None else (heads.src_layers, heads.num_layers, heads.src_heads)
         try:
-            check_fits(h, self.kv)
+            check_fits(h, self.kv, sender)
         except HeaderError as exc:
             return str(exc)
         n = len(h.dst_block_ids)
@@ -328,6 +342,10 @@ class ReceiverCore:
             return f"{n} blocks, earlier messages carried {res.num_src_blocks}"
         if h.dst_block_ids != res.block_ids[:n]:
             return "destination block ids differ from the reservation's"
+        if res.num_src_blocks is None and heads is not None:
+            # The first message: the sender's layers are what arrives (its ranks').
+            res.claimed = [False] * heads.src_layers
+            res.written = [False] * heads.src_layers
         if any(res.claimed[h.layer_start : h.layer_end]):
             return f"layers [{h.layer_start}, {h.layer_end}) arrived twice"
         res.num_src_blocks = n
@@ -336,10 +354,10 @@ class ReceiverCore:
         res.claimed[h.layer_start : h.layer_end] = [True] * h.num_layers
         return ""
 
-    def _arrived_locked(self, res: _Reservation, h: MessageHeader) -> None:
+    def _arrived_locked(self, res: _Reservation, h: MessageHeader, nbytes: int) -> None:
         if res.state is not TransferState.TRANSFERRING:
             return  # failed (aborted, expired) while its last payload was being copied
-        res.nbytes += h.nbytes
+        res.nbytes += nbytes
         res.written[h.layer_start : h.layer_end] = [True] * h.num_layers
         if not h.final:
             return

@@ -100,6 +100,16 @@ class SenderBase(KVSender):
         self._kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
         self._block_bytes = block_bytes(kv)
         self.fingerprint = fingerprint
+        # A tensor-parallel cache is its ranks' layers one rank after another; a message
+        # holds one rank's (a receiver of another width re-splits each rank's heads).
+        self._rank_layers = kv.shape[0]
+        if fingerprint.tensor_parallel_size > 1:
+            self._rank_layers = fingerprint.num_layers
+            if kv.shape[0] != fingerprint.tensor_parallel_size * fingerprint.num_layers:
+                raise ValueError(
+                    f"kv holds {kv.shape[0]} layers, not {fingerprint.tensor_parallel_size} "
+                    f"ranks x {fingerprint.num_layers}"
+                )
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.fault_hook = fault_hook
         self._lock = threading.Lock()  # guards _requests and metrics
@@ -156,13 +166,19 @@ class SenderBase(KVSender):
 
     def _chunks(self, out: Outgoing, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` cut into layer ranges of at most ``max_message_bytes`` each (at
-        least one layer), in order; an empty range stays as it is."""
+        least one layer) and of one rank each, in order; an empty range stays as it is."""
         step = max(1, self.max_message_bytes // (2 * len(out.src_block_ids) * self._block_bytes))
-        return [
-            (start, min(start + step, l1))
-            for l0, l1 in ranges
-            for start in (range(l0, l1, step) if l1 > l0 else [l0])
-        ]
+        per_rank = self._rank_layers
+        chunks = []
+        for l0, l1 in ranges:
+            if l1 == l0:
+                chunks.append((l0, l1))
+            start = l0
+            while start < l1:
+                end = min(start + step, l1, (start // per_rank + 1) * per_rank)
+                chunks.append((start, end))
+                start = end
+        return chunks
 
     # --- for backends --------------------------------------------------------------
 

@@ -15,19 +15,28 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
 
 
+def _tp(n: int) -> dict:
+    return {"tensor_parallel_size": n}
+
+
 @pytest.mark.parametrize(
-    "settings",
+    ("prefill_settings", "decode_settings"),
     # An int8 cache moves its values and their scales: the same tokens as one int8
-    # engine. Tensor-parallel engines move every rank's heads (one shared cache each).
-    [{}, {"kv_cache_dtype": "int8"}, {"tensor_parallel_size": 2}],
-    ids=["auto", "int8", "tp2"],
+    # engine. Tensor-parallel engines move every rank's heads (one shared cache each),
+    # into a decode worker of the same width or another (heads re-split; 4 ranks hold
+    # each of tiny-random's 2 KV heads twice).
+    [({}, {}), ({"kv_cache_dtype": "int8"},) * 2, (_tp(2), _tp(2)), (_tp(2), {}), ({}, _tp(4))],
+    ids=["auto", "int8", "tp2", "tp2to1", "tp1to4"],
 )
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("backend", ["inproc", "ucx"])
-def test_split_over_a_transfer_backend_equals_colocated(tiny_engine, backend, params, settings):
-    colocated = make_engine(**settings) if "kv_cache_dtype" in settings else tiny_engine
-    prefill = make_engine(**settings)
-    decode = make_engine(num_blocks=64, **settings)
+def test_split_over_a_transfer_backend_equals_colocated(
+    tiny_engine, backend, params, prefill_settings, decode_settings
+):
+    int8 = "kv_cache_dtype" in prefill_settings
+    colocated = make_engine(**prefill_settings) if int8 else tiny_engine
+    prefill = make_engine(**prefill_settings)
+    decode = make_engine(num_blocks=64, **decode_settings)
     receiver = make_receiver(backend, decode.kv.tensor, decode.kv_fingerprint())
     sender = make_sender(backend, prefill.kv.tensor, prefill.kv_fingerprint())
     try:
@@ -100,10 +109,8 @@ def test_a_continued_request_ships_the_kv_of_its_earlier_output_too(tiny_engine)
     [
         ({"block_size": 16}, {"block_size": 32}, "block_size: prefill 16, decode 32"),
         ({"kv_cache_dtype": "int8"}, {}, "kv_cache_dtype: prefill int8, decode auto"),
-        # A tensor-parallel cache holds one rank's heads: refused until KV moves per rank.
-        ({}, {"tensor_parallel_size": 2}, "tensor_parallel_size: prefill 1, decode 2"),
     ],
-    ids=["block_size", "kv_cache_dtype", "tensor_parallel_size"],
+    ids=["block_size", "kv_cache_dtype"],
 )
 def test_engines_with_different_kv_layouts_refuse_each_other_by_name(
     prefill_settings, decode_settings, named

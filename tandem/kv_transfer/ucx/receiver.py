@@ -44,6 +44,7 @@ import torch
 
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, TransferMetrics
+from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import HeaderError, MessageHeader, decode_header
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
 from tandem.kv_transfer.ucx import rma, sockets, wire
@@ -65,6 +66,8 @@ class _Connection:
         self.ep = ep
         self.peer = sockets.peer_address(ep)  # "ip:port", for the log
         self.remote: rma.RemoteCache | None = None  # the sender's cache, from frame b"M"
+        # How the sender's ranks feed ours, when its tensor-parallel width differs.
+        self.heads: HeadMap | None = None
         # Frames the loop has read, delivered in order by this connection's thread while
         # the loop reads the next ones: a header, or the id of a request the sender
         # aborted; None ends the thread.
@@ -186,6 +189,7 @@ class UcxReceiver(CoreReceiver):
         if problem:
             await self._refuse(conn, wire.encode_reply(problem), problem)
             return False
+        conn.heads = self.core.fingerprint.head_map(hello.fingerprint)
         if self.secret is None:
             await wire.send_msg(ep, wire.encode_reply(""))
             return True
@@ -225,7 +229,12 @@ class UcxReceiver(CoreReceiver):
             raise wire.ProtocolError(f"expected where the sender's cache lies, got {frame[:1]!r}")
         try:
             conn.remote = await loop.run_in_executor(
-                self._pool, self._cache.add_remote, ep.ucp_endpoint, frame[1:], self.map_peers
+                self._pool,
+                self._cache.add_remote,
+                ep.ucp_endpoint,
+                frame[1:],
+                self.map_peers,
+                conn.heads,
             )
         except ValueError as exc:
             raise wire.ProtocolError(str(exc)) from None
@@ -274,9 +283,14 @@ class UcxReceiver(CoreReceiver):
             if item.nbytes:
                 layers = (item.layer_start, item.layer_end)
                 fill = functools.partial(
-                    self._cache.read, conn.remote, item.src_block_ids, item.dst_block_ids, layers
+                    self._cache.read,
+                    conn.remote,
+                    item.src_block_ids,
+                    item.dst_block_ids,
+                    layers,
+                    conn.heads,
                 )
-            status = self.core.deliver(item, conn, fill)
+            status = self.core.deliver(item, conn, fill, conn.heads)
             if status is not None:
                 ack = wire.encode_ack(item.request_id, status)
                 asyncio.run_coroutine_threadsafe(self._send_ack(conn, ack), loop)

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from tandem.kv_transfer.base import TransferError
+from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import (
     as_bytes,
     block_bytes,
@@ -166,10 +167,17 @@ class CacheMemory:
         }
         return json.dumps(body).encode()
 
-    def add_remote(self, endpoint: int, description: bytes, map_peer: bool = True) -> RemoteCache:
+    def add_remote(
+        self,
+        endpoint: int,
+        description: bytes,
+        map_peer: bool = True,
+        heads: HeadMap | None = None,
+    ) -> RemoteCache:
         """A peer's cache from its ``describe()``, reached over ``endpoint`` (a ucp_ep_h);
         ValueError when the description is malformed. ``map_peer`` False: read with UCX
-        gets even where the peer's cache could be mapped (tests, the benchmark)."""
+        gets even where the peer's cache could be mapped (tests, the benchmark).
+        ``heads``: the peer is of another tensor-parallel width (its cache's shape)."""
         try:
             body = json.loads(description)
             base, blocks, packed = int(body["base"]), body["blocks"], bytes.fromhex(body["rkey"])
@@ -188,6 +196,9 @@ class CacheMemory:
                 log.info("the sender's KV cache cannot be mapped here (%s): UCX gets", why)
         if pointer is not None:
             shape = (self.kv.shape[0], 2, blocks, *self.kv.shape[3:])
+            if heads is not None:
+                block_size, _, row = self.kv.shape[3:]
+                shape = (heads.src_layers, 2, blocks, block_size, heads.src_heads, row)
             nbytes = math.prod(shape) * self.kv.element_size()
             raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(pointer))
             view = torch.from_numpy(raw).view(self.kv.dtype).view(shape)
@@ -203,16 +214,29 @@ class CacheMemory:
         src_block_ids: tuple[int, ...],
         dst_block_ids: tuple[int, ...],
         layers: tuple[int, int],
+        heads: HeadMap | None = None,
         timeout_s: float = READ_TIMEOUT_S,
     ) -> int | None:
         """Copy the peer's ``src_block_ids`` of ``layers`` into this cache's
         ``dst_block_ids``; returns once they have landed, else TransferError.
 
         From a mapped cache ``payload.copy_blocks`` copies them and returns the checksum
-        of what landed; after UCX gets, None (the caller checksums the blocks)."""
+        of what landed; after UCX gets, None (the caller checksums the blocks).
+        ``heads``: a peer of another width, whose heads are re-split (heads.py): a
+        strided copy from a mapped cache, else one UCX get per token row and slice of
+        heads; the checksum of what landed is returned."""
         bad = [b for b in src_block_ids if b >= remote.total_blocks - 1]
         if bad:
             raise TransferError("bad header", f"source block ids {bad} outside the sender's pool")
+        if heads is not None:
+            if remote.view is not None:
+                heads.copy(self.kv, remote.view, src_block_ids, dst_block_ids, layers)
+            else:
+                rows = heads.row_reads(
+                    self.kv, remote.base, remote.total_blocks, src_block_ids, dst_block_ids, layers
+                )
+                self._get(remote, rows, timeout_s)
+            return heads.land(self.kv, src_block_ids, dst_block_ids, layers)
         if remote.view is not None:
             return copy_blocks(
                 self.kv,
@@ -234,13 +258,16 @@ class CacheMemory:
             for k_or_v in (0, 1)
             for src, dst, n in paired_runs(src_block_ids, dst_block_ids)
         ]
+        self._get(remote, reads, timeout_s)
+        return None
+
+    def _get(self, remote: RemoteCache, reads: list[tuple[int, int, int]], timeout_s: float):
         try:
             ucp.get(self._worker, remote.rkey, reads, self._memory, timeout_s)
         except ucp.UcpError as exc:
             raise TransferError("peer lost", f"UCX read: {exc}") from None
         except TimeoutError as exc:
             raise TransferError("timeout", str(exc)) from None
-        return None
 
     def _offset(self, total_blocks: int, layer: int, k_or_v: int, block: int) -> int:
         return (first_block(total_blocks, layer, k_or_v) + block) * self.block_bytes

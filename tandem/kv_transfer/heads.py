@@ -1,0 +1,231 @@
+"""KV between tensor-parallel workers of different widths: which heads go where.
+
+A worker of width N keeps every rank's cache on the host as one tensor of N x L
+layers (tandem/engine/parallel.py, ``SharedCache``): rank r's layer l is layer
+``r * L + l``, and holds that rank's KV heads (``kv_head_slice``) inside each
+token's row. Between workers of the same width, layer v goes to layer v and the
+transfer is a plain block copy. Between different widths a message still names
+the sender's layers (one sender rank's at a time: the sender cuts its messages at
+rank boundaries), and the receiver assembles its ranks' heads from them:
+
+    sender rank r_p, layer l            receiver: for each ``Piece`` of ``reads(r_p)``
+      [blocks, block_size, heads_p, row]  heads [src_head, +count) of the sender's row
+                                          -> receiver rank dst_rank's layer l, heads
+                                             [dst_head, +count) of its row: a strided
+                                             copy straight into the reserved blocks
+                                          then ``replicas(r_p)``: heads that more than
+                                          one receiver rank holds (fewer KV heads than
+                                          ranks) copied from where they landed
+
+Each KV head is read once, from the first sender rank that holds it (a sender with
+fewer KV heads than ranks holds each on several; the other copies' messages are
+not read). Integrity: the sender's checksum covers its rank's blocks as they lie
+(layer, K/V, blocks, each token's heads in order); the receiver hashes what landed
+in the same order (each token's heads gathered from the ranks they went to), so a
+digest matches exactly when every head of every token arrived intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+import xxhash
+
+from tandem.kv_transfer.payload import as_bytes, block_runs, paired_runs
+
+
+def kv_head_slice(rank: int, size: int, num_kv_heads: int) -> slice:
+    """The KV heads rank ``rank`` of ``size`` holds: a contiguous 1/size of them, or,
+    with fewer KV heads than ranks (size a multiple of them), the one head its query
+    heads read, replicated on size / num_kv_heads ranks."""
+    if num_kv_heads >= size:
+        n = num_kv_heads // size
+        return slice(rank * n, (rank + 1) * n)
+    head = rank // (size // num_kv_heads)
+    return slice(head, head + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Heads [src_head, src_head + count) of rank src_rank's row go to heads
+    [dst_head, dst_head + count) of rank dst_rank's row (local head indices)."""
+
+    src_rank: int
+    src_head: int
+    dst_rank: int
+    dst_head: int
+    count: int
+
+
+def _pieces(pairs: list[tuple[int, int, int, int]]) -> tuple[Piece, ...]:
+    """(src rank, src head, dst rank, dst head) per head, merged into runs."""
+    out: list[Piece] = []
+    for sr, sh, dr, dh in pairs:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and (last.src_rank, last.dst_rank) == (sr, dr)
+            and (last.src_head + last.count, last.dst_head + last.count) == (sh, dh)
+        ):
+            out[-1] = dataclasses.replace(last, count=last.count + 1)
+        else:
+            out.append(Piece(sr, sh, dr, dh, 1))
+    return tuple(out)
+
+
+class HeadMap:
+    """How a cache of ``src_ranks`` ranks feeds one of ``dst_ranks`` ranks, for a model
+    of ``num_layers`` layers and ``num_kv_heads`` KV heads (both widths split it)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, src_ranks: int, dst_ranks: int):
+        self.num_layers = num_layers
+        self.src_ranks, self.dst_ranks = src_ranks, dst_ranks
+        self.src_layers = src_ranks * num_layers
+        src = [kv_head_slice(r, src_ranks, num_kv_heads) for r in range(src_ranks)]
+        dst = [kv_head_slice(r, dst_ranks, num_kv_heads) for r in range(dst_ranks)]
+        self.src_heads = src[0].stop - src[0].start  # per rank
+        holders = {  # global head -> every (dst rank, local head) holding it
+            g: [(r, g - s.start) for r, s in enumerate(dst) if s.start <= g < s.stop]
+            for g in range(num_kv_heads)
+        }
+        self._reads: list[tuple[Piece, ...]] = []
+        self._replicas: list[tuple[Piece, ...]] = []
+        for r, s in enumerate(src):
+            # A head another sender rank holds too is read from the first of them.
+            if any(o.start <= s.start < o.stop for o in src[:r]):
+                self._reads.append(())
+                self._replicas.append(())
+                continue
+            heads = range(s.start, s.stop)
+            self._reads.append(_pieces([(r, g - s.start, *holders[g][0]) for g in heads]))
+            self._replicas.append(
+                _pieces([(*holders[g][0], *h) for g in heads for h in holders[g][1:]])
+            )
+
+    def rank_of(self, layer: int) -> tuple[int, int]:
+        """(sender rank, model layer) of the sender's layer ``layer``."""
+        return divmod(layer, self.num_layers)
+
+    def reads(self, src_rank: int) -> tuple[Piece, ...]:
+        """What of sender rank ``src_rank`` lands where, in its heads' order; () when its
+        heads are read from another sender rank."""
+        return self._reads[src_rank]
+
+    def replicas(self, src_rank: int) -> tuple[Piece, ...]:
+        """Receiver-to-receiver copies (src_rank here: a receiver rank) of the heads
+        ``reads(src_rank)`` landed, for the receiver ranks that hold them too."""
+        return self._replicas[src_rank]
+
+    # --- in-place copies (a mapped peer cache, or one in this process) -----------------
+
+    def copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        src_block_ids: tuple[int, ...],
+        dst_block_ids: tuple[int, ...],
+        layers: tuple[int, int],
+    ) -> None:
+        """Copy sender cache ``src``'s blocks of ``layers`` (one sender rank's) into
+        ``dst``'s blocks, head slice by head slice: a strided copy per layer, K/V, run
+        and piece, no staging."""
+        runs = paired_runs(src_block_ids, dst_block_ids)
+        for layer in range(*layers):
+            rank, model_layer = self.rank_of(layer)
+            for p in self.reads(rank):
+                to = dst[p.dst_rank * self.num_layers + model_layer]
+                heads_in, heads_out = _heads(p.src_head, p.count), _heads(p.dst_head, p.count)
+                for s, d, n in runs:
+                    to[:, d : d + n, :, heads_out].copy_(src[layer, :, s : s + n, :, heads_in])
+
+    # --- one-sided reads, row by row (a peer cache not mapped here) --------------------
+
+    def row_reads(
+        self,
+        dst: torch.Tensor,
+        src_base: int,
+        src_total_blocks: int,
+        src_block_ids: tuple[int, ...],
+        dst_block_ids: tuple[int, ...],
+        layers: tuple[int, int],
+    ) -> list[tuple[int, int, int]]:
+        """(local address, remote address, bytes) of every head slice of every token row
+        that ``copy`` would move, from a sender cache at ``src_base`` (a peer's, of
+        ``src_total_blocks`` blocks) into ``dst``: one read each, since a slice of heads
+        is contiguous only within one token's row."""
+        _, _, dst_total, block_size, dst_heads, row = dst.shape
+        elem = dst.element_size() * row  # bytes of one head of one token
+        src_ids = np.asarray(src_block_ids, dtype=np.int64)
+        dst_ids = np.asarray(dst_block_ids, dtype=np.int64)
+        reads: list[np.ndarray] = []
+        for layer in range(*layers):
+            rank, model_layer = self.rank_of(layer)
+            for p in self.reads(rank):
+                for k_or_v in (0, 1):
+                    src_rows = _rows(layer, k_or_v, src_total_blocks, src_ids, block_size)
+                    dst_layer = p.dst_rank * self.num_layers + model_layer
+                    dst_rows = _rows(dst_layer, k_or_v, dst_total, dst_ids, block_size)
+                    local = dst.data_ptr() + (dst_rows * dst_heads + p.dst_head) * elem
+                    remote = src_base + (src_rows * self.src_heads + p.src_head) * elem
+                    size = np.full(local.shape, p.count * elem, dtype=np.int64)
+                    reads.append(np.stack([local, remote, size], axis=-1).reshape(-1, 3))
+        return [tuple(r) for r in np.concatenate(reads).tolist()] if reads else []
+
+    # --- after the reads: verify, then fill the replicas --------------------------------
+
+    def land(
+        self,
+        dst: torch.Tensor,
+        src_block_ids: tuple[int, ...],
+        dst_block_ids: tuple[int, ...],
+        layers: tuple[int, int],
+    ) -> int:
+        """The checksum of what landed in ``dst`` for the sender's ``layers``, taken as
+        the sender took it (``payload.checksum_blocks`` of its blocks), then the heads
+        that several receiver ranks hold copied from where they landed."""
+        digest = xxhash.xxh3_64()
+        runs = paired_runs(src_block_ids, dst_block_ids)
+        for layer in range(*layers):
+            rank, model_layer = self.rank_of(layer)
+            reads = self.reads(rank)
+            for k_or_v in (0, 1):
+                for _, d, n in runs:
+                    landed = [
+                        dst[
+                            p.dst_rank * self.num_layers + model_layer,
+                            k_or_v,
+                            d : d + n,
+                            :,
+                            _heads(p.dst_head, p.count),
+                        ]
+                        for p in reads
+                    ]
+                    digest.update(as_bytes(torch.cat(landed, dim=2)))
+            for p in self.replicas(rank):
+                source = dst[p.src_rank * self.num_layers + model_layer]
+                to = dst[p.dst_rank * self.num_layers + model_layer]
+                heads_in, heads_out = _heads(p.src_head, p.count), _heads(p.dst_head, p.count)
+                for first, n in block_runs(dst_block_ids):
+                    to[:, first : first + n, :, heads_out].copy_(
+                        source[:, first : first + n, :, heads_in]
+                    )
+        return digest.intdigest()
+
+
+def _heads(first: int, count: int) -> slice:
+    return slice(first, first + count)
+
+
+def _rows(layer: int, k_or_v: int, total_blocks: int, block_ids: np.ndarray, block_size: int):
+    """Row index (layer, K/V, block, token) of every token of ``block_ids``, in order."""
+    first = (layer * 2 + k_or_v) * total_blocks
+    return ((first + block_ids)[:, None] * block_size + np.arange(block_size)).reshape(-1)
+
+
+@functools.cache
+def head_map(num_layers: int, num_kv_heads: int, src_ranks: int, dst_ranks: int) -> HeadMap:
+    """The map between two widths (None of the work is per request)."""
+    return HeadMap(num_layers, num_kv_heads, src_ranks, dst_ranks)

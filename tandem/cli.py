@@ -157,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     _add_tensor_parallel_flag(serve)
+    for pool in ("prefill", "decode"):
+        serve.add_argument(
+            f"--{pool}-tp",
+            dest=f"{pool}_tensor_parallel_size",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"the {pool} pool's width, if not --tp's (the widths may differ)",
+        )
     serve.add_argument(
         "--metrics",
         action="store_true",
@@ -399,7 +408,9 @@ def serve_config(args: argparse.Namespace):
     # Into the YAML's values, not onto the built config: building it checks the worker
     # counts against the disaggregation mode.
     flags = (("num_prefill", prefill), ("num_decode", decode), ("threads_per_worker", args.threads),
-             ("metrics", getattr(args, "metrics", None)))  # fmt: skip
+             ("metrics", getattr(args, "metrics", None)),
+             ("prefill_tensor_parallel_size", getattr(args, "prefill_tensor_parallel_size", None)),
+             ("decode_tensor_parallel_size", getattr(args, "decode_tensor_parallel_size", None)))  # fmt: skip
     values.update({key: value for key, value in flags if value is not None})
     if mode is not None:
         router_values = dict(values.get("router") or {})

@@ -62,8 +62,9 @@ class EngineConfig:
     # heads and MLP split, one all-reduce after each of a layer's two halves); must
     # divide the model's attention heads and MLP width. kv_cache_bytes and
     # host_kv_cache_bytes are per rank.
-    # KV moves between workers of the same width, on the host (tensor-parallel caches on
-    # GPUs are not transferable yet: the KV handshake says so).
+    # KV moves between workers of any widths on the host (a decode worker re-splits
+    # the heads it reads); tensor-parallel caches on GPUs are not transferable yet
+    # (the KV handshake says so).
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -81,6 +81,10 @@ class ClusterConfig:
     # files named: a throw-away set per run.
     cluster: ClusterSecurityConfig = field(default_factory=ClusterSecurityConfig)
     threads_per_worker: int | None = None  # default: cores // workers, at least 1
+    # Each pool's tensor-parallel width (None: engine.tensor_parallel_size); they may
+    # differ: the decode worker re-splits the heads it reads (kv_transfer/heads.py).
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     startup_timeout_s: float = 600.0  # the first start may dequantise the model
     drain_timeout_s: float = 30.0
     # Every process serves Prometheus metrics on a free port (a role section's own
@@ -94,14 +98,23 @@ class ClusterConfig:
                 f"got prefill={self.num_prefill}, decode={self.num_decode}"
             )
         self.router.disaggregation.check_prefill_workers(self.num_prefill, "num_prefill")
+        for pool in ("prefill", "decode"):
+            width = getattr(self, f"{pool}_tensor_parallel_size")
+            if width is not None and width < 1:
+                raise ConfigError(f"{pool}_tensor_parallel_size must be >= 1, got {width}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+
+    def width(self, pool: str) -> int:
+        """The tensor-parallel width of the "prefill" or "decode" pool's workers."""
+        own = getattr(self, f"{pool}_tensor_parallel_size")
+        return self.engine.tensor_parallel_size if own is None else own
 
     def worker_threads(self) -> int:
         """torch threads for each process that computes (each rank of each worker)."""
         if self.threads_per_worker:
             return self.threads_per_worker
-        ranks = (self.num_prefill + self.num_decode) * self.engine.tensor_parallel_size
+        ranks = self.num_prefill * self.width("prefill") + self.num_decode * self.width("decode")
         return max(1, (os.cpu_count() or 1) // ranks)
 
 
@@ -171,11 +184,15 @@ class LocalCluster:
         try:
             cluster = self.security = self._cluster_security()
             prefill_cfg = dataclasses.replace(
-                cfg.prefill, engine=engine, port=0, cluster=cluster, **self._metrics(cfg.prefill)
+                cfg.prefill,
+                engine=dataclasses.replace(engine, tensor_parallel_size=cfg.width("prefill")),
+                port=0,
+                cluster=cluster,
+                **self._metrics(cfg.prefill),
             )
             decode_cfg = dataclasses.replace(
                 cfg.decode,
-                engine=engine,
+                engine=dataclasses.replace(engine, tensor_parallel_size=cfg.width("decode")),
                 port=0,
                 kv_port=0,
                 cluster=cluster,

@@ -43,12 +43,12 @@ KV transfer. On the host, rank 0 makes every rank's cache, in one shared segment
 (``SharedCache``): the KV tensor a transfer backend sees is all ranks' layers, so
 prefill and decode workers of the same width move each rank's heads to the rank
 that holds them on the other side, with the backends as they are (the layer-wise
-hook fires for layer i of every rank). Not yet: different widths on each side
-(each decode rank would read the head slices of several prefill ranks, a strided
-read: heads lie inside a token's row in this cache layout), and transfers between
-GPU caches (each rank's cache is on its own device; the fingerprint marks such a
-cache not transferable, so any peer is refused at connect time, by name). The
-fingerprint names the width, so a peer of another width is refused the same way.
+hook fires for layer i of every rank). Between different widths the decode side
+re-splits the heads as it reads them (tandem/kv_transfer/heads.py: a strided read
+per slice of heads, since heads lie inside a token's row in this cache layout).
+Not yet: transfers between GPU caches (each rank's cache is on its own device; the
+fingerprint marks such a cache not transferable, so any peer is refused at connect
+time, by name).
 """
 
 from __future__ import annotations

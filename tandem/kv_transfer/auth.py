@@ -14,8 +14,9 @@ the two secrets directly):
                          with the peer's address, before any frame is read
     receiver -> sender   VERDICT ok, or the refusal
 
-    T = fingerprint | nonce_s | nonce_r | the receiver's address ("host:port"), each field
-        length-prefixed; HMAC(role, T) = HMAC-SHA256(secret, "tandem-kv <role>" NUL T)
+    T = the sender's fingerprint | nonce_s | nonce_r | the receiver's address
+        ("host:port"), each field length-prefixed;
+        HMAC(role, T) = HMAC-SHA256(secret, "tandem-kv <role>" NUL T)
 
 The secret itself never travels. Fresh nonces on both sides make a recorded
 transcript useless later, and the two role labels keep one side's proof from
@@ -58,7 +59,9 @@ def new_nonce() -> bytes:
 
 
 def transcript(fp: Fingerprint, nonce_s: bytes, nonce_r: bytes, address: str) -> bytes:
-    """What both proofs cover: this connection's nonces, layout and receiver address."""
+    """What both proofs cover: this connection's nonces, the sender's fingerprint as
+    its HELLO carried it (the two sides' may differ in tensor-parallel width) and the
+    receiver's address."""
     fields = (
         json.dumps(fp.to_dict(), sort_keys=True, separators=(",", ":")).encode(),
         nonce_s,

@@ -99,10 +99,6 @@ def test_a_tensor_parallel_pool_reserves_every_ranks_devices_in_one_bundle():
 @pytest.mark.parametrize(
     "values, message",
     [
-        (
-            {"ray": {"decode": {"tensor_parallel_size": 2}}},
-            "and ray.decode.tensor_parallel_size 2 must be equal",
-        ),
         ({"engine": {"tensor_parallel_size": 2}}, "set ray.decode.tensor_parallel_size"),
         ({"ray": {"decode": {"tensor_parallel_size": 0}}}, "tensor_parallel_size must be >= 1"),
     ],

@@ -1,8 +1,11 @@
-"""A colocated Ray deployment of tensor-parallel workers (tiny-random, 2 ranks a worker).
+"""A Ray deployment of a tensor-parallel decode worker (tiny-random, 2 ranks) fed by a
+prefill worker of one rank: the pools' widths differ, the decode worker re-splits
+the heads it reads.
 
-The worker actor is rank 0 and its other rank is its child process: the actor
-serves one device's tokens, and a killed rank takes the actor down with it, so
-Ray restarts the worker with all its ranks, and the router uses it again.
+The worker actor is rank 0 and its other rank is its child process: the
+deployment serves one device's tokens, and a killed rank takes the actor down
+with it, so Ray restarts the worker with all its ranks, and the router uses it
+again.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ pytestmark = [
 
 CONFIG = """\
 engine: {model: tiny-random, num_blocks: 128, dtype: float32, device: cpu}
-router: {port: 0, disaggregation: {mode: never}}
+router: {port: 0}
 ray:
-  prefill: {replicas: 0}
+  prefill: {replicas: 1, num_cpus: 0.5}
   decode: {num_cpus: 0.5, tensor_parallel_size: 2}
   router: {num_cpus: 0.5}
   monitor_interval_s: 0.5

@@ -1,5 +1,5 @@
 """Tensor-parallel workers in a real cluster, colocated and disaggregated: each worker
-is two processes.
+is one process per rank, and the pools may be of different widths.
 
 What must hold: the cluster streams the tokens of one device, a decode worker
 receives every rank's share of a prompt's KV, and a rank that dies takes its whole
@@ -14,6 +14,7 @@ import re
 import signal
 
 import psutil
+import pytest
 import torch
 
 from tandem.config import DisaggregationConfig
@@ -72,12 +73,16 @@ def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
     assert survivors([r for rs in ranks for r in rs], within_s=15) == []
 
 
-def test_disaggregated_tensor_parallel_workers_move_every_ranks_kv(tmp_path_factory, tiny_engine):
-    """Prefill and decode workers of 2 ranks each: the decode worker reads every rank's
-    share of each prompt's KV (layer by layer, as the prefill computes it)."""
+@pytest.mark.parametrize("widths", [(2, 2), (2, 1), (1, 2)], ids=["2to2", "2to1", "1to2"])
+def test_disaggregated_tensor_parallel_workers_move_every_ranks_kv(
+    tmp_path_factory, tiny_engine, widths
+):
+    """Prefill and decode workers of 2 ranks each, or of 2 and 1, or 1 and 2: the decode
+    worker reads every prefill rank's share of each prompt's KV (layer by layer, as
+    the prefill computes it), into the ranks that hold those heads."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     tok, cfg = tiny_engine.tokenizer, tiny_engine.model_config
-    with _cluster(tmp_path_factory, "tp-split", tensor_parallel_size=2) as c:
+    with _cluster(tmp_path_factory, "tp-split", widths=widths) as c:
         for text in PROMPTS:
             tokens, out, _ = _remote(c.address, text, max_tokens=24, temperature=0,
                                      ignore_eos=True)  # fmt: skip

@@ -25,7 +25,7 @@ spread over the nodes that qualify (``strategy: SPREAD``). A worker that needs
 several GPUs gets a placement group of one STRICT_PACK bundle: its devices are
 reserved on one node together, and stay reserved for it across restarts.
 ``tensor_parallel_size: N`` in a pool's section makes each of its workers N ranks
-(the same N in both pools: KV moves between equal widths), with
+(the pools' widths may differ: a decode worker re-splits the heads it reads), with
 ``num_cpus``/``num_gpus`` per rank: the bundle holds all N ranks' devices. One
 bundle, not one per rank: the other ranks are the actor's child processes (so they
 start, die and restart with it), and Ray makes a bundle's GPUs visible only to the
@@ -174,13 +174,6 @@ class RayDeployConfig:
             raise ConfigError(
                 "set ray.decode.tensor_parallel_size (per pool), not "
                 "engine.tensor_parallel_size, in a Ray deployment"
-            )
-        widths = {self.pool(name).tensor_parallel_size for name in self.pools}
-        if len(widths) > 1:
-            raise ConfigError(
-                f"ray.prefill.tensor_parallel_size {self.prefill_pool.tensor_parallel_size} "
-                f"and ray.decode.tensor_parallel_size {self.decode_pool.tensor_parallel_size} "
-                "must be equal: KV moves between workers of the same width"
             )
 
     @property

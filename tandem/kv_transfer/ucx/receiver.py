@@ -194,7 +194,7 @@ class UcxReceiver(CoreReceiver):
             await wire.send_msg(ep, wire.encode_reply(""))
             return True
         nonce_r = auth.new_nonce()
-        t = auth.transcript(self.core.fingerprint, hello.nonce, nonce_r, self.address)
+        t = auth.transcript(hello.fingerprint, hello.nonce, nonce_r, self.address)
         await wire.send_msg(
             ep, wire.encode_reply("", nonce_r, auth.proof(self.secret, auth.RECEIVER, t))
         )

@@ -408,9 +408,8 @@ def serve_config(args: argparse.Namespace):
     # Into the YAML's values, not onto the built config: building it checks the worker
     # counts against the disaggregation mode.
     flags = (("num_prefill", prefill), ("num_decode", decode), ("threads_per_worker", args.threads),
-             ("metrics", getattr(args, "metrics", None)),
-             ("prefill_tensor_parallel_size", getattr(args, "prefill_tensor_parallel_size", None)),
-             ("decode_tensor_parallel_size", getattr(args, "decode_tensor_parallel_size", None)))  # fmt: skip
+             *((key, getattr(args, key, None)) for key in ("metrics",
+               "prefill_tensor_parallel_size", "decode_tensor_parallel_size")))  # fmt: skip
     values.update({key: value for key, value in flags if value is not None})
     if mode is not None:
         router_values = dict(values.get("router") or {})

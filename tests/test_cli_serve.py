@@ -28,6 +28,15 @@ def test_tensor_parallel_workers_serve_colocated_with_threads_per_rank():
     assert (cfg.num_prefill, cfg.num_decode, cfg.engine.tensor_parallel_size) == (1, 1, 2)
 
 
+def test_each_pool_may_have_its_own_width():
+    cfg = _config("--prefill", "2", "--prefill-tp", "2", "--decode-tp", "1", "--tp", "4")
+    assert (cfg.width("prefill"), cfg.width("decode")) == (2, 1)
+    assert cfg.worker_threads() == max(1, (os.cpu_count() or 1) // 5)  # 2 x 2 + 1 ranks
+    assert _config("--tp", "2", "--decode-tp", "1").width("prefill") == 2
+    with pytest.raises(ConfigError, match="decode_tensor_parallel_size must be >= 1, got 0"):
+        _config("--decode-tp", "0")
+
+
 def test_the_default_is_one_plus_one_always_disaggregated():
     cfg = _config()
     assert (cfg.num_prefill, cfg.num_decode, cfg.router.disaggregation.mode) == (1, 1, "always")

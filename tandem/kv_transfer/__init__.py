@@ -9,6 +9,7 @@ inproc.py    same-process backend (tests)
 ucx/         UCX backend (ucxx) for separate processes and machines: the decode worker
              reads a request's blocks straight out of the prefill worker's cache
              (ucx/rma.py): no gather, staging or scatter copy
+heads.py     KV between tensor-parallel workers of different widths: heads re-split
 
 Pick a backend by name with ``make_sender`` / ``make_receiver``.
 

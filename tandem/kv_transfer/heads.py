@@ -19,10 +19,13 @@ rank boundaries), and the receiver assembles its ranks' heads from them:
 
 Each KV head is read once, from the first sender rank that holds it (a sender with
 fewer KV heads than ranks holds each on several; the other copies' messages are
-not read). Integrity: the sender's checksum covers its rank's blocks as they lie
-(layer, K/V, blocks, each token's heads in order); the receiver hashes what landed
-in the same order (each token's heads gathered from the ranks they went to), so a
-digest matches exactly when every head of every token arrived intact.
+not read). Integrity: the sender's checksum covers its rank's blocks as they lie;
+the receiver hashes the same bytes as they reached it: the staging buffer that
+UCX gets filled (the heads are copied out of it locally), or, from a mapped cache,
+the sender's blocks right after the copy (a block that changed before or during
+the copy fails the digest; the sender keeps them unchanged until the ack). Hashing
+what landed instead would gather each token's heads back from the receiver ranks:
+another copy of every byte.
 """
 
 from __future__ import annotations
@@ -30,11 +33,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
 import torch
-import xxhash
 
-from tandem.kv_transfer.payload import as_bytes, block_runs, paired_runs
+from tandem.kv_transfer.payload import block_runs, paired_runs
 
 
 def kv_head_slice(rank: int, size: int, num_kv_heads: int) -> slice:
@@ -119,8 +120,6 @@ class HeadMap:
         ``reads(src_rank)`` landed, for the receiver ranks that hold them too."""
         return self._replicas[src_rank]
 
-    # --- in-place copies (a mapped peer cache, or one in this process) -----------------
-
     def copy(
         self,
         dst: torch.Tensor,
@@ -129,100 +128,31 @@ class HeadMap:
         dst_block_ids: tuple[int, ...],
         layers: tuple[int, int],
     ) -> None:
-        """Copy sender cache ``src``'s blocks of ``layers`` (one sender rank's) into
-        ``dst``'s blocks, head slice by head slice: a strided copy per layer, K/V, run
-        and piece, no staging."""
-        runs = paired_runs(src_block_ids, dst_block_ids)
-        for layer in range(*layers):
-            rank, model_layer = self.rank_of(layer)
-            for p in self.reads(rank):
-                to = dst[p.dst_rank * self.num_layers + model_layer]
-                heads_in, heads_out = _heads(p.src_head, p.count), _heads(p.dst_head, p.count)
-                for s, d, n in runs:
-                    to[:, d : d + n, :, heads_out].copy_(src[layer, :, s : s + n, :, heads_in])
+        """Copy the sender's blocks of ``layers`` (one sender rank's) into ``dst``'s
+        blocks, head slice by head slice (a strided copy per layer, K/V, run and
+        piece), then the heads that several receiver ranks hold from where they
+        landed. ``src`` holds those layers only ([layers, 2, blocks, ...]: the layers
+        of a mapped cache, or what UCX gets staged)."""
+        rank, first_layer = self.rank_of(layers[0])
+        count = layers[1] - layers[0]  # all of them the sender rank's: one copy per piece
 
-    # --- one-sided reads, row by row (a peer cache not mapped here) --------------------
+        def on(dst_rank: int) -> torch.Tensor:  # those layers on a receiver rank
+            start = dst_rank * self.num_layers + first_layer
+            return dst[start : start + count]
 
-    def row_reads(
-        self,
-        dst: torch.Tensor,
-        src_base: int,
-        src_total_blocks: int,
-        src_block_ids: tuple[int, ...],
-        dst_block_ids: tuple[int, ...],
-        layers: tuple[int, int],
-    ) -> list[tuple[int, int, int]]:
-        """(local address, remote address, bytes) of every head slice of every token row
-        that ``copy`` would move, from a sender cache at ``src_base`` (a peer's, of
-        ``src_total_blocks`` blocks) into ``dst``: one read each, since a slice of heads
-        is contiguous only within one token's row."""
-        _, _, dst_total, block_size, dst_heads, row = dst.shape
-        elem = dst.element_size() * row  # bytes of one head of one token
-        src_ids = np.asarray(src_block_ids, dtype=np.int64)
-        dst_ids = np.asarray(dst_block_ids, dtype=np.int64)
-        reads: list[np.ndarray] = []
-        for layer in range(*layers):
-            rank, model_layer = self.rank_of(layer)
-            for p in self.reads(rank):
-                for k_or_v in (0, 1):
-                    src_rows = _rows(layer, k_or_v, src_total_blocks, src_ids, block_size)
-                    dst_layer = p.dst_rank * self.num_layers + model_layer
-                    dst_rows = _rows(dst_layer, k_or_v, dst_total, dst_ids, block_size)
-                    local = dst.data_ptr() + (dst_rows * dst_heads + p.dst_head) * elem
-                    remote = src_base + (src_rows * self.src_heads + p.src_head) * elem
-                    size = np.full(local.shape, p.count * elem, dtype=np.int64)
-                    reads.append(np.stack([local, remote, size], axis=-1).reshape(-1, 3))
-        return [tuple(r) for r in np.concatenate(reads).tolist()] if reads else []
-
-    # --- after the reads: verify, then fill the replicas --------------------------------
-
-    def land(
-        self,
-        dst: torch.Tensor,
-        src_block_ids: tuple[int, ...],
-        dst_block_ids: tuple[int, ...],
-        layers: tuple[int, int],
-    ) -> int:
-        """The checksum of what landed in ``dst`` for the sender's ``layers``, taken as
-        the sender took it (``payload.checksum_blocks`` of its blocks), then the heads
-        that several receiver ranks hold copied from where they landed."""
-        digest = xxhash.xxh3_64()
-        runs = paired_runs(src_block_ids, dst_block_ids)
-        for layer in range(*layers):
-            rank, model_layer = self.rank_of(layer)
-            reads = self.reads(rank)
-            for k_or_v in (0, 1):
-                for _, d, n in runs:
-                    landed = [
-                        dst[
-                            p.dst_rank * self.num_layers + model_layer,
-                            k_or_v,
-                            d : d + n,
-                            :,
-                            _heads(p.dst_head, p.count),
-                        ]
-                        for p in reads
-                    ]
-                    digest.update(as_bytes(torch.cat(landed, dim=2)))
-            for p in self.replicas(rank):
-                source = dst[p.src_rank * self.num_layers + model_layer]
-                to = dst[p.dst_rank * self.num_layers + model_layer]
-                heads_in, heads_out = _heads(p.src_head, p.count), _heads(p.dst_head, p.count)
-                for first, n in block_runs(dst_block_ids):
-                    to[:, first : first + n, :, heads_out].copy_(
-                        source[:, first : first + n, :, heads_in]
-                    )
-        return digest.intdigest()
+        for p in self.reads(rank):
+            to, heads_in, heads_out = on(p.dst_rank), _heads(p.src_head, p), _heads(p.dst_head, p)
+            for s, d, n in paired_runs(src_block_ids, dst_block_ids):
+                to[:, :, d : d + n, :, heads_out].copy_(src[:, :, s : s + n, :, heads_in])
+        for p in self.replicas(rank):
+            source, to = on(p.src_rank), on(p.dst_rank)
+            heads_in, heads_out = _heads(p.src_head, p), _heads(p.dst_head, p)
+            for d, n in block_runs(dst_block_ids):
+                to[:, :, d : d + n, :, heads_out].copy_(source[:, :, d : d + n, :, heads_in])
 
 
-def _heads(first: int, count: int) -> slice:
-    return slice(first, first + count)
-
-
-def _rows(layer: int, k_or_v: int, total_blocks: int, block_ids: np.ndarray, block_size: int):
-    """Row index (layer, K/V, block, token) of every token of ``block_ids``, in order."""
-    first = (layer * 2 + k_or_v) * total_blocks
-    return ((first + block_ids)[:, None] * block_size + np.arange(block_size)).reshape(-1)
+def _heads(first: int, piece: Piece) -> slice:
+    return slice(first, first + piece.count)
 
 
 @functools.cache

@@ -32,7 +32,7 @@ import torch
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, HandshakeError, TransferError, TransferMetrics
 from tandem.kv_transfer.heads import HeadMap
-from tandem.kv_transfer.payload import MessageHeader, copy_blocks
+from tandem.kv_transfer.payload import MessageHeader, checksum_blocks, copy_blocks
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
 from tandem.kv_transfer.sender import FaultHook, Outgoing, SenderBase
 
@@ -116,8 +116,8 @@ class InProcSender(SenderBase):
         layers = (header.layer_start, header.layer_end)
         src, dst = header.src_block_ids, header.dst_block_ids
         if heads is not None:
-            heads.copy(core.kv, self.kv, src, dst, layers)
-            return heads.land(core.kv, src, dst, layers)
+            heads.copy(core.kv, self.kv[layers[0] : layers[1]], src, dst, layers)
+            return checksum_blocks(self.kv, src, layers)
         return copy_blocks(
             core.kv,
             core.kv_bytes,

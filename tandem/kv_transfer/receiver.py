@@ -251,9 +251,10 @@ class ReceiverCore:
         """
         if header.nbytes and fill is None:
             raise ValueError("a message with KV needs a fill")
-        if heads is not None and header.nbytes:
-            if not heads.reads(heads.rank_of(header.layer_start)[0]):
-                fill = None  # another sender rank's copy of the same heads is read
+        if not header.nbytes or (
+            heads is not None and not heads.reads(heads.rank_of(header.layer_start)[0])
+        ):
+            fill = None  # nothing to read, or another sender rank's copy of these heads
         with self._lock:
             res = self._table.get(header.request_id)
             foreign = res is not None and res.source not in (None, source)

@@ -20,7 +20,10 @@ prefill worker's KV cache into its own reserved blocks, with one-sided reads.
                                                   UCX get per layer, K/V and run, then
                                                   the checksum of the destination blocks
 
-No gather, no staging, no scatter: the bytes cross once, from cache to cache. Why
+No gather, no staging, no scatter: the bytes cross once, from cache to cache. (One
+exception: UCX gets from a tensor-parallel peer of another width land in a staging
+buffer, since a slice of heads is contiguous only within a token's row, and are
+copied into the heads' ranks from there: heads.py.) Why
 reads and not writes: every write into the decode worker's blocks is one it made
 itself, under the reservation's write lock, so once an abort or a lease expiry has
 returned nothing lands in those blocks any more, whatever the sender does. The
@@ -46,7 +49,7 @@ import json
 import logging
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,6 +59,8 @@ from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import (
     as_bytes,
     block_bytes,
+    block_runs,
+    checksum_blocks,
     copy_blocks,
     first_block,
     paired_runs,
@@ -124,6 +129,32 @@ def _allocation_of(t: torch.Tensor) -> ucp.Memory | None:
     return None
 
 
+class _Staging:
+    """Host memory that UCX gets from a peer of another tensor-parallel width land in,
+    before its heads are re-split (one connection's; it reads one message at a time):
+    allocated on first use, grown to the largest message, freed with the connection."""
+
+    def __init__(self) -> None:
+        self._memory: ucp.Memory | None = None
+
+    def get(self, nbytes: int) -> ucp.Memory:
+        if self._memory is None or self._memory.length < nbytes:
+            self.close()
+            self._memory = ucp.Memory.allocate(get_runtime().context, nbytes)
+        return self._memory
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The start of the buffer as a tensor (valid until the next ``get``)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = (ctypes.c_uint8 * nbytes).from_address(self._memory.address)
+        return torch.from_numpy(np.ctypeslib.as_array(raw)).view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self._memory is not None and not _exiting:
+            self._memory.close()
+        self._memory = None
+
+
 @dataclass(frozen=True)
 class RemoteCache:
     """A peer's cache as this side reads it."""
@@ -132,6 +163,7 @@ class RemoteCache:
     total_blocks: int  # the blocks dim, null block included
     rkey: ucp.RemoteKey
     view: torch.Tensor | None  # the peer's cache mapped here, when UCX can map it
+    staging: _Staging = field(default_factory=_Staging)  # gets from a peer of another width
 
     @property
     def mapped(self) -> bool:
@@ -207,6 +239,7 @@ class CacheMemory:
     def remove_remote(self, remote: RemoteCache) -> None:
         """The connection that added ``remote`` ended and its reads are over."""
         remote.rkey.close()
+        remote.staging.close()
 
     def read(
         self,
@@ -223,20 +256,21 @@ class CacheMemory:
         From a mapped cache ``payload.copy_blocks`` copies them and returns the checksum
         of what landed; after UCX gets, None (the caller checksums the blocks).
         ``heads``: a peer of another width, whose heads are re-split (heads.py): a
-        strided copy from a mapped cache, else one UCX get per token row and slice of
-        heads; the checksum of what landed is returned."""
+        strided copy from a mapped cache, else from a staging buffer that one UCX get
+        per layer, K/V and run filled (one get per token row and slice of heads
+        instead cost 45x more in ``python bench/tp_transfer.py``); the checksum of
+        the sender's bytes as they reached this side is returned."""
         bad = [b for b in src_block_ids if b >= remote.total_blocks - 1]
         if bad:
             raise TransferError("bad header", f"source block ids {bad} outside the sender's pool")
         if heads is not None:
             if remote.view is not None:
-                heads.copy(self.kv, remote.view, src_block_ids, dst_block_ids, layers)
+                src = remote.view[layers[0] : layers[1]]
             else:
-                rows = heads.row_reads(
-                    self.kv, remote.base, remote.total_blocks, src_block_ids, dst_block_ids, layers
-                )
-                self._get(remote, rows, timeout_s)
-            return heads.land(self.kv, src_block_ids, dst_block_ids, layers)
+                src = self._stage(remote, src_block_ids, layers, heads.src_heads, timeout_s)
+                src_block_ids = tuple(range(len(src_block_ids)))  # in request order there
+            heads.copy(self.kv, src, src_block_ids, dst_block_ids, layers)
+            return checksum_blocks(src, src_block_ids, (0, layers[1] - layers[0]))
         if remote.view is not None:
             return copy_blocks(
                 self.kv,
@@ -258,12 +292,42 @@ class CacheMemory:
             for k_or_v in (0, 1)
             for src, dst, n in paired_runs(src_block_ids, dst_block_ids)
         ]
-        self._get(remote, reads, timeout_s)
+        self._get(remote, reads, self._memory, timeout_s)
         return None
 
-    def _get(self, remote: RemoteCache, reads: list[tuple[int, int, int]], timeout_s: float):
+    def _stage(
+        self,
+        remote: RemoteCache,
+        src_block_ids: tuple[int, ...],
+        layers: tuple[int, int],
+        heads: int,
+        timeout_s: float,
+    ) -> torch.Tensor:
+        """The peer's ``src_block_ids`` of ``layers`` (``heads`` KV heads a row), read
+        into ``remote``'s staging buffer, [layers, 2, blocks in request order, ...]."""
+        block_size, _, row = self.kv.shape[3:]
+        shape = (layers[1] - layers[0], 2, len(src_block_ids), block_size, heads, row)
+        block = block_size * heads * row * self.kv.element_size()
+        staging = remote.staging.get(math.prod(shape) * self.kv.element_size())
+        here, reads, at = staging.address, [], 0
+        for layer in range(*layers):
+            for k_or_v in (0, 1):
+                base = first_block(remote.total_blocks, layer, k_or_v)
+                for first, n in block_runs(src_block_ids):
+                    reads.append((here + at, remote.base + (base + first) * block, n * block))
+                    at += n * block
+        self._get(remote, reads, staging, timeout_s)
+        return remote.staging.tensor(shape, self.kv.dtype)
+
+    def _get(
+        self,
+        remote: RemoteCache,
+        reads: list[tuple[int, int, int]],
+        local: ucp.Memory,
+        timeout_s: float,
+    ) -> None:
         try:
-            ucp.get(self._worker, remote.rkey, reads, self._memory, timeout_s)
+            ucp.get(self._worker, remote.rkey, reads, local, timeout_s)
         except ucp.UcpError as exc:
             raise TransferError("peer lost", f"UCX read: {exc}") from None
         except TimeoutError as exc:

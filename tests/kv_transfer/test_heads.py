@@ -53,12 +53,19 @@ def _expected(logical: torch.Tensor, ranks: int) -> torch.Tensor:
     return _cache(want, ranks)
 
 
-def _transfer(backend: str, src: int, dst: int, allocate=None, **receiver_options):
+def _transfer(backend: str, src: int, dst: int, allocate=None, sent=None, **receiver_options):
+    """``sent``: a dict that gets the KV bytes each sender rank's messages carried."""
     logical = _logical()
     sender_kv = _cache(logical, src, allocate)
     receiver_kv = _cache(torch.zeros_like(logical), dst, allocate)
     receiver = make_receiver(backend, receiver_kv, _fingerprint(dst), **receiver_options)
-    sender = make_sender(backend, sender_kv, _fingerprint(src))
+
+    def count(header, _block):
+        rank = header.layer_start // LAYERS
+        sent[rank] = sent.get(rank, 0) + header.nbytes
+
+    hook = None if sent is None else count
+    sender = make_sender(backend, sender_kv, _fingerprint(src), fault_hook=hook)
     try:
         dest = receiver.expect("r", DST_IDS, lease_s=30)
         for layer in range(LAYERS):  # layer-wise, as a prefill worker ships them
@@ -85,10 +92,14 @@ def test_each_head_is_read_once_from_the_first_rank_that_holds_it():
 
 @pytest.mark.parametrize(("src", "dst"), WIDTHS, ids=[f"{s}to{d}" for s, d in WIDTHS])
 def test_every_head_lands_in_every_rank_that_holds_it(src, dst):
-    status, arrived, kv, logical = _transfer("inproc", src, dst)
+    sent: dict[int, int] = {}
+    status, arrived, kv, logical = _transfer("inproc", src, dst, sent=sent)
     assert status.state is TransferState.DONE
     assert (arrived.state, arrived.first_token) == (TransferState.DONE, 7)
     assert torch.equal(kv, _expected(logical, dst))
+    # Each sender rank sent its own heads' share.
+    heads = KV_HEADS // src if src <= KV_HEADS else 1
+    assert sent == {r: LAYERS * 2 * len(SRC_IDS) * BLOCK_SIZE * heads * ROW * 4 for r in range(src)}
     # What moved is the model's KV of those blocks, once (a replicated head is read
     # from one sender rank, and copied between receiver ranks here).
     assert arrived.bytes == LAYERS * 2 * len(SRC_IDS) * BLOCK_SIZE * KV_HEADS * ROW * 4

@@ -12,7 +12,8 @@ rank boundaries), and the receiver assembles its ranks' heads from them:
       [blocks, block_size, heads_p, row]  heads [src_head, +count) of the sender's row
                                           -> receiver rank dst_rank's layer l, heads
                                              [dst_head, +count) of its row: a strided
-                                             copy straight into the reserved blocks
+                                             copy into the reserved blocks, from the
+                                             mapped cache or what UCX gets staged
                                           then ``replicas(r_p)``: heads that more than
                                           one receiver rank holds (fewer KV heads than
                                           ranks) copied from where they landed
@@ -83,7 +84,6 @@ class HeadMap:
 
     def __init__(self, num_layers: int, num_kv_heads: int, src_ranks: int, dst_ranks: int):
         self.num_layers = num_layers
-        self.src_ranks, self.dst_ranks = src_ranks, dst_ranks
         self.src_layers = src_ranks * num_layers
         src = [kv_head_slice(r, src_ranks, num_kv_heads) for r in range(src_ranks)]
         dst = [kv_head_slice(r, dst_ranks, num_kv_heads) for r in range(dst_ranks)]
@@ -129,10 +129,10 @@ class HeadMap:
         layers: tuple[int, int],
     ) -> None:
         """Copy the sender's blocks of ``layers`` (one sender rank's) into ``dst``'s
-        blocks, head slice by head slice (a strided copy per layer, K/V, run and
-        piece), then the heads that several receiver ranks hold from where they
-        landed. ``src`` holds those layers only ([layers, 2, blocks, ...]: the layers
-        of a mapped cache, or what UCX gets staged)."""
+        blocks, head slice by head slice (one strided copy per run of blocks and
+        piece, all the layers at once), then the heads that several receiver ranks
+        hold from where they landed. ``src`` holds those layers only ([layers, 2,
+        blocks, ...]: the layers of a mapped cache, or what UCX gets staged)."""
         rank, first_layer = self.rank_of(layers[0])
         count = layers[1] - layers[0]  # all of them the sender rank's: one copy per piece
 

@@ -204,12 +204,17 @@ def test_scale_decode_up_under_load_loses_no_request_and_the_new_worker_serves(d
         st = dep.scale(decode=2)
         (new,) = [w for w in dep.workers("decode", st) if w["name"] != "decode-1"]
         served_before = new.get("served", 0)
-        time.sleep(3.0)
-        stop.set()
+
+        def new_worker_served():  # counts the controller polls: while the clients go on
+            (now,) = [w for w in dep.workers("decode") if w["name"] == new["name"]]
+            return now["state"] == "serving" and now.get("served", 0) > served_before
+
+        try:
+            _wait_for(new_worker_served, "the new worker serving requests", timeout_s=60)
+        finally:
+            stop.set()
     assert not errors, errors[:3]
     assert results and all(r == ("length", 24) for r in results)
-    (after,) = [w for w in dep.workers("decode") if w["name"] == new["name"]]
-    assert after["state"] == "serving" and after["served"] > served_before
 
 
 def test_scale_down_drains_a_worker_with_a_stream_in_flight_and_the_stream_completes(dep):

@@ -45,8 +45,8 @@ COLOCATED = {"disaggregation": DisaggregationConfig(mode="never")}
 def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
     tmp_path_factory, tiny_engine
 ):
-    n = 4
-    expected = _expected(tiny_engine, n)
+    n, max_tokens = 4, 400  # long streams: still in the batch when the victim is picked
+    expected = _expected(tiny_engine, n, max_tokens)
     with _cluster(
         tmp_path_factory, "tp", prefill=0, decode=2, router=COLOCATED, tensor_parallel_size=2
     ) as c:
@@ -56,7 +56,7 @@ def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
                                      ignore_eos=True)  # fmt: skip
             assert (tokens, out) == _colocated(tiny_engine, text, params)
 
-        streams = Streams(c.address, n)
+        streams = Streams(c.address, n, max_tokens)
         streams.wait_until_all_stream(at_least=1)
         victim = _busiest_decode(c)
         (rank,) = psutil.Process(victim.popen.pid).children()  # rank 1: rank 0's child

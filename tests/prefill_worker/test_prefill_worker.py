@@ -161,12 +161,20 @@ def test_status_and_health(pair):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_prefill_deadline_frees_blocks_on_both_sides(pair):
-    req = request([5] * 600, PARAMS)  # long enough that 5 ms cannot cover prefill and transfer
+def test_prefill_deadline_frees_blocks_on_both_sides(pair, monkeypatch):
+    engine = pair.prefill.server.engine
+    real_step = engine.step
+
+    def slow_step():  # past the deadline on any machine
+        time.sleep(0.5)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    req = request([5] * 600, PARAMS)
     stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
     dest = next(stream).destination
     with pytest.raises(grpc.RpcError) as err:
-        prefill(pair.prefill, req, dest, timeout=0.005)
+        prefill(pair.prefill, req, dest, timeout=0.1)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
     stream.cancel()

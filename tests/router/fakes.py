@@ -223,7 +223,9 @@ async def cluster(
     decode = [FakeDecode()] if decode is None else decode
     for w in [*prefill, *decode]:
         await serve(w)
-    settings = {"status_interval_s": 0.05, "worker_timeout_s": 0.3, **router_settings}
+    # A fake that fails Status answers UNAVAILABLE, which marks it down at once; the
+    # timeout is only for a hung one, and must outlast a loaded machine's stalls.
+    settings = {"status_interval_s": 0.05, "worker_timeout_s": 10.0, **router_settings}
     config = RouterConfig(
         model="tiny-random",
         port=0,

@@ -155,7 +155,7 @@ def test_a_big_prompt_tokenizes_off_the_event_loop(frontend):
     stream runs to its end: nothing waits for the tokenizer but its own request."""
 
     async def scenario():
-        front, spy = spied(frontend, slow_above=1000, delay_s=2.0)
+        front, spy = spied(frontend, slow_above=1000, delay_s=4.0)
         async with cluster(front) as c:
             big = asyncio.create_task(c.client.complete("x" * 3000, max_tokens=8))
             await asyncio.to_thread(spy.slow_started.wait, 10)
@@ -164,7 +164,7 @@ def test_a_big_prompt_tokenizes_off_the_event_loop(frontend):
             small = await c.client.complete("hello", max_tokens=8)
             elapsed = time.monotonic() - t0
             assert not big.done(), "the big prompt finished first: the test proves nothing"
-            assert small.finish_reason == "length" and elapsed < 1.5, elapsed
+            assert small.finish_reason == "length" and elapsed < 3.0, elapsed
             assert (await big).finish_reason == "length"
 
     run(scenario())

@@ -10,6 +10,7 @@ import torch
 from tandem.kv_transfer import TransferState, make_receiver, make_sender
 from tandem.kv_transfer.base import KV_LAYOUT, Fingerprint
 from tandem.kv_transfer.heads import HeadMap, Piece, kv_head_slice
+from tests.kv_transfer.conftest import fingerprint
 
 LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, ROW = 3, 4, 6, 4, 8
 SRC_IDS, DST_IDS = (2, 3, 5), (4, 0, 1)
@@ -18,9 +19,7 @@ WIDTHS = [(2, 1), (1, 2), (4, 2), (2, 4), (8, 1), (1, 8), (8, 2), (2, 8)]
 
 
 def _fingerprint(ranks: int) -> Fingerprint:
-    return Fingerprint(
-        model="m",
-        dtype="float32",
+    return fingerprint(
         num_layers=LAYERS,
         num_kv_heads=KV_HEADS,
         head_dim=ROW,
@@ -150,6 +149,6 @@ def test_a_message_across_ranks_is_refused():
 
 def test_caches_split_over_devices_refuse_each_other_even_at_the_same_width():
     own = f"{KV_LAYOUT}; rank 0 of 2 only, not transferable"
-    a = Fingerprint("m", "float32", LAYERS, KV_HEADS, ROW, BLOCK_SIZE, kv_layout=own)
+    a = fingerprint(kv_layout=own, tensor_parallel_size=2)
     assert "kv_layout: prefill" in a.mismatches(a)
     assert _fingerprint(2).mismatches(_fingerprint(1)) == ""

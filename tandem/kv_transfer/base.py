@@ -42,8 +42,10 @@ if TYPE_CHECKING:
 # nonce, REPLY a nonce and a proof, then PROOF and VERDICT), which a version-3 peer
 # cannot speak: the version mismatch is named instead of a parse error; 5 sends no
 # payloads: after the handshake the sender describes its cache (frame b"M") and the
-# receiver reads each header's blocks out of it (ucx/rma.py).
-PROTOCOL_VERSION = 5
+# receiver reads each header's blocks out of it (ucx/rma.py); 6 lets the two sides'
+# tensor-parallel widths differ (the receiver re-splits heads, heads.py), which needs
+# a sender that cuts its messages at rank boundaries.
+PROTOCOL_VERSION = 6
 # The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 # How a host cache's blocks are checksummed (payload.py); a GPU cache's differ
@@ -103,15 +105,19 @@ class Fingerprint:
     def mismatches(self, other: Fingerprint, mine: str = "prefill", theirs: str = "decode") -> str:
         """'' if compatible, else e.g. 'block_size: prefill 16, decode 32; dtype: ...'.
 
-        The widths may differ. A layout other than ``KV_LAYOUT`` (a tensor-parallel
-        cache that is not all in one place: "not transferable") is named even when
-        both sides have it."""
+        The widths may differ, if each splits the model's KV heads. A layout other
+        than ``KV_LAYOUT`` (a tensor-parallel cache that is not all in one place: "not
+        transferable") is named even when both sides have it."""
+        from tandem.kv_transfer.heads import width_problem
+
         diffs = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name == "tensor_parallel_size":
-                continue
-            if a != b or (f.name == "kv_layout" and a != KV_LAYOUT):
+                why = width_problem(a, self.num_kv_heads) or width_problem(b, other.num_kv_heads)
+                if why:
+                    diffs.append(f"{f.name}: {mine} {a!r}, {theirs} {b!r} ({why})")
+            elif a != b or (f.name == "kv_layout" and a != KV_LAYOUT):
                 diffs.append(f"{f.name}: {mine} {a}, {theirs} {b}")
         return "; ".join(diffs)
 

@@ -38,6 +38,19 @@ import torch
 
 from tandem.kv_transfer.payload import block_runs, paired_runs
 
+# The widest worker a peer may claim to be (a KV handshake refuses more).
+MAX_WIDTH = 1024
+
+
+def width_problem(width: object, num_kv_heads: int) -> str:
+    """'' if ``width`` ranks can split ``num_kv_heads`` KV heads (``kv_head_slice``),
+    else why not: a peer's claimed width is checked before anything is built on it."""
+    if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_WIDTH:
+        return f"{width!r} is not a width from 1 to {MAX_WIDTH}"
+    if num_kv_heads % width and width % num_kv_heads:
+        return f"{width} ranks do not split {num_kv_heads} KV heads"
+    return ""
+
 
 def kv_head_slice(rank: int, size: int, num_kv_heads: int) -> slice:
     """The KV heads rank ``rank`` of ``size`` holds: a contiguous 1/size of them, or,
@@ -155,7 +168,7 @@ def _heads(first: int, piece: Piece) -> slice:
     return slice(first, first + piece.count)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)
 def head_map(num_layers: int, num_kv_heads: int, src_ranks: int, dst_ranks: int) -> HeadMap:
     """The map between two widths (None of the work is per request)."""
     return HeadMap(num_layers, num_kv_heads, src_ranks, dst_ranks)

@@ -226,7 +226,18 @@ class ReceiverCore:
 
     def handshake(self, peer: Fingerprint) -> str:
         """'' if a sender with ``peer`` may connect, else the named differences."""
-        return peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
+        problem = peer.mismatches(self.fingerprint, mine="prefill", theirs="decode")
+        mine = self.fingerprint
+        if problem or peer.tensor_parallel_size == mine.tensor_parallel_size:
+            return problem
+        # Heads re-split into this cache: it must be the ranks' layers it says it is.
+        want = mine.tensor_parallel_size * mine.num_layers
+        if self.kv.shape[0] != want:
+            return (
+                f"this receiver's KV tensor holds {self.kv.shape[0]} layers, not "
+                f"tensor_parallel_size x num_layers = {want}: it cannot take another width"
+            )
+        return ""
 
     def deliver(
         self,
@@ -251,10 +262,6 @@ class ReceiverCore:
         """
         if header.nbytes and fill is None:
             raise ValueError("a message with KV needs a fill")
-        if not header.nbytes or (
-            heads is not None and not heads.reads(heads.rank_of(header.layer_start)[0])
-        ):
-            fill = None  # nothing to read, or another sender rank's copy of these heads
         with self._lock:
             res = self._table.get(header.request_id)
             foreign = res is not None and res.source not in (None, source)
@@ -279,6 +286,12 @@ class ReceiverCore:
         if not live:
             return self._discard(header, res)
 
+        # The header fits (checked above): nothing to read, or another sender rank's
+        # copy of these heads is read instead.
+        if not header.nbytes or (
+            heads is not None and not heads.reads(heads.rank_of(header.layer_start)[0])
+        ):
+            fill = None
         with res.write_lock:
             with self._lock:
                 self._expire_locked(res)
@@ -303,6 +316,9 @@ class ReceiverCore:
             digest = fill()
         except TransferError as exc:
             return exc.reason, str(exc)
+        except Exception as exc:  # a read that broke: the request fails, the reader goes on
+            log.exception("KV read of %s failed", header.request_id)
+            return "read failed", repr(exc)
         if digest is None:
             digest = checksum_blocks(self.kv, header.dst_block_ids, layers, self.kv_bytes)
         if digest != header.checksum:

@@ -4,12 +4,16 @@ backend and both UCX read paths, and a corrupted head is caught."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tandem.kv_transfer import TransferState, make_receiver, make_sender
 from tandem.kv_transfer.base import KV_LAYOUT, Fingerprint
 from tandem.kv_transfer.heads import HeadMap, Piece, kv_head_slice
+from tandem.kv_transfer.payload import make_header
+from tandem.kv_transfer.receiver import ReceiverCore
 from tests.kv_transfer.conftest import fingerprint
 
 LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, ROW = 3, 4, 6, 4, 8
@@ -139,7 +143,7 @@ def test_a_corrupted_head_fails_the_request_checksum():
 
 
 def test_a_message_across_ranks_is_refused():
-    from tandem.kv_transfer.payload import HeaderError, check_fits, make_header
+    from tandem.kv_transfer.payload import HeaderError, check_fits
 
     kv = _cache(_logical(), 2)
     header = make_header("r", (LAYERS - 1, LAYERS + 1), SRC_IDS, DST_IDS, kv)
@@ -152,3 +156,43 @@ def test_caches_split_over_devices_refuse_each_other_even_at_the_same_width():
     a = fingerprint(kv_layout=own, tensor_parallel_size=2)
     assert "kv_layout: prefill" in a.mismatches(a)
     assert _fingerprint(2).mismatches(_fingerprint(1)) == ""
+
+
+@pytest.mark.parametrize(
+    ("width", "why"),
+    [(3, "3 ranks do not split 4 KV heads"), (0, "0 is not a width"), ("2", "'2' is not a width"),
+     (10**6, "is not a width from 1 to 1024")],
+)  # fmt: skip
+def test_a_claimed_width_that_cannot_split_the_heads_is_refused_by_name(width, why):
+    claimed = dataclasses.replace(_fingerprint(1), tensor_parallel_size=width)
+    problem = claimed.mismatches(_fingerprint(2))
+    assert problem.startswith("tensor_parallel_size: prefill") and why in problem
+
+
+def test_a_receiver_whose_tensor_is_not_its_ranks_layers_refuses_another_width():
+    receiver = ReceiverCore(_cache(_logical(), 1)[:2].contiguous(), _fingerprint(1), "here")
+    assert "holds 2 layers, not tensor_parallel_size x num_layers = 3" in receiver.handshake(
+        _fingerprint(2)
+    )
+    assert receiver.handshake(_fingerprint(1)) == ""  # the same width reads blocks as they are
+
+
+def test_a_header_past_the_senders_layers_fails_the_request_and_a_broken_read_too():
+    sender_kv = _cache(_logical(), 2)
+    heads = HeadMap(LAYERS, KV_HEADS, 2, 1)
+    core = ReceiverCore(_cache(torch.zeros_like(_logical()), 1), _fingerprint(1), "here")
+    core.expect("past", DST_IDS, lease_s=30)
+    past = make_header("past", (2 * LAYERS, 2 * LAYERS + 1), SRC_IDS, DST_IDS, sender_kv[:1])
+    core.deliver(past, "peer", lambda: None, heads)
+    assert (core.poll("past").reason, core.poll("past").detail) == (
+        "bad header",
+        f"layer range [{2 * LAYERS}, {2 * LAYERS + 1}) past {2 * LAYERS} layers",
+    )
+    core.expect("broken", DST_IDS, lease_s=30)
+    ok = make_header("broken", (0, 1), SRC_IDS, DST_IDS, sender_kv)
+
+    def broken():
+        raise RuntimeError("shape mismatch")
+
+    core.deliver(ok, "peer", broken, heads)
+    assert core.poll("broken").reason == "read failed"

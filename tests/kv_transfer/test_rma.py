@@ -74,6 +74,8 @@ def test_a_description_maps_the_peer_cache_or_is_refused_by_name() -> None:
             (json.dumps({**good, "blocks": 1}).encode(), "1 blocks"),
             (json.dumps({**good, "rkey": "zz"}).encode(), "bad cache description"),
             (json.dumps({k: v for k, v in good.items() if k != "base"}).encode(), "'base'"),
+            # A cache of another size than the one the fingerprint describes.
+            (json.dumps({**good, "blocks": 9}).encode(), "not the \\[4, 2, 9"),
         ):
             with pytest.raises(ValueError, match=why):
                 reader.add_remote(ep.ucp_endpoint, bad)

@@ -189,9 +189,9 @@ class UcxReceiver(CoreReceiver):
         if problem:
             await self._refuse(conn, wire.encode_reply(problem), problem)
             return False
-        conn.heads = self.core.fingerprint.head_map(hello.fingerprint)
         if self.secret is None:
             await wire.send_msg(ep, wire.encode_reply(""))
+            conn.heads = self.core.fingerprint.head_map(hello.fingerprint)
             return True
         nonce_r = auth.new_nonce()
         t = auth.transcript(hello.fingerprint, hello.nonce, nonce_r, self.address)
@@ -207,6 +207,7 @@ class UcxReceiver(CoreReceiver):
             await self._refuse(conn, wire.encode_reply(auth.FAILED), auth.FAILED)
             return False
         await wire.send_msg(ep, wire.encode_reply(""))
+        conn.heads = self.core.fingerprint.head_map(hello.fingerprint)
         return True
 
     def _log_refusal(self, conn: _Connection, problem: str) -> None:

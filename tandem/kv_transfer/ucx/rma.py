@@ -194,6 +194,7 @@ class CacheMemory:
         """What a reader needs (frame b"M"): where the cache lies and the key to it."""
         body = {
             "base": self.kv.data_ptr(),
+            "nbytes": self.kv.numel() * self.kv.element_size(),
             "blocks": self.kv.shape[2],
             "rkey": self._memory.pack_rkey().hex(),
         }
@@ -213,10 +214,21 @@ class CacheMemory:
         try:
             body = json.loads(description)
             base, blocks, packed = int(body["base"]), body["blocks"], bytes.fromhex(body["rkey"])
+            nbytes = int(body["nbytes"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"bad cache description: {exc!r}") from None
         if not isinstance(blocks, int) or blocks < 2:
             raise ValueError(f"bad cache description: {blocks!r} blocks")
+        # The cache the handshake's fingerprint describes, as this side will read it.
+        shape = (self.kv.shape[0], 2, blocks, *self.kv.shape[3:])
+        if heads is not None:
+            block_size, _, row = self.kv.shape[3:]
+            shape = (heads.src_layers, 2, blocks, block_size, heads.src_heads, row)
+        if math.prod(shape) * self.kv.element_size() != nbytes:
+            raise ValueError(
+                f"bad cache description: {nbytes} bytes, not the {list(shape)} "
+                "its fingerprint and block count say"
+            )
         try:
             rkey = ucp.RemoteKey(endpoint, packed)
         except ucp.UcpError as exc:
@@ -227,11 +239,6 @@ class CacheMemory:
             if pointer is None:
                 log.info("the sender's KV cache cannot be mapped here (%s): UCX gets", why)
         if pointer is not None:
-            shape = (self.kv.shape[0], 2, blocks, *self.kv.shape[3:])
-            if heads is not None:
-                block_size, _, row = self.kv.shape[3:]
-                shape = (heads.src_layers, 2, blocks, block_size, heads.src_heads, row)
-            nbytes = math.prod(shape) * self.kv.element_size()
             raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(pointer))
             view = torch.from_numpy(raw).view(self.kv.dtype).view(shape)
         return RemoteCache(base, blocks, rkey, view)

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     import torch
 
 BACKENDS = ("torch", "cpu", "triton")
+# An int8 KV cache keeps a float16 scale after each head's row of values (torch_ref.py;
+# here, without torch, for ``tandem plan``).
+INT8_SCALE_BYTES = 2
 
 
 def triton_installed() -> bool:

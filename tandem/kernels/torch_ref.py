@@ -29,7 +29,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-INT8_SCALE_BYTES = 2  # a float16 scale after each row of an int8 cache
+from tandem.kernels import INT8_SCALE_BYTES
+
 _FLOAT16_MAX = 65504.0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tandem.engine.model_config import ModelConfig
 from tandem.errors import InvalidRequestError
+from tandem.kernels import INT8_SCALE_BYTES
 
 GiB = 1 << 30
 DTYPE_BYTES = {
@@ -65,10 +66,6 @@ class Hardware:
         if not 0 < self.memory_utilization <= 1:
             raise InvalidRequestError("memory_utilization", "--memory-utilization must be in "
                                       f"(0, 1], got {self.memory_utilization}")  # fmt: skip
-
-
-# Tandem's int8 KV cache keeps a float16 scale after each head's row of values.
-INT8_SCALE_BYTES = 2
 
 
 def row_bytes(mc: ModelConfig, kv_dtype: str) -> int:

@@ -102,6 +102,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("tandem_worker_kv_blocks_used", "gauge", _WORKER, "KV cache blocks in use"),
     Metric("tandem_worker_kv_blocks_free", "gauge", _WORKER, "KV cache blocks free"),
     Metric("tandem_worker_kv_blocks_capacity", "gauge", _WORKER, "KV cache blocks in the pool"),
+    Metric("tandem_worker_tensor_parallel_ranks", "gauge", _WORKER,
+           "Processes (and devices) the worker's model is split over"),
     Metric("tandem_worker_kv_usage_ratio", "gauge", _WORKER,
            "KV cache blocks in use / blocks in the pool (0 to 1)"),
     Metric("tandem_worker_prefix_cache_query_tokens_total", "counter", _WORKER,
@@ -322,6 +324,7 @@ class _WorkerCollector(Collector):
             ("tandem_worker_kv_blocks_capacity", s.kv_blocks_total),
             ("tandem_worker_kv_usage_ratio", s.kv_blocks_used / max(1, s.kv_blocks_total)),
             ("tandem_worker_host_kv_blocks_used", s.host_blocks_used),
+            ("tandem_worker_tensor_parallel_ranks", s.tensor_parallel_size),
         ):
             g = _gauge(name, _WORKER)
             g.add_metric(labels, value)

@@ -8,10 +8,10 @@ Every ``interval`` seconds it scrapes the router, finds the workers from the
 router's ``tandem_router_worker_info`` (each worker reports its metrics address
 in Status) or from the file, scrapes each, and redraws one frame: the router's
 request rate, errors and TTFT / inter-token latency percentiles over the last
-minute, then one row per worker (role, up, queue, running, a KV usage bar,
-tokens/s, KV transfer MB/s, prefix-cache hit rate). Rates are between the last
-two scrapes; percentiles use the bucket counts observed within the window, as
-``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or ``--once``): frames
+minute, then one row per worker (role, tensor-parallel ranks, up, queue, running,
+a KV usage bar, tokens/s, KV transfer MB/s, prefix-cache hit rate). Rates are
+between the last two scrapes; percentiles use the bucket counts observed within
+the window, as ``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or ``--once``): frames
 are printed one after another, without clearing the screen.
 """
 
@@ -123,7 +123,7 @@ class ClusterView:
                  f"router metrics {self.router_address or '-'}"]  # fmt: skip
         lines += self._router_lines(now, first)
         lines.append("")
-        lines.append(f"{'WORKER':<28} {'ROLE':<8} {'UP':>2} {'QUEUE':>5} {'RUN':>4}  "
+        lines.append(f"{'WORKER':<28} {'ROLE':<8} {'TP':>2} {'UP':>2} {'QUEUE':>5} {'RUN':>4}  "
                      f"{'KV USAGE':<17} {'TOK/S':>7} {'KV MB/S':>8} {'HIT':>5}")  # fmt: skip
         for address, samples in sorted(now.workers.items()):
             before = prev.workers.get(address) if prev else None
@@ -182,7 +182,9 @@ class ClusterView:
         hits = total(samples, "tandem_worker_prefix_cache_hit_tokens_total")
         hit = f"{hits / queries:5.0%}" if queries else "    -"
         mark = now.up.get(address, "-")
-        return (f"{worker[:28]:<28} {role:<8} {mark:>2} "
+        ranks = total(samples, "tandem_worker_tensor_parallel_ranks")
+        ranks = f"{ranks:.0f}" if ranks else "-"  # a worker that does not export it
+        return (f"{worker[:28]:<28} {role:<8} {ranks:>2} {mark:>2} "
                 f"{total(samples, 'tandem_worker_queue_depth'):>5.0f} "
                 f"{total(samples, 'tandem_worker_running_requests'):>4.0f}  {bar:<17} "
                 f"{tok_s:>7.1f} {mb_s:>8.1f} {hit}")  # fmt: skip

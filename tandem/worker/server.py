@@ -235,6 +235,7 @@ class WorkerServer(abc.ABC):
             kv_transfers_total=m.transfers_done,
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,
+            tensor_parallel_size=self.config.engine.tensor_parallel_size,
         )
 
     def _publish_load(self, engine: LLMEngine) -> None:

@@ -87,8 +87,10 @@ def test_disaggregated_tensor_parallel_workers_move_every_ranks_kv(
             tokens, out, _ = _remote(c.address, text, max_tokens=24, temperature=0,
                                      ignore_eos=True)  # fmt: skip
             assert (tokens, out) == _colocated(tiny_engine, text, params)
+        (prefill,) = [w for w in _workers(c) if w.name.startswith("prefill")]
         (decode,) = [w for w in _workers(c) if w.name.startswith("decode")]
         status = _status(c, decode)
+        assert (_status(c, prefill).tensor_parallel_size, status.tensor_parallel_size) == widths
         assert status.kv_transfers_total == len(PROMPTS)
         # Each rank's share is its own heads: together, the whole model's KV of each prompt.
         prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]

@@ -72,10 +72,17 @@ class ModelRunner:
                 sample_rows.append(len(plan.input_ids) - 1)
                 to_sample.append(seq)
 
+        input_ids, positions, meta = plan.inputs(self.device, self.kv.null_block)
         if self.tensor_parallel is not None:
             self.tensor_parallel.step(plan)
-        input_ids, positions, meta = plan.inputs(self.device, self.kv.null_block)
-        hidden = self.model(input_ids, positions, self.kv.tensor, meta, self.ops, after_layer)
+        try:
+            hidden = self.model(input_ids, positions, self.kv.tensor, meta, self.ops, after_layer)
+        except BaseException as exc:
+            if self.tensor_parallel is not None:
+                # The other ranks wait in this step's all-reduces, which the next step's
+                # would pair with, out of step: the group cannot go on.
+                self.tensor_parallel.fail(f"rank 0 failed inside a step ({exc!r})")
+            raise
         rows = hidden if all_logits else hidden[_tensor(sample_rows, self.device)]
         logits = self.model.logits(rows)
         for seq, n in work:

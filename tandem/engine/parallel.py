@@ -61,9 +61,12 @@ import mmap
 import os
 import pickle
 import select
+import shutil
+import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -182,24 +185,25 @@ def rank_threads(config: EngineConfig, device: torch.device) -> int | None:
 
 
 class Collective:
-    """The all-reduce between a worker's ranks (gloo on CPU, NCCL on CUDA)."""
+    """The all-reduce between a worker's ranks (gloo on CPU, NCCL on CUDA), meeting at
+    ``store``: a file in a directory only this user can enter (the ranks share a host),
+    not a TCP port that anything on the network could reach while they meet."""
 
-    def __init__(self, port: int, rank: int, size: int, device: torch.device) -> None:
-        store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            size,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-        )
+    def __init__(self, store: str, rank: int, size: int, device: torch.device) -> None:
+        files = dist.FileStore(store, size)
+        files.set_timeout(datetime.timedelta(seconds=START_TIMEOUT_S))
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL works on the current device
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
+            self.group: Any = dist.ProcessGroupNCCL(files, rank, size, options)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            # Loopback: gloo would otherwise listen where the host name resolves.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.group = dist.ProcessGroupGloo(files, rank, size, options)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
@@ -245,7 +249,7 @@ class SharedCache:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.shape, self.dtype = shape, dtype
         self.nbytes = math.prod(shape) * dtype.itemsize
-        self.fd = os.memfd_create("tandem-kv", 0)
+        self.fd = os.memfd_create("tandem-kv")  # close-on-exec; pass_fds hands it on
         os.ftruncate(self.fd, self.nbytes)
         self.tensor = _map_cache(self.fd, self.nbytes, shape, dtype)
 
@@ -268,7 +272,7 @@ def _map_cache(fd: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype)
 class _Start:
     config: EngineConfig
     rank: int
-    port: int
+    store: str  # where the ranks meet (Collective)
     num_blocks: int
     host_blocks: int
     # The shared cache (its descriptor in the rank's process, shape, dtype), or None:
@@ -299,14 +303,8 @@ class TensorParallel:
         self.on_lost = on_lost
         self.lost: str | None = None
         self._closing = False
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            self.size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-        )
+        self._store_dir = tempfile.mkdtemp(prefix="tandem-tp-")  # 0700: this user's
+        self._store = os.path.join(self._store_dir, "store")
         self._device = device
         self._ops: list[tuple] = []
         self._procs: list[subprocess.Popen] = []
@@ -320,7 +318,7 @@ class TensorParallel:
                 )
                 self._procs.append(proc)
                 cache = None if shared is None else (shared.fd, shared.shape, shared.dtype)
-                start = _Start(config, rank, self._store.port, num_blocks, host_blocks, cache)
+                start = _Start(config, rank, self._store, num_blocks, host_blocks, cache)
                 _send(proc.stdin, start)
         except BaseException:
             self.close(timeout_s=1)  # a rank may be loading, or waiting to meet this one
@@ -343,12 +341,16 @@ class TensorParallel:
                     )
                 line = proc.stdout.readline()  # "ready", or EOF if it died loading
                 if line.strip() != b"ready":
-                    proc.wait()
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:  # closed its stdout but lives on
+                        proc.kill()
+                        proc.wait()
                     raise ConfigError(
                         f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                         "while starting (its log is above)"
                     )
-            collective = Collective(self._store.port, 0, self.size, self._device)
+            collective = Collective(self._store, 0, self.size, self._device)
         except BaseException:
             self.close(timeout_s=1)  # a rank may be loading, or waiting to meet this one
             raise
@@ -357,6 +359,19 @@ class TensorParallel:
                 target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}", daemon=True
             ).start()
         return collective
+
+    def fail(self, reason: str) -> None:
+        """Rank 0 failed inside a step it had sent: stop every other rank and report the
+        worker lost (``on_lost``), as a rank's death is; every later ``step`` raises."""
+        if self.lost:
+            return
+        self.lost = f"tensor-parallel group broken: {reason}"
+        self._closing = True  # the watchers stay quiet: this is the one report
+        log.error("%s: this worker cannot compute any more", self.lost)
+        for proc in self._procs:
+            proc.kill()
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -399,6 +414,7 @@ class TensorParallel:
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
@@ -416,6 +432,7 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
     start: _Start | None = _recv(stdin)
     if start is None:
         return 0
+    threading.Thread(target=_exit_when_orphaned, args=(stdin,), daemon=True).start()
     logs.configure(f"tp-rank-{start.rank}")
     config, shard = start.config, Shard(start.rank, start.config.tensor_parallel_size)
     device = rank_device(resolve_device(config.device), shard.rank)
@@ -446,8 +463,8 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
         )
         cache = kv.tensor
     stdout.write(b"ready\n")
-    stdout.flush()
-    model.all_reduce = Collective(start.port, shard.rank, shard.size, device).all_reduce
+    stdout.close()  # nothing else goes to rank 0 that way
+    model.all_reduce = Collective(start.store, shard.rank, shard.size, device).all_reduce
     while (message := _recv(stdin)) is not None:
         kv_ops, plan = message
         for op in kv_ops:
@@ -470,9 +487,29 @@ def _apply(kv, op: tuple) -> None:
         raise ValueError(f"unknown KV operation {kind!r}")
 
 
+def _exit_when_orphaned(stdin: IO[bytes]) -> None:
+    """Rank 0's end of this rank's stdin closed (it exited, however): end now, even
+    while loading the weights or waiting for the others to meet, not at the next
+    message."""
+    hangup = select.poll()
+    hangup.register(stdin.fileno(), 0)  # hang-ups and errors only
+    while True:
+        for _, event in hangup.poll():
+            if event & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                os._exit(0)
+
+
 def main() -> int:
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # stdout carries "ready" only
+    # Signals for the worker's process group (Ctrl-C, a service manager's SIGTERM)
+    # are rank 0's to act on: it drains, then ends this rank through the lifeline.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stdin = sys.stdin.buffer
+    # fd 1 carries "ready" only; anything else written there (native libraries' logs)
+    # goes to stderr, and never fills a pipe that rank 0 stops reading.
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     try:
         return follower(stdin, stdout)
     except Exception:

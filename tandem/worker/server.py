@@ -136,6 +136,14 @@ class WorkerServer(abc.ABC):
                 LLMEngine, self.config.engine, self._kv_allocator(), _rank_lost
             )
             self._owns_engine = True
+        try:
+            await self._serve()
+        except BaseException:
+            if self._owns_engine:  # its other tensor-parallel ranks, if any, end with it
+                self.engine.close()
+            raise
+
+    async def _serve(self) -> None:
         self.loop = EngineLoop(self.engine)
         await asyncio.to_thread(self._open_transfer)
         self.loop.add_hook(self._publish_load)

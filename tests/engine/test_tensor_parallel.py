@@ -258,3 +258,81 @@ def test_the_other_ranks_die_with_rank_zero_however_it_ends():
         assert survivors(ranks, within_s=15) == []
     finally:
         proc.kill()
+
+
+def test_a_failure_inside_a_step_ends_the_group_rather_than_leave_it_out_of_step():
+    """Rank 0 raised after sending a step: the others wait in that step's all-reduces,
+    which the next step's would pair with. The group stops and is reported lost."""
+    lost: list[str] = []
+    config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=2)
+    engine = LLMEngine(config, on_rank_lost=lost.append)
+    try:
+        ranks = [psutil.Process(pid) for pid in engine.tensor_parallel.pids]
+
+        def broken(layer, done):
+            raise OSError("the KV transport broke")
+
+        engine.on_prefill_layer = broken
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), "p", prefill_only=True)
+        with pytest.raises(OSError, match="transport broke"):
+            engine.step()
+        assert lost == [
+            "tensor-parallel group broken: rank 0 failed inside a step "
+            "(OSError('the KV transport broke'))"
+        ]
+        assert survivors(ranks, within_s=15) == []
+        engine.abort_all()
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="group broken"):
+            engine.step()
+        engine.abort_all()
+    finally:
+        engine.close()
+
+
+def test_the_other_ranks_leave_signals_to_rank_zero_and_listen_on_loopback_only():
+    """Ctrl-C or a service manager's SIGTERM reaches the whole process group: rank 0
+    drains, and its other ranks must not die under it. They meet on loopback."""
+    config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=2)
+    engine = LLMEngine(config)
+    try:
+        want = engine.generate(PROMPTS[:1], GREEDY)
+        (pid,) = engine.tensor_parallel.pids
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(pid, sig)
+        time.sleep(0.5)
+        assert engine.tensor_parallel.lost is None
+        assert engine.generate(PROMPTS[:1], GREEDY) == want
+        listening = [
+            c.laddr.ip
+            for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert set(listening) <= {"127.0.0.1"}, listening
+    finally:
+        engine.close()
+
+
+def test_the_other_ranks_end_when_rank_zero_dies_before_they_meet():
+    script = textwrap.dedent(
+        """
+        import time, torch
+        from tandem.config import EngineConfig
+        from tandem.engine.parallel import TensorParallel
+        config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=4)
+        group = TensorParallel(config, 8, 0, torch.device("cpu"))
+        for rank in group._procs:  # loaded: each waits to meet rank 0, which never comes
+            assert rank.stdout.readline().strip() == b"ready"
+        print(*group.pids, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert len(ranks) == 3
+        proc.kill()
+        proc.wait()
+        assert survivors(ranks, within_s=15) == []  # not after the 600 s meeting timeout
+    finally:
+        proc.kill()

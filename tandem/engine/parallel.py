@@ -30,14 +30,18 @@ tier have the same number of blocks, so a block id means the same tokens on each
 
 Processes. Rank 0 (the worker process, or ``tandem generate``) starts ranks 1..N-1
 as ``python -m tandem.engine.parallel`` children and sends each its messages over
-the child's stdin, which is also the child's lifeline: at end of file (rank 0
-closed it, or exited, however it ended) the child exits. The all-reduces go over
-a torch.distributed process group (gloo on CPU, NCCL on CUDA) that meets at a
-TCPStore on 127.0.0.1: a worker's ranks share a machine (the Ray deployment packs
-them, STRICT_PACK). A rank that exits ends its worker: rank 0's watcher calls
-``on_lost`` (a worker stops itself, which the router sees as one worker's death),
-and a collective in flight fails at once (gloo: "connection closed by peer")
-instead of hanging.
+the child's stdin, which is also the child's lifeline: when rank 0's end closes
+(it closed it, or exited, however it ended) the child exits, even while loading or
+meeting. Signals sent to the whole process group (Ctrl-C, a service's stop) are
+rank 0's to act on: the others ignore SIGINT and SIGTERM. The all-reduces go over a
+torch.distributed process group (gloo on CPU, bound to loopback; NCCL on CUDA) that
+meets at a file store in a directory only this user can enter: a worker's ranks
+share a machine (the Ray deployment packs them, STRICT_PACK). A rank that exits
+ends its worker: rank 0's watcher calls ``on_lost`` (a worker stops itself, which
+the router sees as one worker's death), and a collective in flight fails at once
+(gloo: "connection closed by peer") instead of hanging. A failure on rank 0 inside
+a step it has sent ends the group the same way: the others wait in that step's
+all-reduces, and could only go on out of step.
 
 KV transfer. On the host, rank 0 makes every rank's cache, in one shared segment
 (``SharedCache``): the KV tensor a transfer backend sees is all ranks' layers, so

@@ -156,8 +156,14 @@ class LLMEngine:
             kv_allocator = shared.allocate
         # The other ranks load their shards while this one loads its own.
         if tp > 1:
+            # What this rank resolved "auto" to, so that every rank computes alike.
+            resolved = dataclasses.replace(
+                config,
+                dtype=str(self.dtype).removeprefix("torch."),
+                attention_backend=self.attention_backend,
+            )
             self.tensor_parallel = TensorParallel(
-                config, num_blocks, host_blocks, self.device, on_rank_lost, shared
+                resolved, num_blocks, host_blocks, self.device, on_rank_lost, shared
             )
         try:
             self.model = load_model(config, self.model_dir, cfg, self.device, self.dtype, shard)

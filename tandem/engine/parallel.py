@@ -185,7 +185,7 @@ def rank_threads(config: EngineConfig, device: torch.device) -> int | None:
     """torch threads per rank: num_threads, or the CPU's cores shared out between ranks."""
     if config.num_threads or device.type != "cpu" or config.tensor_parallel_size == 1:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
 
 
 class Collective:
@@ -404,16 +404,18 @@ class TensorParallel:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """End every other rank (end of file on its stdin) and wait for it."""
+        """End every other rank (end of file on its stdin) and wait ``timeout_s`` for them
+        all, then kill those left."""
         self._closing = True
         for proc in self._procs:
             try:
                 proc.stdin.close()
             except OSError:
                 pass
+        deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             try:
-                proc.wait(timeout_s)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -448,6 +450,7 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
         torch.cuda.set_device(device)  # Triton launches on the current device
     model_dir, cfg = model_source(config)
     model = load_model(config, model_dir, cfg, device, dtype, shard)
+    model.lm_head = None  # only rank 0 computes logits: the head's memory goes here
     ops = get_backend(resolve_backend(config.attention_backend, device, config.cache_dir))
     if start.shared is not None:  # this rank's layers of rank 0's segment
         fd, shape, kv_dtype = start.shared

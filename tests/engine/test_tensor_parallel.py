@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -237,25 +236,36 @@ def test_a_rank_not_ready_in_time_is_named_and_every_rank_is_stopped():
     assert survivors(ranks, within_s=15) == []
 
 
-def test_the_other_ranks_die_with_rank_zero_however_it_ends():
-    script = textwrap.dedent(
-        """
-        import sys, time
-        from tandem.config import EngineConfig
-        from tandem.engine.engine import LLMEngine
-        e = LLMEngine(EngineConfig(model="tiny-random", dtype="float32",
-                                   tensor_parallel_size=4, num_blocks=16))
-        print(*e.tensor_parallel.pids, flush=True)
-        time.sleep(600)
-        """
-    )
+_SERVING = """
+from tandem.engine.engine import LLMEngine
+e = LLMEngine(EngineConfig(model="tiny-random", dtype="float32",
+                           tensor_parallel_size=4, num_blocks=16))
+pids = e.tensor_parallel.pids
+"""
+# Loaded, each waits to meet rank 0, which never comes (their store has no server that
+# would die with rank 0: only the lifeline tells them).
+_MEETING = """
+import torch
+from tandem.engine.parallel import TensorParallel
+config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=4)
+group = TensorParallel(config, 8, 0, torch.device("cpu"))
+for rank in group._procs:
+    assert rank.stdout.readline().strip() == b"ready"
+pids = group.pids
+"""
+
+
+@pytest.mark.parametrize("setup", [_SERVING, _MEETING], ids=["serving", "meeting"])
+def test_the_other_ranks_die_with_rank_zero_however_it_ends(setup):
+    script = "import time\nfrom tandem.config import EngineConfig\n" + setup
+    script += "print(*pids, flush=True)\ntime.sleep(600)\n"
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         ranks = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
         assert len(ranks) == 3
         proc.kill()
         proc.wait()
-        assert survivors(ranks, within_s=15) == []
+        assert survivors(ranks, within_s=15) == []  # not after a 600 s timeout
     finally:
         proc.kill()
 
@@ -311,28 +321,3 @@ def test_the_other_ranks_leave_signals_to_rank_zero_and_listen_on_loopback_only(
         assert set(listening) <= {"127.0.0.1"}, listening
     finally:
         engine.close()
-
-
-def test_the_other_ranks_end_when_rank_zero_dies_before_they_meet():
-    script = textwrap.dedent(
-        """
-        import time, torch
-        from tandem.config import EngineConfig
-        from tandem.engine.parallel import TensorParallel
-        config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=4)
-        group = TensorParallel(config, 8, 0, torch.device("cpu"))
-        for rank in group._procs:  # loaded: each waits to meet rank 0, which never comes
-            assert rank.stdout.readline().strip() == b"ready"
-        print(*group.pids, flush=True)
-        time.sleep(600)
-        """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        ranks = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
-        assert len(ranks) == 3
-        proc.kill()
-        proc.wait()
-        assert survivors(ranks, within_s=15) == []  # not after the 600 s meeting timeout
-    finally:
-        proc.kill()

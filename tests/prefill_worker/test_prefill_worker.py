@@ -115,7 +115,8 @@ def test_unreachable_decode_worker_is_aborted_and_frees_blocks(pair):
         prefill(pair.prefill, request([5] * 40, PARAMS), _dest(address="127.0.0.1:9"))
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
     assert "unreachable" in err.value.details()
-    assert pair.prefill.used_blocks() == 0
+    # Status is a snapshot the engine thread publishes between steps: it may lag.
+    wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
 
 
 def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
@@ -128,7 +129,7 @@ def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
         prefill(pair.prefill, req, dest)
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
     assert "unknown request" in err.value.details()
-    assert pair.prefill.used_blocks() == 0
+    wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
 
 
 def test_mismatched_decode_worker_is_named_at_once(bg, pair):

@@ -11,8 +11,8 @@ request rate, errors and TTFT / inter-token latency percentiles over the last
 minute, then one row per worker (role, tensor-parallel ranks, up, queue, running,
 a KV usage bar, tokens/s, KV transfer MB/s, prefix-cache hit rate). Rates are
 between the last two scrapes; percentiles use the bucket counts observed within
-the window, as ``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or ``--once``): frames
-are printed one after another, without clearing the screen.
+the window, as ``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or
+``--once``): frames are printed one after another, without clearing the screen.
 """
 
 from __future__ import annotations
@@ -182,9 +182,9 @@ class ClusterView:
         hits = total(samples, "tandem_worker_prefix_cache_hit_tokens_total")
         hit = f"{hits / queries:5.0%}" if queries else "    -"
         mark = now.up.get(address, "-")
-        ranks = total(samples, "tandem_worker_tensor_parallel_ranks")
-        ranks = f"{ranks:.0f}" if ranks else "-"  # a worker that does not export it
-        return (f"{worker[:28]:<28} {role:<8} {ranks:>2} {mark:>2} "
+        width = total(samples, "tandem_worker_tensor_parallel_ranks")
+        tp = f"{width:.0f}" if width else "-"  # a worker that does not export it
+        return (f"{worker[:28]:<28} {role:<8} {tp:>2} {mark:>2} "
                 f"{total(samples, 'tandem_worker_queue_depth'):>5.0f} "
                 f"{total(samples, 'tandem_worker_running_requests'):>4.0f}  {bar:<17} "
                 f"{tok_s:>7.1f} {mb_s:>8.1f} {hit}")  # fmt: skip

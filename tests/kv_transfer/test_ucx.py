@@ -5,6 +5,7 @@ reads, the path across hosts and GPUs)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -289,3 +290,36 @@ def test_stray_headers_are_discarded_and_the_connection_keeps_working(receiver, 
     receiver("release", "live")
     receiver("free", dst_ids)
     side.pool.free(src_ids)
+
+
+def test_close_waits_for_a_read_in_flight_then_lets_the_senders_cache_go(monkeypatch) -> None:
+    """Closing a receiver while a connection still reads must run that connection's
+    cleanup (its requests, the sender's key) before the thread pool it needs goes."""
+    src, dst = make_side(8, seed=SEED, ucx=True), make_side(8)
+    receiver = make_receiver("ucx", dst.kv, fingerprint())
+    sender = make_sender("ucx", src.kv, fingerprint(), ack_timeout_s=60)
+    reading, removed = threading.Event(), []
+    read, remove = receiver._cache.read, receiver._cache.remove_remote
+
+    def slow_read(*args, **kwargs):
+        reading.set()
+        time.sleep(1.5)  # longer than close() used to wait for its connections
+        return read(*args, **kwargs)
+
+    def counted_remove(remote):
+        removed.append(remote)
+        remove(remote)
+
+    monkeypatch.setattr(receiver._cache, "read", slow_read)
+    monkeypatch.setattr(receiver._cache, "remove_remote", counted_remove)
+    try:
+        src_ids, dst_ids = src.pool.allocate(2), dst.pool.allocate(2)
+        sent = sender.send(receiver.expect("c", dst_ids, lease_s=60), src_ids, first_token=1)
+        assert reading.wait(30), "the read never started"
+        receiver.close()
+        assert len(removed) == 1, "the sender's key was not let go"
+        with pytest.raises(TransferError):
+            sent.result(timeout=60)
+    finally:
+        sender.close()
+        receiver.close()

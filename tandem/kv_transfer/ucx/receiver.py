@@ -53,6 +53,10 @@ from tandem.kv_transfer.ucx.runtime import get_runtime
 log = logging.getLogger(__name__)
 # Bounds how long closing an endpoint may block the loop (ucxx's default is 10 s).
 _ABORT_PERIOD_NS = 10**9
+# close() waits this long for each connection's cleanup (its read in flight, which
+# rma.READ_TIMEOUT_S bounds, then its requests and the sender's key), so that nothing
+# it needs is shut down under it.
+_CLOSE_WAIT_S = rma.READ_TIMEOUT_S + 5
 
 
 # Frames read but not yet delivered, per connection; past it the sender is dropped.
@@ -306,7 +310,7 @@ class UcxReceiver(CoreReceiver):
         if self._closed:
             return
         self._closed = True
-        self._rt.submit(self._stop()).result(timeout=30)
+        self._rt.submit(self._stop()).result(timeout=_CLOSE_WAIT_S + 10)
         self.core.close()
         self._pool.shutdown(wait=True)
         self._cache.close()
@@ -316,8 +320,16 @@ class UcxReceiver(CoreReceiver):
         self._listener.close()
         for conn in list(self._connections):
             conn.ep.abort(period=_ABORT_PERIOD_NS)
-        # The readers see their endpoints fail and run their cleanup.
-        for _ in range(100):
-            if not self._connections:
-                break
+        # The readers see their endpoints fail and run their cleanup, which needs the
+        # thread pool: close() shuts it down only after this.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _CLOSE_WAIT_S
+        while self._connections and loop.time() < deadline:
             await asyncio.sleep(0.01)
+        if self._connections:
+            log.warning(
+                "KV receiver %s: closed with %d connections not cleaned up after %.0f s",
+                self.address,
+                len(self._connections),
+                _CLOSE_WAIT_S,
+            )

@@ -23,7 +23,7 @@ def test_colocated_is_decode_workers_that_prefill_with_no_prefill_pool():
 def test_tensor_parallel_workers_serve_colocated_with_threads_per_rank():
     cfg = _config("--colocated", "2", "--tp", "2", "--model", "tiny-random")
     assert cfg.engine.tensor_parallel_size == 2 and cfg.engine.model == "tiny-random"
-    assert cfg.worker_threads() == max(1, (os.cpu_count() or 1) // 4)  # 2 workers x 2 ranks
+    assert cfg.worker_threads() == max(1, len(os.sched_getaffinity(0)) // 4)  # 2 workers x 2 ranks
     cfg = _config("--tensor-parallel-size", "2")  # disaggregated: both pools of width 2
     assert (cfg.num_prefill, cfg.num_decode, cfg.engine.tensor_parallel_size) == (1, 1, 2)
 
@@ -31,7 +31,7 @@ def test_tensor_parallel_workers_serve_colocated_with_threads_per_rank():
 def test_each_pool_may_have_its_own_width():
     cfg = _config("--prefill", "2", "--prefill-tp", "2", "--decode-tp", "1", "--tp", "4")
     assert (cfg.width("prefill"), cfg.width("decode")) == (2, 1)
-    assert cfg.worker_threads() == max(1, (os.cpu_count() or 1) // 5)  # 2 x 2 + 1 ranks
+    assert cfg.worker_threads() == max(1, len(os.sched_getaffinity(0)) // 5)  # 2 x 2 + 1 ranks
     assert _config("--tp", "2", "--decode-tp", "1").width("prefill") == 2
     with pytest.raises(ConfigError, match="decode_tensor_parallel_size must be >= 1, got 0"):
         _config("--decode-tp", "0")

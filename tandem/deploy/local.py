@@ -111,11 +111,12 @@ class ClusterConfig:
         return self.engine.tensor_parallel_size if own is None else own
 
     def worker_threads(self) -> int:
-        """torch threads for each process that computes (each rank of each worker)."""
+        """torch threads for each process that computes (each rank of each worker): the
+        CPUs this process may run on (its affinity, as under a cpuset) shared out."""
         if self.threads_per_worker:
             return self.threads_per_worker
         ranks = self.num_prefill * self.width("prefill") + self.num_decode * self.width("decode")
-        return max(1, (os.cpu_count() or 1) // ranks)
+        return max(1, len(os.sched_getaffinity(0)) // ranks)  # the CPUs this may run on
 
 
 def cluster_config(values: dict, where: str = "") -> ClusterConfig:

@@ -77,8 +77,9 @@ def test_a_silent_process_times_out_and_a_stubborn_one_is_killed(tmp_path, monke
     assert cluster.processes == []
 
 
-def test_threads_default_to_a_share_of_the_cores(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+def test_threads_default_to_a_share_of_the_cores_this_may_run_on(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # the machine's, not this cpuset's
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert _config(num_prefill=1, num_decode=3).worker_threads() == 2
     assert _config(num_prefill=4, num_decode=5).worker_threads() == 1
 

@@ -258,8 +258,9 @@ class DisaggregationConfig:
     ``always``: on the prefill pool, its KV shipped to the decode worker (a pool with no
     live worker is UNAVAILABLE). ``never``: on the decode worker itself, no KV moved (a
     colocated deployment; no prefill pool needed). ``conditional``: per request, on
-    the decode worker when the prompt is short, when the prefill pool is busy or has
-    no live worker, and on the prefill pool otherwise.
+    the decode worker when the prompt is short or the prefill pool busy (unless the
+    prefill would stretch a busy decode worker's step past ``local_max_step_ms``), or
+    when the pool has no live worker; on the prefill pool otherwise.
     """
 
     mode: str = "always"
@@ -272,6 +273,12 @@ class DisaggregationConfig:
     # at most local_max_running streams, whose tokens the prefill would delay).
     prefill_queue_max: int = 4
     local_max_running: int = 8
+    # conditional: a decode worker with streams running prefills a prompt itself only
+    # if the step that computes it (the worker's recent decode step, plus the prompt's
+    # tokens at its recent cost per token: both in its Status) stays within this many
+    # milliseconds, since each of its streams waits that step out: about the
+    # inter-token latency promised to clients. 0: no such limit.
+    local_max_step_ms: float = 250.0
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
@@ -279,7 +286,9 @@ class DisaggregationConfig:
                 f"disaggregation.mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
                 f"got {self.mode!r}"
             )
-        for name in ("local_max_tokens", "prefill_queue_max", "local_max_running"):
+        for name in (
+            "local_max_tokens", "prefill_queue_max", "local_max_running", "local_max_step_ms"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")
 

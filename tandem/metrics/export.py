@@ -104,6 +104,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("tandem_worker_kv_blocks_capacity", "gauge", _WORKER, "KV cache blocks in the pool"),
     Metric("tandem_worker_tensor_parallel_ranks", "gauge", _WORKER,
            "Processes (and devices) the worker's model is split over"),
+    Metric("tandem_worker_decode_step_seconds", "gauge", _WORKER,
+           "Recent mean duration of a step that only decodes (0 until one ran)"),
+    Metric("tandem_worker_prefill_token_seconds", "gauge", _WORKER,
+           "Recent mean time each prompt token adds to a step (0 until one ran)"),
     Metric("tandem_worker_kv_usage_ratio", "gauge", _WORKER,
            "KV cache blocks in use / blocks in the pool (0 to 1)"),
     Metric("tandem_worker_prefix_cache_query_tokens_total", "counter", _WORKER,
@@ -325,6 +329,8 @@ class _WorkerCollector(Collector):
             ("tandem_worker_kv_usage_ratio", s.kv_blocks_used / max(1, s.kv_blocks_total)),
             ("tandem_worker_host_kv_blocks_used", s.host_blocks_used),
             ("tandem_worker_tensor_parallel_ranks", s.tensor_parallel_size),
+            ("tandem_worker_decode_step_seconds", s.decode_step_seconds),
+            ("tandem_worker_prefill_token_seconds", s.prefill_token_seconds),
         ):
             g = _gauge(name, _WORKER)
             g.add_metric(labels, value)

@@ -9,10 +9,21 @@ be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
 1. no live prefill worker: here (the decode pool serves on its own);
 2. the tokens the decode worker would compute (prompt + already generated tokens,
    less the prefix that prefix-aware placement expects it to have cached) <=
-   ``local_max_tokens``: here ("short");
-3. every live prefill worker has >= ``prefill_queue_max`` requests waiting and the
-   decode worker runs <= ``local_max_running`` streams: here ("prefill busy");
+   ``local_max_tokens``: here ("short"), unless the step would be too long (below):
+   then on the prefill pool ("decode busy");
+3. every live prefill worker has >= ``prefill_queue_max`` requests waiting, the
+   decode worker runs <= ``local_max_running`` streams and the step is not too long:
+   here ("prefill busy");
 4. otherwise on the prefill pool ("long").
+
+Too long: the decode worker has streams (running, or this router's in flight) and
+the step that would prefill the tokens, estimated from the worker's own recent
+step costs (``WorkerLoad.step_seconds``: its decode step plus the tokens at its
+cost per prompt token), exceeds ``local_max_step_ms``. Every stream on the worker
+waits that step out, so a short prompt is cheap only on a worker whose steps are
+short: on a GPU a 128-token prefill adds milliseconds, on one CPU thread it adds
+half a second to every stream's next token. A worker that has not prefilled yet
+reports no per-token cost, and its decode step alone is weighed.
 
 The router decides after it has picked the decode worker, from the loads of the
 last Status poll (see placement.py), and counts each decision by its reason
@@ -43,8 +54,9 @@ COLOCATED = Decision(True, "colocated")
 NO_PREFILL_WORKER = Decision(True, "no prefill worker")
 SHORT = Decision(True, "short")
 PREFILL_BUSY = Decision(True, "prefill busy")
+DECODE_BUSY = Decision(False, "decode busy")
 LONG = Decision(False, "long")
-_ALL = (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, LONG)
+_ALL = (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, DECODE_BUSY, LONG)
 _HERE = {d.reason: d.here for d in _ALL}
 
 
@@ -87,9 +99,18 @@ class PrefillRouting:
             return COLOCATED
         if not prefill:
             return NO_PREFILL_WORKER
+        fits = self._step_fits(tokens, decode)
         if tokens <= c.local_max_tokens:
-            return SHORT
+            return SHORT if fits else DECODE_BUSY
         busy = min(w.queue_depth for w in prefill) >= c.prefill_queue_max
-        if busy and decode.running <= c.local_max_running:
+        if busy and decode.running <= c.local_max_running and fits:
             return PREFILL_BUSY
         return LONG
+
+    def _step_fits(self, tokens: int, decode: WorkerLoad) -> bool:
+        """Whether prefilling ``tokens`` on ``decode`` keeps the step its streams wait
+        out within ``local_max_step_ms`` (see "too long" above)."""
+        limit_ms = self.config.local_max_step_ms
+        if not limit_ms or not (decode.running or decode.inflight):
+            return True
+        return decode.step_seconds(tokens) * 1000 <= limit_ms

@@ -53,6 +53,7 @@ from tandem.kv_transfer.base import TransferMetrics
 from tandem.metrics import MetricsEndpoint, WorkerMetrics
 from tandem.security.cluster import ClusterCredentials
 from tandem.security.tls import is_loopback
+from tandem.worker.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 EXIT_RANK_LOST = 3  # the worker's exit code when one of its tensor-parallel ranks died
@@ -98,6 +99,7 @@ class WorkerServer(abc.ABC):
         self.transfer_metrics = TransferMetrics()  # filled by the KV sender or receiver
         # Replaced whole by the engine thread (one reference assignment: atomic).
         self.engine_load = EngineLoad()
+        self.step_cost = StepCost()  # written by the engine thread after each step
         self.metrics: WorkerMetrics | None = None  # from start(), once the worker id is known
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._owns_engine = False  # made in start(): closed in stop()
@@ -148,6 +150,12 @@ class WorkerServer(abc.ABC):
         await asyncio.to_thread(self._open_transfer)
         self.loop.add_hook(self._publish_load)
         self._publish_load(self.engine)
+        loop, cost = self.loop, self.step_cost
+        loop.add_step_hook(
+            lambda engine, _: cost.observe(
+                loop.last_step_seconds, engine.stats.last_sequences, engine.stats.last_tokens
+            )
+        )
         server = grpc.aio.server(options=SERVER_OPTIONS)
         self._add_servicer(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -244,6 +252,8 @@ class WorkerServer(abc.ABC):
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,
             tensor_parallel_size=self.config.engine.tensor_parallel_size,
+            decode_step_seconds=self.step_cost.decode_step_seconds,
+            prefill_token_seconds=self.step_cost.prefill_token_seconds,
         )
 
     def _publish_load(self, engine: LLMEngine) -> None:

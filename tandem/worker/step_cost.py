@@ -1,0 +1,45 @@
+"""What a worker's engine steps cost lately, for the router's conditional rule.
+
+A decode worker that prefills a prompt itself computes it inside one of its steps,
+and every stream in its batch waits that step out. Whether that is acceptable
+depends on two numbers that only the worker can measure, so it reports them in
+``Status`` (tandem/router/disaggregation.py weighs them):
+
+- ``decode_step_seconds``: a step that only decodes (one token per sequence), an
+  exponentially weighted mean over recent such steps;
+- ``prefill_token_seconds``: what each prompt token adds to a step: a step's time
+  less the decode step's, over its prompt tokens, weighted the same way.
+
+A step of ``n`` prompt tokens then takes about ``decode + n * per_token``: linear in
+the tokens, which is what a step's matmuls are; attention's share grows with the
+context, which the running means follow as it grows. Both are 0 until the worker
+has run such a step (a decode worker that never prefilled has no per-token figure:
+the router then counts the decode step alone).
+"""
+
+from __future__ import annotations
+
+# The weight of the newest step: about the last ten steps count.
+WEIGHT = 0.2
+
+
+class StepCost:
+    def __init__(self) -> None:
+        # Written by the engine thread, read by Status (float stores are atomic).
+        self.decode_step_seconds = 0.0
+        self.prefill_token_seconds = 0.0
+
+    def observe(self, seconds: float, sequences: int, tokens: int) -> None:
+        """A step of ``sequences`` sequences that computed ``tokens`` tokens in all."""
+        if sequences <= 0 or seconds <= 0:
+            return
+        prompt_tokens = tokens - sequences  # each sequence's first token is its decode's
+        if prompt_tokens <= 0:
+            self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
+            return
+        per_token = max(0.0, seconds - self.decode_step_seconds) / prompt_tokens
+        self.prefill_token_seconds = _mean(self.prefill_token_seconds, per_token)
+
+
+def _mean(old: float, new: float) -> float:
+    return new if old == 0 else (1 - WEIGHT) * old + WEIGHT * new

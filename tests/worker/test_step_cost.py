@@ -1,0 +1,38 @@
+"""A worker's step costs, as it reports them in Status for the conditional rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.worker.step_cost import WEIGHT, StepCost
+
+
+def test_decode_steps_and_prompt_tokens_are_told_apart():
+    cost = StepCost()
+    assert (cost.decode_step_seconds, cost.prefill_token_seconds) == (0, 0)
+    cost.observe(0.1, sequences=4, tokens=4)  # decodes only
+    assert cost.decode_step_seconds == pytest.approx(0.1)
+    assert cost.prefill_token_seconds == 0
+    # 4 decodes and a 101-token prompt chunk: 0.3 s over the decode step's 0.1.
+    cost.observe(0.4, sequences=5, tokens=105)
+    assert cost.prefill_token_seconds == pytest.approx(0.3 / 100)
+    assert cost.decode_step_seconds == pytest.approx(0.1)  # a mixed step is not a decode
+
+
+def test_the_figures_follow_the_recent_steps():
+    cost = StepCost()
+    cost.observe(0.1, 2, 2)
+    cost.observe(0.2, 2, 2)
+    assert cost.decode_step_seconds == pytest.approx((1 - WEIGHT) * 0.1 + WEIGHT * 0.2)
+    for _ in range(60):
+        cost.observe(0.2, 2, 2)
+    assert cost.decode_step_seconds == pytest.approx(0.2, rel=1e-4)
+
+
+def test_a_step_faster_than_the_decode_figure_costs_no_negative_time():
+    cost = StepCost()
+    cost.observe(0.5, 1, 1)
+    cost.observe(0.2, 1, 65)
+    assert cost.prefill_token_seconds == 0
+    cost.observe(0, 0, 0)  # an empty step changes nothing
+    assert cost.decode_step_seconds == 0.5

@@ -4,14 +4,18 @@ the same seeded workloads at the same rates, one table of goodput under SLOs.
     python bench/compare.py [--model M] [--workloads long-short,short-long,chat]
                             [--deployments colocated,disagg,conditional,...]
                             [--rates 0.25,0.5] [--requests 24] [--slo-ttft-ms 3000]
-                            [--slo-tpot-ms 400] [--out DIR] [--json]
+                            [--slo-tpot-ms 400] [--local-max-step-ms MS] [--out DIR]
+                            [--json]
 
 Deployments (the same total cores: each worker gets cores / workers torch threads):
 - ``colocated``: 2 workers that prefill and decode (``tandem serve --colocated 2``);
 - ``disagg``: 1 prefill + 1 decode worker, every prompt on the prefill pool;
 - ``conditional``: 1 + 1, the router deciding per request (disaggregation.py);
 - the same three with ``-prefix`` (``placement: prefix-aware``), and ``disagg-2x2``
-  / ``disagg-2x2-prefix`` (2 + 2 workers, for prefix placement across two of each).
+  / ``disagg-2x2-prefix`` (2 + 2 workers, for prefix placement across two of each);
+- ``conditional-unbounded`` / ``conditional-prefix-unbounded``: the rule without
+  its step budget (``local_max_step_ms: 0``), to show what the budget
+  (``--local-max-step-ms``, the config's default unless given) changes.
 
 Workloads (seeded; the same requests for every deployment):
 - ``long-short``: 512-token prompts, 16-token answers (prefill-heavy);
@@ -51,6 +55,8 @@ DEPLOYMENTS = {
     "conditional-prefix": (1, 1, "conditional", "prefix-aware"),
     "disagg-2x2": (2, 2, "always", "least-loaded"),
     "disagg-2x2-prefix": (2, 2, "always", "prefix-aware"),
+    "conditional-unbounded": (1, 1, "conditional", "least-loaded"),
+    "conditional-prefix-unbounded": (1, 1, "conditional", "prefix-aware"),
 }
 WORKLOADS = ("long-short", "short-long", "chat")
 STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "prefilled_here")
@@ -162,13 +168,16 @@ def _cluster_config(name: str, args):
     from tandem.deploy.local import ClusterConfig
 
     prefill, decode, mode, placement = DEPLOYMENTS[name]
+    disaggregation = DisaggregationConfig(mode=mode)
+    if name.endswith("-unbounded"):
+        disaggregation = DisaggregationConfig(mode=mode, local_max_step_ms=0)
+    elif args.local_max_step_ms is not None:
+        disaggregation = DisaggregationConfig(mode=mode, local_max_step_ms=args.local_max_step_ms)
     return ClusterConfig(
         num_prefill=prefill,
         num_decode=decode,
         engine=EngineConfig(model=args.model),
-        router=RouterConfig(
-            port=0, placement=placement, disaggregation=DisaggregationConfig(mode=mode)
-        ),
+        router=RouterConfig(port=0, placement=placement, disaggregation=disaggregation),
         threads_per_worker=args.threads,
     )
 
@@ -224,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=400.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--local-max-step-ms", type=float, default=None,
+                   help="conditional deployments' step budget (default: the config's)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write compare.json and the plot here")

@@ -47,6 +47,22 @@ def test_unknown_names_are_refused(compare, capsys):
     assert "'bogus' is not one of colocated" in capsys.readouterr().err
 
 
+def test_the_unbounded_deployments_turn_the_step_budget_off(compare):
+    import argparse
+
+    from tandem.config import DisaggregationConfig
+
+    args = argparse.Namespace(model="tiny-random", threads=1, local_max_step_ms=80.0)
+
+    def budget(name):
+        return compare._cluster_config(name, args).router.disaggregation.local_max_step_ms
+
+    assert budget("conditional-prefix") == budget("conditional") == 80.0
+    assert budget("conditional-prefix-unbounded") == budget("conditional-unbounded") == 0
+    args.local_max_step_ms = None  # the config's default
+    assert budget("conditional") == DisaggregationConfig().local_max_step_ms
+
+
 @pytest.mark.slow
 def test_a_run_on_the_tiny_model_prints_the_table_and_writes_the_plot(tmp_path):
     out = tmp_path / "out"

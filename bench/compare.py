@@ -4,7 +4,7 @@ the same seeded workloads at the same rates, one table of goodput under SLOs.
     python bench/compare.py [--model M] [--workloads long-short,short-long,chat]
                             [--deployments colocated,disagg,conditional,...]
                             [--rates 0.25,0.5] [--requests 24] [--slo-ttft-ms 3000]
-                            [--slo-tpot-ms 400] [--local-max-step-ms MS] [--out DIR]
+                            [--slo-tpot-ms 400] [--local-max-stall-ms MS] [--out DIR]
                             [--json]
 
 Deployments (the same total cores: each worker gets cores / workers torch threads):
@@ -14,8 +14,8 @@ Deployments (the same total cores: each worker gets cores / workers torch thread
 - the same three with ``-prefix`` (``placement: prefix-aware``), and ``disagg-2x2``
   / ``disagg-2x2-prefix`` (2 + 2 workers, for prefix placement across two of each);
 - ``conditional-unbounded`` / ``conditional-prefix-unbounded``: the rule without
-  its step budget (``local_max_step_ms: 0``), to show what the budget
-  (``--local-max-step-ms``, the config's default unless given) changes.
+  its stall budget (``local_max_stall_ms: 0``), to show what the budget
+  (``--local-max-stall-ms``, the config's default unless given) changes.
 
 Workloads (seeded; the same requests for every deployment):
 - ``long-short``: 512-token prompts, 16-token answers (prefill-heavy);
@@ -170,9 +170,9 @@ def _cluster_config(name: str, args):
     prefill, decode, mode, placement = DEPLOYMENTS[name]
     disaggregation = DisaggregationConfig(mode=mode)
     if name.endswith("-unbounded"):
-        disaggregation = DisaggregationConfig(mode=mode, local_max_step_ms=0)
-    elif args.local_max_step_ms is not None:
-        disaggregation = DisaggregationConfig(mode=mode, local_max_step_ms=args.local_max_step_ms)
+        disaggregation = DisaggregationConfig(mode=mode, local_max_stall_ms=0)
+    elif args.local_max_stall_ms is not None:
+        disaggregation = DisaggregationConfig(mode=mode, local_max_stall_ms=args.local_max_stall_ms)
     return ClusterConfig(
         num_prefill=prefill,
         num_decode=decode,
@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=400.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    p.add_argument("--local-max-step-ms", type=float, default=None,
-                   help="conditional deployments' step budget (default: the config's)")  # fmt: skip
+    p.add_argument("--local-max-stall-ms", type=float, default=None,
+                   help="conditional deployments' stall budget (default: config's)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write compare.json and the plot here")

@@ -259,8 +259,9 @@ class DisaggregationConfig:
     live worker is UNAVAILABLE). ``never``: on the decode worker itself, no KV moved (a
     colocated deployment; no prefill pool needed). ``conditional``: per request, on
     the decode worker when the prompt is short or the prefill pool busy (unless the
-    prefill would stretch a busy decode worker's step past ``local_max_step_ms``), or
-    when the pool has no live worker; on the prefill pool otherwise.
+    prefill would stall a busy decode worker's streams by more than
+    ``local_max_stall_ms``), or when the pool has no live worker; on the prefill pool
+    otherwise.
     """
 
     mode: str = "always"
@@ -274,11 +275,10 @@ class DisaggregationConfig:
     prefill_queue_max: int = 4
     local_max_running: int = 8
     # conditional: a decode worker with streams running prefills a prompt itself only
-    # if the step that computes it (the worker's recent decode step, plus the prompt's
-    # tokens at its recent cost per token: both in its Status) stays within this many
-    # milliseconds, since each of its streams waits that step out: about the
-    # inter-token latency promised to clients. 0: no such limit.
-    local_max_step_ms: float = 250.0
+    # if that adds at most this many milliseconds to the step its streams wait out
+    # (the prompt's tokens at the worker's recent cost per prompt token, from its
+    # Status): the stall in their token stream. 0: no such limit.
+    local_max_stall_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
@@ -287,7 +287,7 @@ class DisaggregationConfig:
                 f"got {self.mode!r}"
             )
         for name in (
-            "local_max_tokens", "prefill_queue_max", "local_max_running", "local_max_step_ms"
+            "local_max_tokens", "prefill_queue_max", "local_max_running", "local_max_stall_ms"
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")

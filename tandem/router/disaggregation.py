@@ -9,21 +9,22 @@ be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
 1. no live prefill worker: here (the decode pool serves on its own);
 2. the tokens the decode worker would compute (prompt + already generated tokens,
    less the prefix that prefix-aware placement expects it to have cached) <=
-   ``local_max_tokens``: here ("short"), unless the step would be too long (below):
-   then on the prefill pool ("decode busy");
+   ``local_max_tokens``: here ("short"), unless it would stall the worker's
+   streams too long (below): then on the prefill pool ("decode busy");
 3. every live prefill worker has >= ``prefill_queue_max`` requests waiting, the
-   decode worker runs <= ``local_max_running`` streams and the step is not too long:
-   here ("prefill busy");
+   decode worker runs <= ``local_max_running`` streams and the stall is not too
+   long: here ("prefill busy");
 4. otherwise on the prefill pool ("long").
 
-Too long: the decode worker has streams (running, or this router's in flight) and
-the step that would prefill the tokens, estimated from the worker's own recent
-step costs (``WorkerLoad.step_seconds``: its decode step plus the tokens at its
-cost per prompt token), exceeds ``local_max_step_ms``. Every stream on the worker
-waits that step out, so a short prompt is cheap only on a worker whose steps are
-short: on a GPU a 128-token prefill adds milliseconds, on one CPU thread it adds
-half a second to every stream's next token. A worker that has not prefilled yet
-reports no per-token cost, and its decode step alone is weighed.
+Too long a stall: the decode worker has streams (running, or this router's in
+flight), and the time the prefill adds to the step they all wait out (the tokens
+at the worker's recent cost per prompt token, ``prefill_token_seconds`` in its
+Status) exceeds ``local_max_stall_ms``. So a prompt is short by its cost where it
+would run, not by its length alone: on a GPU a 128-token prefill adds
+milliseconds, on one CPU thread it can add half a second to every stream's next
+token. What the step costs without the prefill is not weighed: the streams wait
+that out wherever the prompt goes. A worker that has not prefilled yet reports no
+per-token cost and counts as stalling nothing; its first prefill teaches it.
 
 The router decides after it has picked the decode worker, from the loads of the
 last Status poll (see placement.py), and counts each decision by its reason
@@ -99,7 +100,7 @@ class PrefillRouting:
             return COLOCATED
         if not prefill:
             return NO_PREFILL_WORKER
-        fits = self._step_fits(tokens, decode)
+        fits = self._stall_fits(tokens, decode)
         if tokens <= c.local_max_tokens:
             return SHORT if fits else DECODE_BUSY
         busy = min(w.queue_depth for w in prefill) >= c.prefill_queue_max
@@ -107,10 +108,10 @@ class PrefillRouting:
             return PREFILL_BUSY
         return LONG
 
-    def _step_fits(self, tokens: int, decode: WorkerLoad) -> bool:
-        """Whether prefilling ``tokens`` on ``decode`` keeps the step its streams wait
-        out within ``local_max_step_ms`` (see "too long" above)."""
-        limit_ms = self.config.local_max_step_ms
+    def _stall_fits(self, tokens: int, decode: WorkerLoad) -> bool:
+        """Whether prefilling ``tokens`` on ``decode`` stalls its streams by at most
+        ``local_max_stall_ms`` (see "too long a stall" above)."""
+        limit_ms = self.config.local_max_stall_ms
         if not limit_ms or not (decode.running or decode.inflight):
             return True
-        return decode.step_seconds(tokens) * 1000 <= limit_ms
+        return tokens * decode.prefill_token_seconds * 1000 <= limit_ms

@@ -43,13 +43,9 @@ class WorkerLoad:
     kv_blocks_free: int = 0
     inflight: int = 0  # this router's requests on the worker now
     kv_blocks_total: int = 0
-    # What its steps cost lately (tandem/worker/step_cost.py; 0 until it has run one).
-    decode_step_seconds: float = 0.0
+    # What each prompt token adds to its steps lately (tandem/worker/step_cost.py; 0
+    # until it has prefilled).
     prefill_token_seconds: float = 0.0
-
-    def step_seconds(self, prompt_tokens: int) -> float:
-        """About how long one of its steps takes with ``prompt_tokens`` to prefill in it."""
-        return self.decode_step_seconds + prompt_tokens * self.prefill_token_seconds
 
 
 # Decode workers with at least this fraction of the most free KV blocks count as equal.

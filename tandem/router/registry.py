@@ -57,7 +57,6 @@ class Worker:
     running: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
-    decode_step_seconds: float = 0.0
     prefill_token_seconds: float = 0.0
     worker_id: str = ""
     metrics_address: str = ""  # where Prometheus scrapes it ("": off)
@@ -75,7 +74,6 @@ class Worker:
             kv_blocks_free=max(0, self.kv_blocks_free - self.reserved_since_poll),
             inflight=self.inflight,
             kv_blocks_total=self.kv_blocks_total,
-            decode_step_seconds=self.decode_step_seconds,
             prefill_token_seconds=self.prefill_token_seconds,
         )
 
@@ -235,7 +233,6 @@ class WorkerRegistry:
         worker.running = status.running
         worker.kv_blocks_free = status.kv_blocks_free
         worker.kv_blocks_total = status.kv_blocks_total
-        worker.decode_step_seconds = status.decode_step_seconds
         worker.prefill_token_seconds = status.prefill_token_seconds
         worker.placed_since_poll = 0
         worker.reserved_since_poll = 0

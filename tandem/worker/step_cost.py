@@ -1,9 +1,10 @@
 """What a worker's engine steps cost lately, for the router's conditional rule.
 
 A decode worker that prefills a prompt itself computes it inside one of its steps,
-and every stream in its batch waits that step out. Whether that is acceptable
-depends on two numbers that only the worker can measure, so it reports them in
-``Status`` (tandem/router/disaggregation.py weighs them):
+and every stream in its batch waits that step out. How long that stalls them only
+the worker can measure, so it reports what its steps cost in ``Status`` (the
+router's conditional rule, tandem/router/disaggregation.py, weighs the second; the
+first is what the second is measured against, and a figure to watch):
 
 - ``decode_step_seconds``: a step that only decodes (one token per sequence), an
   exponentially weighted mean over recent such steps;
@@ -14,7 +15,7 @@ A step of ``n`` prompt tokens then takes about ``decode + n * per_token``: linea
 the tokens, which is what a step's matmuls are; attention's share grows with the
 context, which the running means follow as it grows. Both are 0 until the worker
 has run such a step (a decode worker that never prefilled has no per-token figure:
-the router then counts the decode step alone).
+the router then counts its prefill as free until it has run one).
 """
 
 from __future__ import annotations

@@ -47,20 +47,20 @@ def test_unknown_names_are_refused(compare, capsys):
     assert "'bogus' is not one of colocated" in capsys.readouterr().err
 
 
-def test_the_unbounded_deployments_turn_the_step_budget_off(compare):
+def test_the_unbounded_deployments_turn_the_stall_budget_off(compare):
     import argparse
 
     from tandem.config import DisaggregationConfig
 
-    args = argparse.Namespace(model="tiny-random", threads=1, local_max_step_ms=80.0)
+    args = argparse.Namespace(model="tiny-random", threads=1, local_max_stall_ms=80.0)
 
     def budget(name):
-        return compare._cluster_config(name, args).router.disaggregation.local_max_step_ms
+        return compare._cluster_config(name, args).router.disaggregation.local_max_stall_ms
 
     assert budget("conditional-prefix") == budget("conditional") == 80.0
     assert budget("conditional-prefix-unbounded") == budget("conditional-unbounded") == 0
-    args.local_max_step_ms = None  # the config's default
-    assert budget("conditional") == DisaggregationConfig().local_max_step_ms
+    args.local_max_stall_ms = None  # the config's default
+    assert budget("conditional") == DisaggregationConfig().local_max_stall_ms
 
 
 @pytest.mark.slow

@@ -39,26 +39,25 @@ def test_conditional_rule_step_by_step():
     assert _decide(100, prefill=busy, decode=WorkerLoad("d", running=8)).here
 
 
-def test_a_busy_decode_worker_whose_step_would_grow_too_long_does_not_prefill():
-    # 100 ms decode steps, 2 ms a prompt token: 8 tokens make a 116 ms step.
-    slow = {"decode_step_seconds": 0.1, "prefill_token_seconds": 0.002}
-    busy_decode = WorkerLoad("d", running=3, **slow)
-    assert _decide(8, decode=busy_decode, local_max_step_ms=120).reason == "short"
-    assert _decide(8, decode=busy_decode, local_max_step_ms=110).reason == "decode busy"
-    assert not _decide(8, decode=busy_decode, local_max_step_ms=110).here
+def test_a_decode_worker_whose_streams_a_prefill_would_stall_too_long_does_not_prefill():
+    # 2 ms a prompt token: 8 tokens stall its streams 16 ms.
+    busy_decode = WorkerLoad("d", running=3, prefill_token_seconds=0.002)
+    assert _decide(8, decode=busy_decode, local_max_stall_ms=17).reason == "short"
+    assert _decide(8, decode=busy_decode, local_max_stall_ms=15).reason == "decode busy"
+    assert not _decide(8, decode=busy_decode, local_max_stall_ms=15).here
     # Streams this router has just placed count as running ones.
-    just_placed = WorkerLoad("d", inflight=1, **slow)
-    assert _decide(8, decode=just_placed, local_max_step_ms=110).reason == "decode busy"
-    # No stream to delay, or no limit: the step's length does not matter.
-    assert _decide(8, decode=WorkerLoad("d", **slow), local_max_step_ms=110).here
-    assert _decide(8, decode=busy_decode, local_max_step_ms=0).here
-    # A busy prefill pool does not send a long prompt here either.
+    just_placed = WorkerLoad("d", inflight=1, prefill_token_seconds=0.002)
+    assert _decide(8, decode=just_placed, local_max_stall_ms=15).reason == "decode busy"
+    # No stream to stall, or no limit: the prefill's cost does not matter.
+    idle = WorkerLoad("d", prefill_token_seconds=0.002)
+    assert _decide(8, decode=idle, local_max_stall_ms=15).here
+    assert _decide(8, decode=busy_decode, local_max_stall_ms=0).here
+    # A busy prefill pool does not send a long prompt here either (9 tokens: 18 ms).
     busy = [WorkerLoad("p", queue_depth=4)]
-    assert _decide(9, prefill=busy, decode=busy_decode, local_max_step_ms=110).reason == "long"
-    assert _decide(9, prefill=busy, decode=busy_decode, local_max_step_ms=200).here
-    # Without a per-token figure yet (it never prefilled), its decode step alone counts.
-    unknown = WorkerLoad("d", running=3, decode_step_seconds=0.1)
-    assert _decide(8, decode=unknown, local_max_step_ms=101).reason == "short"
+    assert _decide(9, prefill=busy, decode=busy_decode, local_max_stall_ms=17).reason == "long"
+    assert _decide(9, prefill=busy, decode=busy_decode, local_max_stall_ms=19).here
+    # A worker that never prefilled has no per-token figure yet: it counts as free.
+    assert _decide(8, decode=WorkerLoad("d", running=3), local_max_stall_ms=1).here
 
 
 def test_modes_always_and_never_ignore_the_numbers():
@@ -80,8 +79,8 @@ def test_bad_settings_are_named():
         DisaggregationConfig(mode="sometimes")
     with pytest.raises(ConfigError, match="disaggregation.local_max_tokens must be >= 0"):
         DisaggregationConfig(local_max_tokens=-1)
-    with pytest.raises(ConfigError, match="disaggregation.local_max_step_ms must be >= 0"):
-        DisaggregationConfig(local_max_step_ms=-5)
+    with pytest.raises(ConfigError, match="disaggregation.local_max_stall_ms must be >= 0"):
+        DisaggregationConfig(local_max_stall_ms=-5)
 
 
 def run(coro):

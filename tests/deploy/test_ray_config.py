@@ -272,3 +272,41 @@ def test_pools_of_the_same_width_may_be_disaggregated():
     both = {"tensor_parallel_size": 2}
     cfg = deploy_config({"ray": {"prefill": both, "decode": both}})
     assert cfg.worker_config("prefill", host="10.0.0.5").engine.tensor_parallel_size == 2
+
+
+def test_the_log_format_reaches_the_actors_from_the_flag_the_file_or_the_environment(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("TANDEM_LOG_FORMAT", raising=False)
+
+    def fmt(*argv, config=""):
+        extra = ["--config", str(config)] if config else []
+        return load_config(build_parser().parse_args(["ray", "up", *extra, *argv])).log_format
+
+    assert fmt() == "text"
+    path = tmp_path / "ray.yaml"
+    path.write_text("ray: {log_format: json}\n")
+    assert fmt(config=path) == "json"
+    assert fmt("--log-format", "text", config=path) == "text"  # the flag wins
+    monkeypatch.setenv("TANDEM_LOG_FORMAT", "json")  # as for `tandem serve`
+    assert fmt() == "json"
+    path.write_text("ray: {log_format: xml}\n")
+    with pytest.raises(ConfigError, match="ray.log_format must be one of text, json, got 'xml'"):
+        fmt(config=path)
+
+
+def test_an_actor_logs_json_lines_when_told(capsys):
+    import json
+    import logging
+
+    from tandem.deploy.ray_cluster.actors import _setup_process
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        _setup_process("decode", "json")
+        logging.getLogger("tandem.test").info("hello")
+        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert (line["process"], line["message"]) == ("decode", "hello")
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]

@@ -149,7 +149,7 @@ def test_an_unplaceable_router_fails_start_with_its_resources_named(killed, monk
         def options(self, **options):
             return self
 
-        def remote(self, config, credentials):
+        def remote(self, config, credentials, log_format):
             return router
 
     monkeypatch.setattr(ray, "remote", lambda cls: RouterClass())

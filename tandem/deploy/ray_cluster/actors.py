@@ -72,8 +72,8 @@ def _node() -> dict[str, str]:
     }
 
 
-def _setup_process(process: str) -> None:
-    logs.configure(process)  # request ids on every line, as in a local cluster
+def _setup_process(process: str, log_format: str) -> None:
+    logs.configure(process, fmt=log_format)  # request ids on every line, as locally
 
 
 class WorkerActor:
@@ -87,7 +87,7 @@ class WorkerActor:
         controller: str | None = None,
         credentials: ClusterCredentials | None = None,
     ) -> None:
-        _setup_process(pool)
+        _setup_process(pool, config.log_format)
         self.pool, self.name = pool, name
         self.node = _node()
         worker_config = config.worker_config(pool, host=self.node["node_ip"])
@@ -149,8 +149,13 @@ class WorkerActor:
 class RouterActor:
     """The router's server. Membership changes arrive as actor calls from the controller."""
 
-    def __init__(self, config: RouterConfig, credentials: ClusterCredentials | None = None):
-        _setup_process("router")
+    def __init__(
+        self,
+        config: RouterConfig,
+        credentials: ClusterCredentials | None = None,
+        log_format: str = "",
+    ):
+        _setup_process("router", log_format)
         from tandem.router.server import Router
 
         self.node = _node()

@@ -11,6 +11,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from tandem import logs
+
 
 def add_parser(sub) -> None:
     ray = sub.add_parser("ray", help="deploy on a Ray cluster: up, status, scale, down")
@@ -41,6 +43,12 @@ def add_parser(sub) -> None:
     )
     up.add_argument(
         "--local-cpus", type=int, default=8, help="logical CPUs of a local head (default 8)"
+    )
+    up.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="how the actors log (ray.log_format; default: TANDEM_LOG_FORMAT, else text)",
     )
     up.add_argument(
         "--token-file",
@@ -83,6 +91,8 @@ def load_config(args: argparse.Namespace):
     for flag, name in (("prefill", "prefill_pool"), ("decode", "decode_pool")):
         if getattr(args, flag) is not None:
             changes[name] = dataclasses.replace(getattr(cfg, name), replicas=getattr(args, flag))
+    # The flag, else ray.log_format, else this process's TANDEM_LOG_FORMAT, else text.
+    changes["log_format"] = logs.log_format(getattr(args, "log_format", None) or cfg.log_format)
     return dataclasses.replace(cfg, **changes)
 
 

@@ -47,6 +47,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem import logs
 from tandem.config import (
     ClusterSecurityConfig,
     DecodeConfig,
@@ -154,10 +155,18 @@ class RayDeployConfig:
     # <tmp>/tandem-<namespace>-targets.json. `tandem ray status` names it.
     metrics: bool = False
     metrics_targets_file: str = ""
+    # How the controller, router and worker actors log: "text", or "json" (one object a
+    # line, tandem/logs.py); "": as `tandem ray up`'s own TANDEM_LOG_FORMAT says (it
+    # resolves it, and --log-format wins), as `tandem serve` passes it to its processes.
+    log_format: str = ""
 
     def __post_init__(self) -> None:
         if not self.namespace:
             raise ConfigError("ray.namespace must not be empty")
+        if self.log_format and self.log_format not in logs.FORMATS:
+            raise ConfigError(
+                f"ray.log_format must be one of {', '.join(logs.FORMATS)}, got {self.log_format!r}"
+            )
         for name in ("startup_timeout_s", "router_timeout_s", "monitor_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"ray.{name} must be > 0, got {getattr(self, name)}")

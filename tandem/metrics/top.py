@@ -9,7 +9,8 @@ router's ``tandem_router_worker_info`` (each worker reports its metrics address
 in Status) or from the file, scrapes each, and redraws one frame: the router's
 request rate, errors and TTFT / inter-token latency percentiles over the last
 minute, then one row per worker (role, tensor-parallel ranks, up, queue, running,
-a KV usage bar, tokens/s, KV transfer MB/s, prefix-cache hit rate). Rates are
+its recent decode step in ms, a KV usage bar, tokens/s, KV transfer MB/s,
+prefix-cache hit rate). Rates are
 between the last two scrapes; percentiles use the bucket counts observed within
 the window, as ``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or
 ``--once``): frames are printed one after another, without clearing the screen.
@@ -123,8 +124,9 @@ class ClusterView:
                  f"router metrics {self.router_address or '-'}"]  # fmt: skip
         lines += self._router_lines(now, first)
         lines.append("")
-        lines.append(f"{'WORKER':<28} {'ROLE':<8} {'TP':>2} {'UP':>2} {'QUEUE':>5} {'RUN':>4}  "
-                     f"{'KV USAGE':<17} {'TOK/S':>7} {'KV MB/S':>8} {'HIT':>5}")  # fmt: skip
+        lines.append(f"{'WORKER':<28} {'ROLE':<8} {'TP':>2} {'UP':>2} {'QUEUE':>5} {'RUN':>4} "
+                     f"{'STEP':>6}  {'KV USAGE':<17} {'TOK/S':>7} {'KV MB/S':>8} "
+                     f"{'HIT':>5}")  # fmt: skip
         for address, samples in sorted(now.workers.items()):
             before = prev.workers.get(address) if prev else None
             lines.append(self._worker_line(address, samples, before, now, prev))
@@ -184,9 +186,11 @@ class ClusterView:
         mark = now.up.get(address, "-")
         width = total(samples, "tandem_worker_tensor_parallel_ranks")
         tp = f"{width:.0f}" if width else "-"  # a worker that does not export it
+        step = total(samples, "tandem_worker_decode_step_seconds")
+        step_ms = f"{step * 1000:.0f}ms" if step else "-"  # none run yet (or not exported)
         return (f"{worker[:28]:<28} {role:<8} {tp:>2} {mark:>2} "
                 f"{total(samples, 'tandem_worker_queue_depth'):>5.0f} "
-                f"{total(samples, 'tandem_worker_running_requests'):>4.0f}  {bar:<17} "
+                f"{total(samples, 'tandem_worker_running_requests'):>4.0f} {step_ms:>6}  {bar:<17} "
                 f"{tok_s:>7.1f} {mb_s:>8.1f} {hit}")  # fmt: skip
 
 

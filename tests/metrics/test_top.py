@@ -48,6 +48,7 @@ def _decode(tokens: float) -> list[Sample]:
         Sample("tandem_worker_tensor_parallel_ranks", labels, 2),
         Sample("tandem_worker_queue_depth", labels, 3),
         Sample("tandem_worker_running_requests", labels, 4),
+        Sample("tandem_worker_decode_step_seconds", labels, 0.0456),
         Sample("tandem_worker_generated_tokens_total", labels, tokens),
         Sample("tandem_worker_prefix_cache_query_tokens_total", labels, 200),
         Sample("tandem_worker_prefix_cache_hit_tokens_total", labels, 150),
@@ -77,7 +78,7 @@ def test_a_frame_shows_rates_between_polls_and_latency_within_the_window(monkeyp
     # 20 requests in the window: p50 at rank 10 is the first bucket's bound.
     assert "TTFT p50 100 ms p99 982 ms" in frame, frame
     (row,) = [line for line in frame.splitlines() if line.startswith("decode-h:1")]
-    assert row.split()[1:6] == ["decode", "2", "1", "3", "4"]  # 2 ranks, up
+    assert row.split()[1:7] == ["decode", "2", "1", "3", "4", "46ms"]  # 2 ranks, up
     assert "[##........]  25%" in row and "100.0" in row and "75%" in row  # 200 tok / 2 s
     assert "h:92" in frame and "unreachable" in frame and "! cannot scrape http://h:92" in frame
 

@@ -16,6 +16,11 @@ Quality: one engine per ``kv_cache_dtype`` (auto, int8), everything else equal.
   prefilled in chunks of 256 through the paged cache, so each chunk attends over
   the earlier chunks' stored (for int8: quantized) KV, and every token's
   log-probability scored.
+- The yardstick for agreement, in the same run: the float cache once more through
+  the other attention backend (the torch reference instead of the C kernel, or
+  the other way round), two correct computations that differ only in rounding.
+  In a float32 model they agree on every token; in bfloat16 a model's near-ties
+  make even they part, and int8 can only be read against that floor.
 
 Capacity: bench/reserve_capacity.py's run at one KV budget (``--kv-mib``) for
 both caches: ``--requests`` chat requests arriving at once, each asking for 512
@@ -86,6 +91,17 @@ def perplexity(engine, ids: list[int]) -> float:
     return math.exp(-sum(logps) / len(logps))
 
 
+def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """(the fraction of requests whose tokens are all identical, the mean length of the
+    matching prefix)."""
+    prefix = []
+    for a, b in zip(ref, other, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefix.append(n)
+    whole = sum(n == len(a) for n, a in zip(prefix, ref, strict=True))
+    return whole / len(prefix), statistics.mean(prefix)
+
+
 def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:
     rows = {}
     for setting in SETTINGS:
@@ -99,17 +115,29 @@ def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:
             "perplexity": ppl,
             "seconds": time.perf_counter() - start,
             "cache": str(engine.kv_dtype).removeprefix("torch."),
+            "backend": engine.attention_backend,
         }
-    ref, q8 = rows["auto"]["outputs"], rows["int8"]["outputs"]
-    prefix = []
-    for a, b in zip(ref, q8, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        prefix.append(n)
+    from tandem.errors import ConfigError
+
+    ref = rows["auto"]["outputs"]
+    identical, matching = agreement(ref, rows["int8"]["outputs"])
+    other = "cpu" if rows["auto"]["backend"] == "torch" else "torch"
+    print(f"quality, kv_cache_dtype auto, attention backend {other} ...", file=sys.stderr)
+    try:
+        floor = greedy(make_engine(args, "auto", attention_backend=other), args)
+        floor_identical, floor_matching = agreement(ref, floor)
+    except ConfigError as exc:  # the C kernels do not build here: no second backend
+        print(f"no yardstick: {exc}", file=sys.stderr)
+        other, floor_identical, floor_matching = None, None, None
     return {
         "requests": len(ref),
         "tokens": args.tokens,
-        "identical": sum(n == args.tokens for n in prefix) / len(prefix),
-        "mean_matching_prefix": statistics.mean(prefix),
+        "identical": identical,
+        "mean_matching_prefix": matching,
+        # The float cache through the other attention backend, against the first.
+        "backends": [rows["auto"]["backend"], other],
+        "float_identical": floor_identical,
+        "float_mean_matching_prefix": floor_matching,
         "ppl_tokens": len(text_ids),
         "perplexity": {k: round(v["perplexity"], 4) for k, v in rows.items()},
         "ppl_ratio": rows["int8"]["perplexity"] / rows["auto"]["perplexity"],
@@ -189,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'requests identical over all tokens':<34}{'':>12}{q['identical']:>12.3f}")
     print(f"{'mean matching prefix (tokens)':<34}{'':>12}{q['mean_matching_prefix']:>12.1f}")
+    mine, other = q["backends"]
+    if other is not None:
+        print(f"the float cache through the {other} attention backend against the {mine} one:")
+        print(f"{'requests identical over all tokens':<34}{q['float_identical']:>12.3f}")
+        print(f"{'mean matching prefix (tokens)':<34}{q['float_mean_matching_prefix']:>12.1f}")
     if "capacity" in result:
         c = result["capacity"]
         a, b = c["runs"]["auto"], c["runs"]["int8"]

@@ -10,10 +10,10 @@ in Status) or from the file, scrapes each, and redraws one frame: the router's
 request rate, errors and TTFT / inter-token latency percentiles over the last
 minute, then one row per worker (role, tensor-parallel ranks, up, queue, running,
 its recent decode step in ms, a KV usage bar, tokens/s, KV transfer MB/s,
-prefix-cache hit rate). Rates are
-between the last two scrapes; percentiles use the bucket counts observed within
-the window, as ``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or
-``--once``): frames are printed one after another, without clearing the screen.
+prefix-cache hit rate). Rates are between the last two scrapes; percentiles use
+the bucket counts observed within the window, as
+``histogram_quantile(rate(...[1m]))`` would. Not a TTY (or ``--once``): frames
+are printed one after another, without clearing the screen.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "
 def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None:
     """JSONL of chats: ``systems`` long system prompts, users of 3 turns each, every
     turn carrying the conversation so far (assistant turns are fixed filler text, as
-    the benchmark cannot know the replies in advance), in send order."""
+    the benchmark cannot know the replies in advance), in send order (the load run
+    keeps it: ``in_order``)."""
     from tandem.bench.load.datasets import WORDS
 
     rng = random.Random(seed)
@@ -104,7 +105,7 @@ def _dataset(workload: str, tmp: Path, requests: int, seed: int):
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "chat.jsonl"
     chat_dataset(path, requests + 2, seed)  # + the warm-up
-    return DatasetConfig(kind="jsonl", path=str(path)), seed
+    return DatasetConfig(kind="jsonl", path=str(path), in_order=True), seed
 
 
 def _status_totals(cluster) -> dict[str, float]:

@@ -117,6 +117,12 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dataset", default="synthetic", choices=("synthetic", "jsonl", "sharegpt"))
     d.add_argument("--dataset-path", default=None, help="the file, for jsonl and sharegpt")
     d.add_argument(
+        "--dataset-in-order",
+        action="store_true",
+        help="send the file's requests in its order, not a seeded random one (multi-turn "
+        "chats whose turns follow each other)",
+    )
+    d.add_argument(
         "--input-len",
         default="128",
         help="synthetic prompt tokens: N, uniform:LO-HI or normal:MEAN,STD (default 128)",
@@ -219,6 +225,7 @@ def load_config(args: argparse.Namespace, **overrides):
         input_len=LengthDist.parse(args.input_len, "--input-len"),
         output_len=output,
         file_output_len=file_output,
+        in_order=args.dataset_in_order,
     )
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:

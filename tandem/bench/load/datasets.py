@@ -285,9 +285,10 @@ async def count_inputs(specs: list[RequestSpec], count: TokenCounter) -> list[Re
             for s, c in zip(specs, counts, strict=True)]  # fmt: skip
 
 
-def pick(specs: list[RequestSpec], n: int, seed: int) -> list[RequestSpec]:
-    """``n`` specs in a seeded random order (cycling when the file holds fewer)."""
-    order = np.random.default_rng(seed).permutation(len(specs))
+def pick(specs: list[RequestSpec], n: int, seed: int, in_order: bool = False) -> list[RequestSpec]:
+    """``n`` specs in a seeded random order, or in their own (``in_order``), cycling
+    when the file holds fewer."""
+    order = range(len(specs)) if in_order else np.random.default_rng(seed).permutation(len(specs))
     return [specs[int(order[i % len(specs)])] for i in range(n)]
 
 

@@ -41,11 +41,19 @@ class DatasetConfig:
     output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
     # jsonl: output length of lines without "output_len"; sharegpt: replaces the replies'.
     file_output_len: int | None = None
+    # jsonl, sharegpt: send the file's requests in its order (cycling when it holds fewer)
+    # rather than in a seeded random one: a file of multi-turn chats, whose turns follow
+    # each other as their users would send them.
+    in_order: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("synthetic", "jsonl", "sharegpt"):
             raise InvalidRequestError(
                 "dataset", f"--dataset must be synthetic, jsonl or sharegpt, got {self.kind!r}"
+            )
+        if self.in_order and self.kind == "synthetic":
+            raise InvalidRequestError(
+                "dataset", "--dataset-in-order is for jsonl and sharegpt files"
             )
         if (self.kind == "synthetic") != (self.path is None):
             raise InvalidRequestError(
@@ -184,7 +192,7 @@ async def build_dataset(
         specs = await datasets.synthetic(n, ds.input_len, ds.output_len, config.seed, count)
     elif ds.kind == "jsonl":
         default = ds.file_output_len or int(ds.output_len.a)
-        loaded = datasets.pick(datasets.load_jsonl(ds.path, default), n, config.seed)
+        loaded = datasets.pick(datasets.load_jsonl(ds.path, default), n, config.seed, ds.in_order)
         specs = await datasets.count_inputs(loaded, count)
     else:
         pairs = datasets.load_sharegpt(ds.path)
@@ -192,7 +200,7 @@ async def build_dataset(
         if ds.file_output_len:
             specs = [RequestSpec(s.prompt, s.messages, s.input_len, ds.file_output_len)
                      for s in specs]  # fmt: skip
-        specs = datasets.pick(specs, n, config.seed)
+        specs = datasets.pick(specs, n, config.seed, ds.in_order)
     for i, s in enumerate(specs):
         if s.input_len is not None and s.input_len + s.output_len > model.context_length:
             raise InvalidRequestError(

@@ -39,6 +39,7 @@ def test_argparse_errors_exit_2_with_the_argument_named(capsys, argv, message):
       "--max-concurrency"),
      ([*LOAD, "--input-len", "uniform:9-3"], "--input-len lengths must be >= 1"),
      ([*LOAD, "--dataset", "jsonl"], "--dataset jsonl needs --dataset-path"),
+     ([*LOAD, "--dataset-in-order"], "--dataset-in-order is for jsonl and sharegpt files"),
      ([*LOAD, "--slo-ttft-ms", "0"], "--slo-ttft-ms must be > 0, got 0.0"),
      (["bench", "sweep", "--target", "x:1", "--concurrencies", "1,2"],
       "bench sweep needs --out DIR"),

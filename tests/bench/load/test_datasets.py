@@ -147,6 +147,9 @@ def test_pick_is_seeded_and_cycles():
     assert picked == datasets.pick(specs, 7, seed=1)
     assert sorted(s.prompt for s in picked[:3]) == ["0", "1", "2"]
     assert picked[3:6] == picked[:3]
+    # In the file's own order (multi-turn chats), cycling the same way.
+    in_order = datasets.pick(specs, 5, seed=1, in_order=True)
+    assert [s.prompt for s in in_order] == ["0", "1", "2", "0", "1"]
 
 
 def test_unreadable_files_are_named(tmp_path):

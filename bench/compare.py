@@ -28,10 +28,11 @@ arrivals, --requests measured after 2 warm-up), on requests of its own: the
 seed is --seed plus the rate's index, so no run finds its prompts cached by an
 earlier one, and every deployment gets the same requests at a given rate.
 Goodput counts requests that meet both SLOs (TTFT, and TPOT, the mean
-inter-token latency of the request). The
-prefix hit rate and the KV bytes moved per request come from the workers'
-``Status`` counters before and after the run; ``local`` is the share of requests
-prefilled on the decode worker. With --out, ``compare.json`` and a plot of SLO
+inter-token latency of the request). The prefix hit rate and the KV bytes moved
+per request come from the workers' ``Status`` counters before and after the run;
+``ceil`` is the hit rate one unbounded prefix cache would reach on the same chat
+requests (``hit_ceiling``: what placement can hope for); ``local`` is the share of
+requests prefilled on the decode worker. With --out, ``compare.json`` and a plot of SLO
 attainment against rate per workload are written there.
 """
 
@@ -89,6 +90,28 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None
     with path.open("w") as f:
         for i in order[:requests]:
             f.write(json.dumps(lines[i]) + "\n")
+
+
+def hit_ceiling(path: Path, tokenizer, block_size: int = 16, warmup: int = 2) -> float:
+    """The prefix hit rate that one prefix cache of unbounded size would reach on a chat
+    file sent in its order: each request's prompt tokens in the full blocks that an
+    earlier prompt began with, over its prompt tokens (the warm-up's requests count as
+    earlier, not as looked up). What placement can hope for: a user's first turn
+    finds only the system prompt, and a prompt's last, partial block is not cached."""
+    seen: set[int] = set()
+    found = looked = 0
+    for i, line in enumerate(path.read_text().splitlines()):
+        ids = tokenizer.encode_chat(json.loads(line)["messages"])
+        keys, key = [], 0
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            key = hash((key, tuple(ids[start : start + block_size])))
+            keys.append(key)
+        hit = next((b for b, k in enumerate(keys) if k not in seen), len(keys))
+        if i >= warmup:
+            found += hit * block_size
+            looked += len(ids)
+        seen.update(keys)
+    return found / looked if looked else math.nan
 
 
 def _dataset(workload: str, tmp: Path, requests: int, seed: int):
@@ -184,15 +207,16 @@ def _cluster_config(name: str, args):
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'workload':<11} {'deployment':<19} {'rate':>5} {'goodput':>8} {'SLO%':>5} "
-            f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'hit':>5} "
+    head = (f"{'workload':<11} {'deployment':<28} {'rate':>5} {'goodput':>8} {'SLO%':>5} "
+            f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'hit':>5} {'ceil':>5} "
             f"{'KV MiB/req':>10} {'local':>6} {'fail':>4}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['workload']:<11} {r['deployment']:<19} {r['rate']:>5g} {r['goodput']:>8.3f} "
+            f"{r['workload']:<11} {r['deployment']:<28} {r['rate']:>5g} {r['goodput']:>8.3f} "
             f"{100 * r['slo_attainment']:>5.0f} {r['ttft_p50']:>9.0f} {r['ttft_p99']:>7.0f} "
             f"{r['itl_p50']:>8.0f} {r['itl_p99']:>7.0f} {_pct(r['hit_rate']):>5} "
+            f"{_pct(r['hit_ceiling']):>5} "
             f"{r['kv_mib_per_request']:>10.2f} {_pct(r['local']):>6} {r['failed']:>4}"
         )
     return "\n".join(lines)
@@ -252,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
 
     from tandem.deploy.local import LocalCluster
+    from tandem.engine.loader import resolve_model
+    from tandem.engine.tokenizer import Tokenizer
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-compare-") as tmp:
@@ -262,6 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             for w in workloads
             for i, rate in enumerate(rates)
         }
+        # What a chat run's hit rate is to be read against (nan for the synthetic ones).
+        ceilings = dict.fromkeys(datasets, math.nan)
+        if "chat" in workloads:
+            tokenizer = Tokenizer.from_pretrained(resolve_model(args.model))
+            for rate in rates:
+                ceilings["chat", rate] = hit_ceiling(
+                    Path(datasets["chat", rate][0].path), tokenizer
+                )
         for dep in deployments:
             cfg = _cluster_config(dep, args)
             print(f"{dep}: {cfg.num_prefill} prefill + {cfg.num_decode} decode workers, "
@@ -270,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 for w in workloads:
                     for rate in rates:
                         point = run_point(cluster, datasets[w, rate], rate, args)
-                        rows.append(dict(deployment=dep, workload=w, **point))
+                        rows.append(dict(deployment=dep, workload=w, **point,
+                                         hit_ceiling=ceilings[w, rate]))  # fmt: skip
                         print(f"  {w} at {rate:g}/s: goodput {point['goodput']:.3f}/s, "
                               f"TTFT p50 {point['ttft_p50']:.0f} ms", file=sys.stderr)  # fmt: skip
     rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), r["rate"]))

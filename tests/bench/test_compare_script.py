@@ -41,6 +41,29 @@ def test_chat_turns_repeat_their_history_in_order(compare, tmp_path):
     assert (tmp_path / "again.jsonl").read_text() == path.read_text()  # seeded
 
 
+def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_began_with(compare, tmp_path):
+    class Chars:  # one token per character of the messages' contents
+        @staticmethod
+        def encode_chat(messages):
+            return [ord(c) for m in messages for c in m["content"]]
+
+    lines = [
+        {"messages": [{"role": "system", "content": "a" * 8}]},  # warm-up
+        {"messages": [{"role": "system", "content": "a" * 8 + "b" * 7}]},  # 2 blocks of 4
+        {"messages": [{"role": "system", "content": "c" * 5}]},  # nothing
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert compare.hit_ceiling(path, Chars, block_size=4, warmup=1) == 8 / (15 + 5)
+    # On the benchmark's own chats: a user's later turns find its earlier ones.
+    compare.chat_dataset(path, requests=26, seed=0)
+    from tandem.engine.loader import resolve_model
+    from tandem.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(resolve_model("tiny-random"))
+    assert 0.5 < compare.hit_ceiling(path, tokenizer) < 1
+
+
 def test_unknown_names_are_refused(compare, capsys):
     with pytest.raises(SystemExit):
         compare.main(["--deployments", "colocated,bogus"])

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compare.py"
+from tests.bench import scripts
+
+SCRIPT = scripts.BENCH / "compare.py"
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    yield scripts.load("compare")
+    scripts.unload("compare")
 
 
 def test_chat_turns_repeat_their_history_in_order(compare, tmp_path):

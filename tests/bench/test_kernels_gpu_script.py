@@ -7,28 +7,23 @@ interpreted, so that run does not die on a typo.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.bench import scripts
 from tests.kernels.conftest import triton_backend_or_skip
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels_gpu.py"
+SCRIPT = scripts.BENCH / "kernels_gpu.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("kernels_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield scripts.load("kernels_gpu")
+    scripts.unload("kernels_gpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; a GPU would time for real")

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_int8.py"
+from tests.bench import scripts
+
+SCRIPT = scripts.BENCH / "kv_int8.py"
 
 
 @pytest.fixture(scope="module")
 def kv_int8():
-    spec = importlib.util.spec_from_file_location("kv_int8", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    yield scripts.load("kv_int8")
+    scripts.unload("kv_int8")
 
 
 def test_agreement_counts_whole_requests_and_matching_prefixes(kv_int8):

@@ -50,7 +50,8 @@ PROTOCOL_VERSION = 6
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 # How a host cache's blocks are checksummed (payload.py); a GPU cache's differ
 # (device_checksum.py), and both sides must use the same.
-HOST_CHECKSUM = "xxh3_64"
+HOST_CHECKSUM = "xxh3_64-layers"
+LEGACY_HOST_CHECKSUM = "xxh3_64"  # what host caches used before: one xxh3_64 per message
 
 
 class TransferState(str, enum.Enum):
@@ -139,6 +140,9 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, d: dict) -> Fingerprint:
+        # A peer that predates the checksum field hashed host caches with plain xxh3_64
+        # over the whole message: named, so that a mismatch is refused by name.
+        d = {"checksum": LEGACY_HOST_CHECKSUM, **d}
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 

@@ -120,7 +120,6 @@ class InProcSender(SenderBase):
             return checksum_blocks(self.kv, src, layers)
         return copy_blocks(
             core.kv,
-            core.kv_bytes,
             self.kv.data_ptr(),
             self.kv.shape[2],
             src,

@@ -10,9 +10,10 @@ process):
               copy_blocks (or UCX gets) into the reserved blocks, then the checksum
               of what landed is compared with header.checksum
 
-Checksums are xxh3_64 over the blocks' bytes in one order, layer, then K and V,
-then the blocks in request order, whichever runs of consecutive ids they lie in:
-the same digest on both sides exactly when the bytes are the same. A cache on a
+A checksum is xxh3_64 over the digests of the message's layers, each the xxh3_64
+of that layer's K and then V blocks in request order, whichever runs of
+consecutive ids they lie in: the same digest on both sides exactly when the bytes
+are the same, however many threads hashed which layers (hashing.py). A cache on a
 GPU is checksummed there, in the same order (device_checksum.py). Source and
 destination block ids may differ and need not be sorted: source block
 ``src_block_ids[i]`` lands in ``dst_block_ids[i]``. The null block (index
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
+
+from tandem.kv_transfer import hashing
 
 HEADER_MAGIC = "tkv1"
 _DTYPES = {
@@ -221,42 +224,40 @@ def paired_runs(
 
 
 def checksum_blocks(
-    kv: torch.Tensor,
-    block_ids: tuple[int, ...] | list[int],
-    layers: tuple[int, int],
-    kv_bytes: memoryview | None = None,
+    kv: torch.Tensor, block_ids: tuple[int, ...] | list[int], layers: tuple[int, int]
 ) -> int:
-    """xxh3_64 of ``block_ids`` of ``layers`` (layer, then K and V, then the blocks in
-    order), one contiguous run of blocks at a time, read where they lie.
+    """The checksum of ``block_ids`` of ``layers``, read where they lie: xxh3_64 of the
+    layers' digests, each layer's the xxh3_64 of its K then its V blocks in order, one
+    contiguous run at a time (hashing.py; a large message's layers on several threads).
 
     The sender hashes its source blocks, the receiver its destination blocks, and
     the digests match exactly when the bytes do. A GPU cache is checksummed on the
     GPU instead, with another algorithm (device_checksum.py; the KV fingerprint
-    names which). ``kv_bytes``: ``as_bytes(kv)`` of a host cache, when the caller
-    keeps one (making it costs more than hashing a small request).
+    names which).
     """
     if kv.is_cuda:
         from tandem.kv_transfer import device_checksum
 
         return device_checksum.checksum(kv, block_ids, layers)
-    digest = xxhash.xxh3_64()
     runs = block_runs(block_ids)
-    if not kv.is_contiguous():
-        for layer in range(*layers):
-            for k_or_v in (0, 1):
-                for first, n in runs:
-                    digest.update(as_bytes(kv[layer, k_or_v, first : first + n].cpu()))
-        return digest.intdigest()
-    # One view of the whole cache, sliced by offset: a tensor view per run costs more
-    # than hashing a small run does.
-    flat = as_bytes(kv) if kv_bytes is None else kv_bytes
-    block = block_bytes(kv)
-    for layer in range(*layers):
+    if not kv.is_contiguous():  # not a cache the engine allocates: hashed from copies
+        return hashing.combine(
+            [
+                xxhash.xxh3_64_intdigest(as_bytes(kv[layer][:, list(block_ids)].cpu()))
+                for layer in range(*layers)
+            ]
+        )
+    base, block, total = kv.data_ptr(), block_bytes(kv), kv.shape[2]
+
+    def layer_bytes(layer: int, digest: hashing.Digest) -> None:
         for k_or_v in (0, 1):
-            base = first_block(kv.shape[2], layer, k_or_v) * block
+            at = base + first_block(total, layer, k_or_v) * block
             for first, n in runs:
-                digest.update(flat[base + first * block : base + (first + n) * block])
-    return digest.intdigest()
+                digest.update(at + first * block, n * block)
+
+    nbytes = 2 * len(block_ids) * block * (layers[1] - layers[0])
+    digests = hashing.layer_digests(layer_bytes, range(*layers), nbytes, 2 * len(runs))
+    return hashing.combine(digests)
 
 
 def make_header(
@@ -267,17 +268,16 @@ def make_header(
     kv: torch.Tensor,
     first_token: int | None = None,
     final: bool = False,
-    kv_bytes: memoryview | None = None,
 ) -> MessageHeader:
-    """The header of the blocks ``src_block_ids`` of ``layers`` of ``kv`` as they lie
-    (``kv_bytes``: see ``checksum_blocks``); an empty layer range carries no KV."""
+    """The header of the blocks ``src_block_ids`` of ``layers`` of ``kv`` as they lie;
+    an empty layer range carries no KV."""
     if layers[0] == layers[1]:
         shape: tuple[int, ...] = ()
-        nbytes, digest, dtype = 0, xxhash.xxh3_64_intdigest(b""), ""
+        nbytes, digest, dtype = 0, hashing.combine([]), ""
     else:
         shape = (layers[1] - layers[0], 2, len(src_block_ids), *kv.shape[3:])
         nbytes = math.prod(shape) * kv.element_size()
-        digest = checksum_blocks(kv, src_block_ids, layers, kv_bytes)
+        digest = checksum_blocks(kv, src_block_ids, layers)
         dtype = dtype_name(kv.dtype)
     return MessageHeader(
         request_id=request_id,
@@ -296,7 +296,6 @@ def make_header(
 
 def copy_blocks(
     dst: torch.Tensor,
-    dst_bytes: memoryview,
     src_address: int,
     src_total_blocks: int,
     src_block_ids: tuple[int, ...],
@@ -305,23 +304,26 @@ def copy_blocks(
 ) -> int:
     """Copy blocks of ``layers`` from a host cache of the same layout at ``src_address``
     (``src_total_blocks`` in its blocks dim: it may be another process's, mapped here)
-    into host cache ``dst`` (``dst_bytes``: ``as_bytes(dst)``); returns the checksum of
-    what landed, as ``checksum_blocks`` of the destination gives it.
+    into host cache ``dst``; returns the checksum of what landed, as
+    ``checksum_blocks`` of the destination gives it.
 
     One ``memmove`` per layer, K/V and run of consecutive ids on both sides, each run
     hashed right after it landed, while it is still in cache: the second pass over
-    the bytes costs little. ``memmove`` releases the GIL.
+    the bytes costs little. ``memmove`` releases the GIL, as xxhash does for a long
+    run: a large message's layers are copied on several threads (hashing.py).
     """
     block = block_bytes(dst)
     here, dst_total = dst.data_ptr(), dst.shape[2]
     runs = paired_runs(src_block_ids, dst_block_ids)
-    digest = xxhash.xxh3_64()
-    for layer in range(*layers):
+
+    def copy_layer(layer: int, digest: hashing.Digest) -> None:
         for k_or_v in (0, 1):
-            dst_base = first_block(dst_total, layer, k_or_v)
-            src_base = first_block(src_total_blocks, layer, k_or_v)
+            to_base = here + first_block(dst_total, layer, k_or_v) * block
+            from_base = src_address + first_block(src_total_blocks, layer, k_or_v) * block
             for src, to, n in runs:
-                at = (dst_base + to) * block
-                ctypes.memmove(here + at, src_address + (src_base + src) * block, n * block)
-                digest.update(dst_bytes[at : at + n * block])
-    return digest.intdigest()
+                ctypes.memmove(to_base + to * block, from_base + src * block, n * block)
+                digest.update(to_base + to * block, n * block)
+
+    nbytes = 2 * len(dst_block_ids) * block * (layers[1] - layers[0])
+    digests = hashing.layer_digests(copy_layer, range(*layers), nbytes, 2 * len(runs))
+    return hashing.combine(digests)

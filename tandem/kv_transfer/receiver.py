@@ -59,7 +59,6 @@ from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import (
     HeaderError,
     MessageHeader,
-    as_bytes,
     check_fits,
     checksum_blocks,
 )
@@ -125,8 +124,6 @@ class ReceiverCore:
         if max_request_blocks is not None and max_request_blocks < 1:
             raise ValueError(f"max_request_blocks must be >= 1, got {max_request_blocks}")
         self.kv = kv
-        # A host cache's bytes, for checksums of what lands (and in-process copies).
-        self.kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
         self.fingerprint = fingerprint
         self.address = address
         self.metrics = metrics if metrics is not None else TransferMetrics()
@@ -320,7 +317,7 @@ class ReceiverCore:
             log.exception("KV read of %s failed", header.request_id)
             return "read failed", repr(exc)
         if digest is None:
-            digest = checksum_blocks(self.kv, header.dst_block_ids, layers, self.kv_bytes)
+            digest = checksum_blocks(self.kv, header.dst_block_ids, layers)
         if digest != header.checksum:
             return "checksum", f"layers [{layers[0]}, {layers[1]})"
         return None

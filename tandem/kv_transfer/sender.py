@@ -39,7 +39,7 @@ from tandem.kv_transfer.base import (
     TransferState,
     TransferStatus,
 )
-from tandem.kv_transfer.payload import MessageHeader, as_bytes, block_bytes, make_header
+from tandem.kv_transfer.payload import MessageHeader, block_bytes, make_header
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,6 @@ class SenderBase(KVSender):
         if kv.dim() != 6 or kv.shape[1] != 2:
             raise ValueError(f"kv must be [layers, 2, blocks + 1, ...], got {list(kv.shape)}")
         self.kv = kv
-        # A host cache's bytes, kept for checksums of blocks read in place.
-        self._kv_bytes = as_bytes(kv) if kv.device.type == "cpu" and kv.is_contiguous() else None
         self._block_bytes = block_bytes(kv)
         self.fingerprint = fingerprint
         # A tensor-parallel cache is its ranks' layers one rank after another; a message
@@ -297,7 +295,6 @@ class SenderBase(KVSender):
             self.kv,
             first_token,
             final,
-            self._kv_bytes,
         )
         if header.nbytes and self.fault_hook is not None:
             self.fault_hook(header, self.kv[layers[0], 0, out.src_block_ids[0]])

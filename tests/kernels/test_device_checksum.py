@@ -86,15 +86,17 @@ def test_the_same_bytes_elsewhere_give_the_same_value_and_any_change_another() -
 
 
 def test_the_fingerprint_names_the_checksum_so_host_and_gpu_caches_refuse_each_other() -> None:
-    assert device_checksum.algorithm_for("cpu") == "xxh3_64"
+    assert device_checksum.algorithm_for("cpu") == "xxh3_64-layers"
     assert device_checksum.algorithm_for("cuda:1") == "fmix64-sum"
     geometry = {"model": "m", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 1}
     host = Fingerprint(**geometry, head_dim=8, block_size=4)
     gpu = Fingerprint(**geometry, head_dim=8, block_size=4, checksum="fmix64-sum")
-    assert host.mismatches(gpu) == "checksum: prefill xxh3_64, decode fmix64-sum"
-    # A peer that predates the field sends none: it hashed host caches with xxh3.
-    older = {k: v for k, v in host.to_dict().items() if k != "checksum"}
-    assert Fingerprint.from_dict(older) == host
+    assert host.mismatches(gpu) == "checksum: prefill xxh3_64-layers, decode fmix64-sum"
+    assert Fingerprint.from_dict(host.to_dict()) == host
+    # A peer that predates the field sends none: it hashed a message with one xxh3_64,
+    # which a per-layer checksum never equals, so the two refuse each other by name.
+    older = Fingerprint.from_dict({k: v for k, v in host.to_dict().items() if k != "checksum"})
+    assert host.mismatches(older) == "checksum: prefill xxh3_64-layers, decode xxh3_64"
 
 
 def test_an_odd_block_is_refused() -> None:

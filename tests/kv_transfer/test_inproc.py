@@ -16,7 +16,7 @@ from tandem.kv_transfer import (
     make_receiver,
     make_sender,
 )
-from tandem.kv_transfer.payload import as_bytes, copy_blocks, make_header
+from tandem.kv_transfer.payload import copy_blocks, make_header
 from tests.kv_transfer.conftest import Side, fingerprint, make_side
 
 
@@ -309,9 +309,7 @@ def test_header_problems_fail_the_request(link) -> None:
 
     def fill(h):  # what the sender's transport does: read the header's blocks from src
         layers = (h.layer_start, h.layer_end)
-        return lambda: copy_blocks(
-            dst.kv, as_bytes(dst.kv), src.kv.data_ptr(), 33, (0, 1), h.dst_block_ids, layers
-        )
+        return lambda: copy_blocks(dst.kv, src.kv.data_ptr(), 33, (0, 1), h.dst_block_ids, layers)
 
     h = make_header("dup", (0, 2), (0, 1), tuple(dst_ids), src.kv)
     core.deliver(h, "src", fill(h))

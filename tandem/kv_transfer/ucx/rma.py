@@ -57,7 +57,6 @@ import torch
 from tandem.kv_transfer.base import TransferError
 from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import (
-    as_bytes,
     block_bytes,
     block_runs,
     checksum_blocks,
@@ -187,8 +186,6 @@ class CacheMemory:
                 rt.context, kv.data_ptr(), kv.numel() * kv.element_size(), cuda=kv.is_cuda
             )
         self.block_bytes = block_bytes(kv)
-        # The cache's bytes, for hashing what a mapped read copied (host caches only).
-        self._bytes = None if kv.is_cuda else as_bytes(kv)
 
     def describe(self) -> bytes:
         """What a reader needs (frame b"M"): where the cache lies and the key to it."""
@@ -281,7 +278,6 @@ class CacheMemory:
         if remote.view is not None:
             return copy_blocks(
                 self.kv,
-                self._bytes,
                 remote.view.data_ptr(),
                 remote.total_blocks,
                 src_block_ids,

@@ -1,8 +1,8 @@
 """The checksum of KV blocks that lie on a GPU, computed there: no byte goes to the host.
 
-A host cache is hashed with xxh3_64 where it lies (payload.py). A stream hash like
-that runs on one CPU thread, so for a GPU cache every run of blocks used to be
-copied to the host first, on both sides of a transfer: every KV byte crossed PCIe
+A host cache is hashed with xxh3_64 where it lies, a digest per layer (payload.py).
+That is CPU work, so for a GPU cache every run of blocks used to be copied to the
+host first, on both sides of a transfer: every KV byte crossed PCIe
 twice more than the transfer itself. This checksum is one pass of a GPU kernel
 over the blocks where they lie, and one 8-byte result.
 

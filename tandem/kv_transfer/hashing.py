@@ -76,6 +76,10 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=_threads() - 1, thread_name_prefix="tandem-kv-hash")
 
 
+# A forked child has none of the pool's threads: it makes its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def layer_digests(work: LayerWork, layers: range, nbytes: int, updates: int) -> list[int]:
     """Each layer's digest, in order, ``work`` fed a fresh digest per layer: a message
     of ``nbytes`` in ``updates`` updates per layer, on the caller's thread where it is

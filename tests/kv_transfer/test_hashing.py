@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -108,3 +111,33 @@ def test_a_failed_layer_fails_the_message_after_every_thread_finished(parallel) 
     # Three threads, two layers each: the caller's share stopped at its first layer,
     # and the others had finished theirs when the error reached the caller.
     assert 1 not in started and sorted(finished) == [2, 3, 4, 5]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_hashes_on_threads_of_its_own(monkeypatch) -> None:
+    monkeypatch.setattr(hashing, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(hashing, "GIL_MIN_BYTES", 0)
+    monkeypatch.setattr(hashing, "_threads", lambda: 2)
+    hashing._pool.cache_clear()
+    kv = torch.randn(4, 2, 11, 16, 2, 8)
+    want = checksum_blocks(kv, [1, 2, 3], LAYERS)  # the parent's pool now has a thread
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a hang here would be the parent's dead pool
+        try:
+            os.write(write, str(checksum_blocks(kv, [1, 2, 3], LAYERS)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready: list = []
+    try:
+        ready, _, _ = select.select([read], [], [], 30)
+        got = os.read(read, 64).decode() if ready else "no answer within 30 s"
+    finally:
+        os.close(read)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        hashing._pool().shutdown()
+        hashing._pool.cache_clear()
+    assert got == str(want)

@@ -3,8 +3,10 @@
 ``dtype: auto`` is bfloat16 on CUDA and on CPUs that compute in bfloat16 natively
 (AVX512-BF16 or AMX-BF16: oneDNN then runs bfloat16 matmuls at about twice the
 float32 rate, and the weights and KV take half the memory traffic); float32 on
-every other CPU, where bfloat16 would be emulated and slower. Token parity with
-Hugging Face is checked in float32, which tests ask for explicitly.
+every other CPU, where bfloat16 arithmetic is emulated and slower for batches (a
+lone stream, bound by reading the weights, can still gain from bfloat16's half the
+bytes: bench/README.md, the AVX2-only VM). Token parity with Hugging Face is
+checked in float32, which tests ask for explicitly.
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/tandem demo --max-tokens 160
 
+# --durations: the suite's slowest tests in every run's log, so that its time
+# (about 15 minutes on 2 cores is the budget) is watched, not guessed.
 test: setup
 	$(VENV)/bin/ruff check tandem tests bench
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check tandem tests bench

@@ -16,6 +16,8 @@ Quality: one engine per ``kv_cache_dtype`` (auto, int8), everything else equal.
   prefilled in chunks of 256 through the paged cache, so each chunk attends over
   the earlier chunks' stored (for int8: quantized) KV, and every token's
   log-probability scored.
+- The int8 cache without K's per-channel balance (tandem/engine/k_balance.py), the
+  format before it, as a third engine: the same prompts, text and counts.
 - The yardstick for agreement, in the same run: the float cache once more through
   the other attention backend (the torch reference instead of the C kernel, or
   the other way round), two correct computations that differ only in rounding.
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # reserve_capacity
 
 CHUNK = 256
 SETTINGS = ("auto", "int8")
+QUALITY = ("auto", "int8", "int8-unbalanced")
 
 
 def make_engine(args: argparse.Namespace, kv_cache_dtype: str, **settings):
@@ -63,6 +66,13 @@ def make_engine(args: argparse.Namespace, kv_cache_dtype: str, **settings):
             **settings,
         )
     )
+
+
+def unbalanced(engine):
+    """``engine`` with its int8 cache's K factors taken off: K stored as computed."""
+    for layer in engine.model.layers:
+        layer.self_attn.k_balance = layer.self_attn.q_balance = None
+    return engine
 
 
 def greedy(engine, args: argparse.Namespace) -> list[list[int]]:
@@ -104,9 +114,12 @@ def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, floa
 
 def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:
     rows = {}
-    for setting in SETTINGS:
+    for setting in QUALITY:
         print(f"quality, kv_cache_dtype {setting} ...", file=sys.stderr)
-        engine = make_engine(args, setting)
+        if setting == "int8-unbalanced":
+            engine = unbalanced(make_engine(args, "int8"))
+        else:
+            engine = make_engine(args, setting)
         start = time.perf_counter()
         outputs = greedy(engine, args)
         ppl = perplexity(engine, text_ids)
@@ -121,6 +134,7 @@ def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:
 
     ref = rows["auto"]["outputs"]
     identical, matching = agreement(ref, rows["int8"]["outputs"])
+    plain_identical, plain_matching = agreement(ref, rows["int8-unbalanced"]["outputs"])
     other = "cpu" if rows["auto"]["backend"] == "torch" else "torch"
     print(f"quality, kv_cache_dtype auto, attention backend {other} ...", file=sys.stderr)
     try:
@@ -134,6 +148,8 @@ def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:
         "tokens": args.tokens,
         "identical": identical,
         "mean_matching_prefix": matching,
+        "unbalanced_identical": plain_identical,
+        "unbalanced_mean_matching_prefix": plain_matching,
         # The float cache through the other attention backend, against the first.
         "backends": [rows["auto"]["backend"], other],
         "float_identical": floor_identical,
@@ -141,6 +157,7 @@ def quality(args: argparse.Namespace, text_ids: list[int]) -> dict:
         "ppl_tokens": len(text_ids),
         "perplexity": {k: round(v["perplexity"], 4) for k, v in rows.items()},
         "ppl_ratio": rows["int8"]["perplexity"] / rows["auto"]["perplexity"],
+        "unbalanced_ppl_ratio": rows["int8-unbalanced"]["perplexity"] / rows["auto"]["perplexity"],
         "cache": {k: v["cache"] for k, v in rows.items()},
     }
 
@@ -210,13 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\nquality: {q['requests']} chat prompts x {q['tokens']} greedy tokens; perplexity")
     print(f"on {q['ppl_tokens']} tokens of {text_path.name} (chunks of {CHUNK})")
-    print(f"{'':<34}{'auto':>12}{'int8':>12}{'int8/auto':>12}")
+    print("(int8 unbalanced: the int8 cache without K's per-channel factors)")
+    print(f"{'':<34}{'auto':>12}{'int8':>12}{'int8/auto':>12}{'unbalanced':>12}{'/auto':>8}")
+    ppl = q["perplexity"]
     print(
-        f"{'perplexity':<34}{q['perplexity']['auto']:>12.4f}{q['perplexity']['int8']:>12.4f}"
-        f"{q['ppl_ratio']:>12.4f}"
+        f"{'perplexity':<34}{ppl['auto']:>12.4f}{ppl['int8']:>12.4f}{q['ppl_ratio']:>12.4f}"
+        f"{ppl['int8-unbalanced']:>12.4f}{q['unbalanced_ppl_ratio']:>8.4f}"
     )
-    print(f"{'requests identical over all tokens':<34}{'':>12}{q['identical']:>12.3f}")
-    print(f"{'mean matching prefix (tokens)':<34}{'':>12}{q['mean_matching_prefix']:>12.1f}")
+    print(
+        f"{'requests identical over all tokens':<34}{'':>12}{q['identical']:>12.3f}{'':>12}"
+        f"{q['unbalanced_identical']:>12.3f}"
+    )
+    print(
+        f"{'mean matching prefix (tokens)':<34}{'':>12}{q['mean_matching_prefix']:>12.1f}"
+        f"{'':>12}{q['unbalanced_mean_matching_prefix']:>12.1f}"
+    )
     mine, other = q["backends"]
     if other is not None:
         print(f"the float cache through the {other} attention backend against the {mine} one:")

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import parallel
+from tandem.engine import k_balance, parallel
 from tandem.engine.device import keep_step_buffers_mapped, resolve_device, resolve_dtype
 from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block, kv_cache_dtype
 from tandem.engine.loader import load_state_dict, read_config, resolve_model
@@ -237,6 +237,7 @@ class LLMEngine:
             block_size=self.kv.block_size,
             checksum=checksum_algorithm_for(self.device),
             kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_scaling=k_balance.SCHEME if self.config.kv_cache_dtype == "int8" else "none",
             tensor_parallel_size=self.config.tensor_parallel_size,
             kv_layout=self._kv_layout(),
         )
@@ -650,6 +651,8 @@ def load_model(
         model.load_hf_state_dict(load_state_dict(model_dir, lambda n: shard.part(n, cfg)))
     except ValueError as exc:
         raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
+    if config.kv_cache_dtype == "int8":
+        k_balance.balance(model)
     model = model.to(device=device, dtype=dtype).eval()
     # The RoPE tables stay float32: positions near the context end need the precision.
     model.rope_cos = model.rope_cos.float()

@@ -106,6 +106,15 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # An int8 KV cache's per-channel factors (tandem/engine/k_balance.py): K is
+        # stored times k_balance and queries are divided by it, which leaves the scores.
+        self.register_buffer("k_balance", None)  # [kv_heads, head_dim]
+        self.register_buffer("q_balance", None)  # [heads, head_dim]: 1 / its group's
+
+    def set_k_balance(self, factors: torch.Tensor) -> None:
+        group = self.num_heads // self.num_kv_heads
+        self.k_balance = factors
+        self.q_balance = factors.reciprocal().repeat_interleave(group, 0)
 
     def forward(
         self,
@@ -124,6 +133,8 @@ class Attention(nn.Module):
             qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed
         )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.k_balance is not None:
+            q, k = q * self.q_balance, k * self.k_balance
         v = v.view(n, self.num_kv_heads, self.head_dim)
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 

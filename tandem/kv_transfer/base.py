@@ -98,6 +98,10 @@ class Fingerprint:
     # The setting: auto (the model's dtype) or int8 (values and scales); a peer that
     # predates the field sends none, and its cache is the model's dtype.
     kv_cache_dtype: str = "auto"
+    # What an int8 cache's K rows are scaled by before quantization (tandem/engine/
+    # k_balance.py names it); "none" for a float cache, and from a peer that predates
+    # the field, whose int8 K rows are stored unscaled.
+    kv_scaling: str = "none"
     # A tensor-parallel worker's host cache holds every rank's heads, rank by rank
     # (tandem/engine/parallel.py); widths may differ, the receiver re-splits the heads
     # (heads.py). A peer predating the field is of width 1.

@@ -39,4 +39,5 @@ def test_a_run_reports_int8_against_the_float_floor_of_the_same_run():
     if q["backends"][1] is not None:  # None: the C kernels do not build on this machine
         assert sorted(q["backends"]) == ["cpu", "torch"]  # the float cache through both
         assert 0 <= q["float_identical"] <= 1
-    assert q["cache"] == {"auto": q["cache"]["auto"], "int8": "int8"}
+    assert q["cache"] == {"auto": q["cache"]["auto"], "int8": "int8", "int8-unbalanced": "int8"}
+    assert 0 <= q["unbalanced_identical"] <= 1 and q["unbalanced_ppl_ratio"] > 0

@@ -85,6 +85,29 @@ def _busiest_decode(c, timeout: float = 60):
         time.sleep(0.01)
 
 
+def _stop_a_busy_decode(c, start_streams, tries: int = 3):
+    """Starts streams and SIGSTOPs the decode worker that Status shows busiest, until the
+    one stopped holds a stream it has not finished: an engine can finish its last streams
+    between its Status answer and the signal. Unfinished streams that make no progress
+    for a second are the stopped worker's (keepalive waits far longer by default).
+    Returns the stopped worker and its streams."""
+    for _ in range(tries):
+        streams = start_streams()
+        victim = _busiest_decode(c)
+        os.kill(victim.popen.pid, signal.SIGSTOP)
+        seen, still_since = None, time.monotonic()
+        while time.monotonic() - still_since < 1.0:
+            time.sleep(0.1)
+            now = streams.progress()
+            if now != seen:
+                seen, still_since = now, time.monotonic()
+        if any(u is None and e is None for u, e in zip(streams.usage, streams.errors)):
+            return victim, streams
+        os.kill(victim.popen.pid, signal.SIGCONT)  # it had finished its streams: again
+        streams.join()
+    raise AssertionError(f"no decode worker was stopped with a stream in {tries} tries")
+
+
 def _router_log(c) -> str:
     return next(p for p in c.processes if p.name == "router").log_path.read_text()
 
@@ -103,8 +126,7 @@ def test_a_killed_decode_worker_costs_its_streams_nothing(tmp_path_factory, tiny
     max_tokens = 2 * MAX_TOKENS
     expected = _expected(tiny_engine, STREAMS, max_tokens)
     with _cluster(tmp_path_factory, "kill-decode", prefill=2, decode=2) as c:
-        streams = Streams(c.address, STREAMS, max_tokens)
-        victim = _busiest_decode(c)  # streams are on the victim
+        victim, streams = _stop_a_busy_decode(c, lambda: Streams(c.address, STREAMS, max_tokens))
         os.kill(victim.popen.pid, signal.SIGKILL)
         streams.join()
         _assert_exact(streams, expected)

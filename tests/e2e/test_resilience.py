@@ -101,7 +101,7 @@ def _stop_a_busy_decode(c, start_streams, tries: int = 3):
             now = streams.progress()
             if now != seen:
                 seen, still_since = now, time.monotonic()
-        if any(u is None and e is None for u, e in zip(streams.usage, streams.errors)):
+        if any(u is None and e is None for u, e in zip(streams.usage, streams.errors, strict=True)):
             return victim, streams
         os.kill(victim.popen.pid, signal.SIGCONT)  # it had finished its streams: again
         streams.join()

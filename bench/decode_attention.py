@@ -1,11 +1,14 @@
 """Decode attention on CPU: the cpu backend's C kernel, the torch backend's batched
 matmuls, and PyTorch's fused SDPA, side by side.
 
-    python bench/decode_attention.py [--dtypes bfloat16,float32] [--iters 30] [--json]
+    python bench/decode_attention.py [--dtypes bfloat16,float32] [--layers 30] [--iters 30] [--json]
 
 One query row per sequence over a paged cache, SmolLM2-135M's heads (9 query, 3 KV,
 head_dim 64), the shapes a decode step sees: batch 1 and 16, context 256 and 1024
-(batch 16 with mixed lengths, masked). The cpu backend (`tandem.kernels.cpu`) reads
+(batch 16 with mixed lengths, masked). As in a decode step, each of ``--layers``
+layers has its own cache and one call each is timed in turn, so the K and V come
+from memory rather than from a cache that one layer's call left warm (``--layers 1``
+times that warm case); times are per layer. The cpu backend (`tandem.kernels.cpu`) reads
 the blocks in place; the torch backend (`tandem.kernels.torch_ref`) and SDPA gather
 them the same way (``index_select``) first; SDPA is
 ``F.scaled_dot_product_attention(..., attn_mask, enable_gqa=True)``. Median of
@@ -62,7 +65,7 @@ def _median_ms(fn, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def case(dtype: torch.dtype, batch: int, context: int, iters: int) -> dict:
+def case(dtype: torch.dtype, batch: int, context: int, layers: int, iters: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     blocks = -(-context // BLOCK)
     num_blocks = batch * blocks + 1
@@ -74,19 +77,30 @@ def case(dtype: torch.dtype, batch: int, context: int, iters: int) -> dict:
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
     args = (q, k_cache, v_cache, tables, lens, context, HEAD_DIM**-0.5)
     exact = _sdpa(q.double(), k_cache.double(), v_cache.double(), *args[3:])
+    caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
+
+    def per_layer_ms(fn, caches=caches) -> float:
+        def step():
+            for k, v in caches:
+                fn(q, k, v, *args[3:])
+
+        return _median_ms(step, iters) / len(caches)
+
     row = {
         "dtype": str(dtype).removeprefix("torch."),
         "batch": batch,
         "context": context,
-        "cpu_ms": _median_ms(lambda: cpu.decode_attention(*args), iters),
-        "torch_ms": _median_ms(lambda: torch_ref.decode_attention(*args), iters),
-        "sdpa_ms": _median_ms(lambda: _sdpa(*args), iters),
+        "layers": layers,
+        "cpu_ms": per_layer_ms(cpu.decode_attention),
+        "torch_ms": per_layer_ms(torch_ref.decode_attention),
+        "sdpa_ms": per_layer_ms(_sdpa),
     }
     for name, fn in (("cpu", cpu.decode_attention), ("torch", torch_ref.decode_attention)):
         row[f"{name}_max_diff"] = (fn(*args).double() - exact).abs().max().item()
     k8, v8 = (torch_ref.quantize_int8(torch_ref.rotate(c.float())) for c in (k_cache, v_cache))
     args8 = (q, k8, v8, *args[3:])
-    row["int8_ms"] = _median_ms(lambda: cpu.decode_attention(*args8), iters)
+    caches8 = [(k8, v8)] + [(k8.clone(), v8.clone()) for _ in range(layers - 1)]
+    row["int8_ms"] = per_layer_ms(cpu.decode_attention, caches8)
     row["int8_max_diff"] = (cpu.decode_attention(*args8).double() - exact).abs().max().item()
     row["cpu_over_int8"] = row["cpu_ms"] / row["int8_ms"]
     row["torch_over_cpu"] = row["torch_ms"] / row["cpu_ms"]
@@ -97,6 +111,9 @@ def case(dtype: torch.dtype, batch: int, context: int, iters: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument(
+        "--layers", type=int, default=30, help="caches timed in turn, as a step's layers"
+    )
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -104,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the cpu backend's kernels did not build here (see the log)", file=sys.stderr)
         return 1
     rows = [
-        case(getattr(torch, name), batch, context, args.iters)
+        case(getattr(torch, name), batch, context, args.layers, args.iters)
         for name in args.dtypes.split(",")
         for batch in (1, 16)
         for context in (256, 1024)
@@ -112,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"torch threads {torch.get_num_threads()}")
+    threads = torch.get_num_threads()
+    print(f"torch threads {threads}; ms per layer, {args.layers} layers' caches in turn")
     head = ("dtype", "batch", "context", "cpu ms", "torch ms", "SDPA ms", "torch/cpu", "SDPA/cpu")
     tail = ("cpu err", "torch err", "int8 ms", "cpu/int8", "int8 err")
     print(" ".join(f"{h:>9}" for h in (*head, *tail)))

@@ -63,8 +63,13 @@ def test_decode_reads_query_rows_with_a_stride(cpu) -> None:
     assert torch.equal(cpu.decode_attention(strided, *rest), cpu.decode_attention(q, *rest))
 
 
-def test_shapes_the_kernel_was_not_built_for_take_the_reference(cpu) -> None:
-    case = _decode_case(2, 34, 2, 32, 20, torch.float32)  # 17 query heads per KV head
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(34, 2, 32), (4, 2, 12)],
+    ids=["17 query heads per KV head", "head_dim not a multiple of 8"],
+)
+def test_shapes_the_kernel_was_not_built_for_take_the_reference(cpu, heads, kv_heads, dim) -> None:
+    case = _decode_case(2, heads, kv_heads, dim, 20, torch.float32)
     assert torch.equal(cpu.decode_attention(*case), torch_ref.decode_attention(*case))
 
 

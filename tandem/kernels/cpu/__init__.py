@@ -125,7 +125,8 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """As :func:`tandem.kernels.torch_ref.decode_attention`; shapes the kernel was not
-    built for (a query group over 16 heads, head_dim over 256) take the reference."""
+    built for (a query group over 16 heads, head_dim over 256 or not a multiple of 8)
+    take the reference."""
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     kernel = _kernels.get((q.dtype, k_cache.dtype))
@@ -134,6 +135,7 @@ def decode_attention(
         or q.device.type != "cpu"
         or num_heads // kv_heads > MAX_GROUP
         or head_dim > MAX_DIM
+        or head_dim % 8
     ):
         return _torch_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale

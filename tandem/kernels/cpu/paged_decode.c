@@ -6,7 +6,8 @@
  * matmuls per layer; here each (sequence, KV head) is one task that walks its
  * blocks once for the scores and once for the values, in float32, with the group
  * of query heads that share the KV head computed together so that every K/V row
- * is loaded once. Tasks are spread over OpenMP threads (torch's own runtime: the
+ * is loaded once, and the next block's rows asked for while one block is computed
+ * (from memory, not the work, bounds it). Tasks are spread over OpenMP threads (torch's own runtime: the
  * library is loaded after torch, whose libgomp.so.1 it then shares).
  *
  * Layouts (all contiguous unless a stride is passed):
@@ -24,6 +25,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+/* The v8sf helpers are static and inlined: no call crosses an ABI with them. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -46,7 +54,6 @@ static inline float f16_load(_Float16 x) { return (float)x; }
 static inline _Float16 f16_store(float f) { return (_Float16)f; }
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float f) { return f; }
-static inline float i8_load(int8_t x) { return (float)x; }
 
 /* The scale of a cache row of `dim` values: 1 for float caches, the float16 after
  * the values for int8 ones (2-byte aligned: dim and the row width are even). */
@@ -83,24 +90,89 @@ static void walsh_hadamard(float* x, int64_t dim) {
 #define ROTATE(x, dim) walsh_hadamard(x, dim)
 #define NO_ROTATE(x, dim) ((void)0)
 
-/* T: q and out; C: the cache, CLOAD its values, EXTRA the elements after a row's
- * values, SCALE the row's scale, ROT the rotation of an int8 cache's rows (applied to
- * the queries, and to the outputs to rotate them back). */
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, C, CLOAD, EXTRA, SCALE, ROT)                      \
+/* Eight floats: the unit of the decode kernel's arithmetic, in GCC's vector extension
+ * (clang has it too), which compiles to one AVX register, two SSE or NEON ones, or
+ * scalar code where there are none. Rows are loaded eight values at a time and
+ * widened to float32 in registers; dim must be a multiple of 8. */
+typedef float v8sf __attribute__((vector_size(32)));
+typedef uint32_t v8su __attribute__((vector_size(32)));
+typedef uint16_t v8hu __attribute__((vector_size(16)));
+typedef int8_t v8qi __attribute__((vector_size(8)));
+typedef int32_t v8si __attribute__((vector_size(32)));
+
+/* GCC widens short vectors of 8- and 16-bit integers element by element: where AVX2
+ * is, its one-instruction widening loads do it. */
+static inline v8sf load8_bf16(const uint16_t* p) {
+#ifdef __AVX2__
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return (v8sf)_mm256_slli_epi32(wide, 16);
+#else
+    v8hu raw;
+    memcpy(&raw, p, sizeof raw);
+    return (v8sf)(__builtin_convertvector(raw, v8su) << 16);
+#endif
+}
+
+static inline v8sf load8_f16(const _Float16* p) {
+    float f[8];
+    for (int d = 0; d < 8; d++) f[d] = (float)p[d];
+    v8sf v;
+    memcpy(&v, f, sizeof v);
+    return v;
+}
+
+static inline v8sf load8_f32(const float* p) {
+    v8sf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8sf load8_i8(const int8_t* p) {
+#ifdef __AVX2__
+    return (v8sf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+    v8qi raw;
+    memcpy(&raw, p, sizeof raw);
+    return __builtin_convertvector(__builtin_convertvector(raw, v8si), v8sf);
+#endif
+}
+
+/* Asks for a block's rows of one head (n rows `row` elements apart, `bytes` long each)
+ * ahead of use: the blocks lie anywhere in the cache and a head's row is a short run
+ * within each token's row, so the hardware's own prefetcher does not see them coming. */
+static inline void prefetch_rows(const void* first, int64_t n, int64_t row_bytes, int64_t bytes) {
+    const char* p = first;
+    for (int64_t i = 0; i < n; i++, p += row_bytes)
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+static inline float hsum8(v8sf v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* T: q and out; C: the cache, CLOAD8 eight of its values as floats, EXTRA the
+ * elements after a row's values, SCALE the row's scale, ROT the rotation of an int8
+ * cache's rows (applied to the queries, and to the outputs to rotate them back).
+ * Per token, the scores of the group's query heads are dots of registers (two
+ * accumulators each, so consecutive FMAs do not wait on each other), and the value
+ * pass adds the token's row into the group's accumulators, two tokens at a time. */
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, C, CLOAD8, EXTRA, SCALE, ROT)                     \
     int NAME(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,               \
              const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t batch, \
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,   \
              T* out, int64_t out_stride, int threads) {                                       \
         const int64_t group = heads / kv_heads;                                               \
-        if (group > MAX_GROUP || dim > MAX_DIM || group * kv_heads != heads) return -1;       \
-        const int64_t width = dim + EXTRA;                                                    \
+        if (group > MAX_GROUP || dim > MAX_DIM || dim % 8 || group * kv_heads != heads)       \
+            return -1;                                                                        \
+        const int64_t width = dim + EXTRA, nv = dim / 8;                                      \
         const int64_t row = kv_heads * width; /* elements between a block's tokens */         \
         int failed = 0;                                                                       \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
         for (int64_t task = 0; task < batch * kv_heads; task++) {                             \
             const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];            \
             const int64_t* table = tables + b * table_stride;                                 \
-            float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP];            \
+            v8sf qv[MAX_GROUP][MAX_DIM / 8], acc[MAX_GROUP][MAX_DIM / 8];                     \
+            float top[MAX_GROUP];                                                             \
             float* scores = malloc(sizeof(float) * group * len); /* [group][len] */           \
             if (scores == NULL) {                                                             \
                 failed = 1;                                                                   \
@@ -108,25 +180,38 @@ static void walsh_hadamard(float* x, int64_t dim) {
             }                                                                                 \
             for (int64_t j = 0; j < group; j++) {                                             \
                 const T* qj = q + b * q_stride + (h * group + j) * dim;                       \
-                for (int64_t d = 0; d < dim; d++) qf[j][d] = LOAD(qj[d]);                     \
-                ROT(qf[j], dim);                                                              \
-                for (int64_t d = 0; d < dim; d++) qf[j][d] *= scale;                          \
-                for (int64_t d = 0; d < dim; d++) acc[j][d] = 0.f;                            \
+                float qf[MAX_DIM];                                                            \
+                for (int64_t d = 0; d < dim; d++) qf[d] = LOAD(qj[d]);                        \
+                ROT(qf, dim);                                                                 \
+                for (int64_t d = 0; d < dim; d++) qf[d] *= scale;                             \
+                memcpy(qv[j], qf, sizeof(float) * dim);                                       \
+                memset(acc[j], 0, sizeof(float) * dim);                                       \
                 top[j] = -INFINITY;                                                           \
             }                                                                                 \
             /* Scores, block by block: t is the token's position in the sequence. */          \
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                \
                 const C* kb = k_cache + table[t0 / block_size] * block_size * row + h * width; \
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;              \
+                if (t0 + block_size < len)                                                    \
+                    prefetch_rows(k_cache + table[t0 / block_size + 1] * block_size * row + h * width, \
+                                  block_size, row * sizeof(C), width * sizeof(C));            \
+                else                                                                          \
+                    prefetch_rows(v_cache + table[0] * block_size * row + h * width,          \
+                                  block_size, row * sizeof(C), width * sizeof(C));            \
                 for (int64_t i = 0; i < n; i++) {                                             \
-                    float kf[MAX_DIM];                                                        \
-                    for (int64_t d = 0; d < dim; d++) kf[d] = CLOAD(kb[i * row + d]);         \
-                    const float ks = SCALE(kb + i * row, dim);                                \
+                    const C* kr = kb + i * row;                                               \
+                    v8sf kv[MAX_DIM / 8];                                                     \
+                    for (int64_t c = 0; c < nv; c++) kv[c] = CLOAD8(kr + 8 * c);              \
+                    const float ks = SCALE(kr, dim);                                          \
                     for (int64_t j = 0; j < group; j++) {                                     \
-                        float dot = 0.f;                                                      \
-                        _Pragma("omp simd reduction(+ : dot)")                                \
-                        for (int64_t d = 0; d < dim; d++) dot += qf[j][d] * kf[d];            \
-                        dot *= ks;                                                            \
+                        v8sf a0 = {0}, a1 = {0};                                              \
+                        int64_t c = 0;                                                        \
+                        for (; c + 1 < nv; c += 2) {                                          \
+                            a0 += qv[j][c] * kv[c];                                           \
+                            a1 += qv[j][c + 1] * kv[c + 1];                                   \
+                        }                                                                     \
+                        if (c < nv) a0 += qv[j][c] * kv[c];                                   \
+                        const float dot = hsum8(a0 + a1) * ks;                                \
                         scores[j * len + t0 + i] = dot;                                       \
                         top[j] = dot > top[j] ? dot : top[j];                                 \
                     }                                                                         \
@@ -145,22 +230,39 @@ static void walsh_hadamard(float* x, int64_t dim) {
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                \
                 const C* vb = v_cache + table[t0 / block_size] * block_size * row + h * width; \
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;              \
-                for (int64_t i = 0; i < n; i++) {                                             \
-                    float vf[MAX_DIM];                                                        \
-                    for (int64_t d = 0; d < dim; d++) vf[d] = CLOAD(vb[i * row + d]);         \
-                    const float vs = SCALE(vb + i * row, dim);                                \
-                    for (int64_t j = 0; j < group; j++) {                                     \
-                        const float p = scores[j * len + t0 + i] * vs;                        \
-                        _Pragma("omp simd")                                                   \
-                        for (int64_t d = 0; d < dim; d++) acc[j][d] += p * vf[d];             \
+                if (t0 + block_size < len)                                                    \
+                    prefetch_rows(v_cache + table[t0 / block_size + 1] * block_size * row + h * width, \
+                                  block_size, row * sizeof(C), width * sizeof(C));            \
+                int64_t i = 0;                                                                \
+                for (; i + 1 < n; i += 2) {                                                   \
+                    const C* v0 = vb + i * row;                                               \
+                    const C* v1 = v0 + row;                                                   \
+                    const float s0 = SCALE(v0, dim), s1 = SCALE(v1, dim);                     \
+                    for (int64_t c = 0; c < nv; c++) {                                        \
+                        const v8sf x0 = CLOAD8(v0 + 8 * c), x1 = CLOAD8(v1 + 8 * c);          \
+                        for (int64_t j = 0; j < group; j++) {                                 \
+                            const float* p = scores + j * len + t0 + i;                       \
+                            acc[j][c] += (p[0] * s0) * x0 + (p[1] * s1) * x1;                 \
+                        }                                                                     \
+                    }                                                                         \
+                }                                                                             \
+                if (i < n) {                                                                  \
+                    const C* v0 = vb + i * row;                                               \
+                    const float s0 = SCALE(v0, dim);                                          \
+                    for (int64_t c = 0; c < nv; c++) {                                        \
+                        const v8sf x0 = CLOAD8(v0 + 8 * c);                                   \
+                        for (int64_t j = 0; j < group; j++)                                   \
+                            acc[j][c] += (scores[j * len + t0 + i] * s0) * x0;                \
                     }                                                                         \
                 }                                                                             \
             }                                                                                 \
             for (int64_t j = 0; j < group; j++) {                                             \
                 T* oj = out + b * out_stride + (h * group + j) * dim;                         \
                 const float inv = 1.f / total[j];                                             \
-                ROT(acc[j], dim);                                                             \
-                for (int64_t d = 0; d < dim; d++) oj[d] = STORE(acc[j][d] * inv);             \
+                float o[MAX_DIM];                                                             \
+                memcpy(o, acc[j], sizeof(float) * dim);                                       \
+                ROT(o, dim);                                                                  \
+                for (int64_t d = 0; d < dim; d++) oj[d] = STORE(o[d] * inv);                  \
             }                                                                                 \
             free(scores);                                                                     \
         }                                                                                     \
@@ -168,18 +270,18 @@ static void walsh_hadamard(float* x, int64_t dim) {
     }
 
 DEFINE_DECODE(tandem_decode_attention_bf16, uint16_t, bf16_load, bf16_store,
-              uint16_t, bf16_load, 0, NO_SCALE, NO_ROTATE)
+              uint16_t, load8_bf16, 0, NO_SCALE, NO_ROTATE)
 DEFINE_DECODE(tandem_decode_attention_f16, _Float16, f16_load, f16_store,
-              _Float16, f16_load, 0, NO_SCALE, NO_ROTATE)
+              _Float16, load8_f16, 0, NO_SCALE, NO_ROTATE)
 DEFINE_DECODE(tandem_decode_attention_f32, float, f32_load, f32_store,
-              float, f32_load, 0, NO_SCALE, NO_ROTATE)
+              float, load8_f32, 0, NO_SCALE, NO_ROTATE)
 /* An int8 cache, queries and output in the model's dtype. */
 DEFINE_DECODE(tandem_decode_attention_bf16_i8, uint16_t, bf16_load, bf16_store,
-              int8_t, i8_load, 2, INT8_SCALE, ROTATE)
+              int8_t, load8_i8, 2, INT8_SCALE, ROTATE)
 DEFINE_DECODE(tandem_decode_attention_f16_i8, _Float16, f16_load, f16_store,
-              int8_t, i8_load, 2, INT8_SCALE, ROTATE)
+              int8_t, load8_i8, 2, INT8_SCALE, ROTATE)
 DEFINE_DECODE(tandem_decode_attention_f32_i8, float, f32_load, f32_store,
-              int8_t, i8_load, 2, INT8_SCALE, ROTATE)
+              int8_t, load8_i8, 2, INT8_SCALE, ROTATE)
 
 /* KV store into an int8 cache: each (token, KV head) row of k and v rotated, then
  * quantized as torch_ref.quantize_int8 does it (float16 scale absmax / 127, values

@@ -1,16 +1,21 @@
 """The engine's CPU projections (weights prepacked for oneDNN, ``Linear.pack``) against
-``F.linear(x, W)`` (what Hugging Face and ``nn.Linear`` run), by the rows ``x`` has.
+``F.linear(x, W)`` (what Hugging Face and ``nn.Linear`` run), by the rows ``x`` has;
+in bfloat16 also the GGUF's 4-bit codes (``tandem/engine/gguf_int4.py``).
 
     python bench/linear_forms.py [--rows 1,2,4,8,16,32,64,128,256,512]
                                  [--dtypes float32,bfloat16] [--iters 5] [--json]
 
 The weights are SmolLM2-135M's four projections per layer (qkv 960x576, o 576x576,
-gate_up 3072x576, down 576x1536) for all 30 layers, random and distinct, so each pass
+gate_up 3072x576, down 576x1536) for all 30 layers, random Q4_1 codes (as the default
+model's GGUF stores them) dequantised, and distinct, so each pass
 reads the whole model's projections from memory as a real forward does rather than
 from a warm cache. A decode step feeds the projections one row per sequence; a
 prefill, one per prompt token. Median of --iters passes, the two forms interleaved,
 in the same run; the ratio is F.linear's time over the engine's (> 1: the engine's
-form is faster). The values are checked equal up to the dtype's rounding first.
+form is faster). The values are checked equal up to the dtype's rounding first. In
+bfloat16 the int4 column runs the same projections from their codes
+(``_weight_int4pack_mm_for_cpu``, what steps of at most ``int4_max_rows`` rows run)
+in the same interleaved passes; ``packed/int4`` > 1: the codes are faster.
 """
 
 from __future__ import annotations
@@ -29,50 +34,73 @@ LAYERS = 30
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+def _codes(out: int, inp: int, gen: torch.Generator):
+    from tandem.engine.gguf_int4 import GROUP, Q4_1
+
+    scales = (torch.rand(out, inp // GROUP, generator=gen) * 0.01).half().float()
+    mins = (-torch.rand(out, inp // GROUP, generator=gen) * 0.08).half().float()
+    codes = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
+    return Q4_1(codes, scales, mins)
+
+
 def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | None:
+    from tandem.engine import gguf_int4
     from tandem.engine.model import Linear
 
+    with_int4 = dtype == torch.bfloat16 and gguf_int4.available()
     gen = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
         layer = []
         for out, inp in SHAPES:
-            dense = torch.randn(out, inp, generator=gen).to(dtype)
+            codes = _codes(out, inp, gen)
+            dense = codes.dequantize().to(dtype)
             packed = Linear(inp, out, bias=False, dtype=dtype)
             with torch.no_grad():
                 packed.weight.copy_(dense)
             if not packed.pack():
                 return None
-            layer.append((dense, packed))
+            int4 = None
+            if with_int4:
+                int4 = Linear(inp, out, bias=False, dtype=dtype)
+                int4.use_int4(*gguf_int4.pack(codes, dtype), max(rows))
+            layer.append({"linear": dense, "engine": packed, "int4": int4})
         layers.append(layer)
+    forms = ("linear", "engine", "int4") if with_int4 else ("linear", "engine")
     results = []
     for m in rows:
         xs = {i: torch.randn(m, i, generator=gen).to(dtype) for _, i in SHAPES}
         with torch.inference_mode():
-            for dense, packed in layers[0]:
-                x = xs[dense.shape[1]]
-                tol = TOLERANCE[dtype]
-                torch.testing.assert_close(packed(x), F.linear(x, dense), rtol=tol, atol=tol)
 
-            def one_pass(engine: bool, xs=xs) -> float:
+            def run(p: dict, form: str, xs=xs) -> torch.Tensor:
+                x = xs[p["linear"].shape[1]]
+                return F.linear(x, p["linear"]) if form == "linear" else p[form](x)
+
+            tol = TOLERANCE[dtype]
+            for p in layers[0]:
+                for form in forms[1:]:
+                    torch.testing.assert_close(run(p, form), run(p, "linear"), rtol=tol, atol=tol)
+
+            def one_pass(form: str) -> float:
                 start = time.perf_counter()
                 for layer in layers:
-                    for dense, packed in layer:
-                        x = xs[dense.shape[1]]
-                        packed(x) if engine else F.linear(x, dense)
+                    for p in layer:
+                        run(p, form)
                 return time.perf_counter() - start
 
-            times: dict[bool, list[float]] = {False: [], True: []}
-            one_pass(False), one_pass(True)  # warm-up
+            times: dict[str, list[float]] = {form: [] for form in forms}
+            for form in forms:
+                one_pass(form)  # warm-up
             for _ in range(iters):
-                for engine in (False, True):
-                    times[engine].append(one_pass(engine))
-        lin, eng = (statistics.median(times[k]) * 1e3 for k in (False, True))
-        results.append(
-            dict(
-                rows=m, linear_ms=round(lin, 2), engine_ms=round(eng, 2), ratio=round(lin / eng, 3)
-            )
-        )
+                for form in forms:
+                    times[form].append(one_pass(form))
+        ms = {form: statistics.median(times[form]) * 1e3 for form in forms}
+        row = dict(rows=m, linear_ms=round(ms["linear"], 2), engine_ms=round(ms["engine"], 2))
+        row["ratio"] = round(ms["linear"] / ms["engine"], 3)
+        if with_int4:
+            row["int4_ms"] = round(ms["int4"], 2)
+            row["engine_over_int4"] = round(ms["engine"] / ms["int4"], 3)
+        results.append(row)
         print(f"{str(dtype).removeprefix('torch.')}: {m} rows done", file=sys.stderr)
     return results
 
@@ -99,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         if results is None:
             print(f"{name}: this CPU's oneDNN cannot prepack it; the engine uses F.linear")
             continue
+        int4 = "int4_ms" in results[0]
         print(f"{name}:")
-        print(f"{'rows':>6} {'F.linear ms':>12} {'packed ms':>10} {'ratio':>7}")
+        head = f"{'rows':>6} {'F.linear ms':>12} {'packed ms':>10} {'ratio':>7}"
+        print(head + (f" {'int4 ms':>8} {'packed/int4':>12}" if int4 else ""))
         for r in results:
-            print(
+            line = (
                 f"{r['rows']:>6} {r['linear_ms']:>12.1f} {r['engine_ms']:>10.1f} {r['ratio']:>7.2f}"
             )
+            if int4:
+                line += f" {r['int4_ms']:>8.1f} {r['engine_over_int4']:>12.2f}"
+            print(line)
     return 0
 
 

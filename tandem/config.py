@@ -66,6 +66,12 @@ class EngineConfig:
     # the heads it reads); tensor-parallel caches on GPUs are not transferable yet
     # (the KV handshake says so).
     tensor_parallel_size: int = 1
+    # A GGUF model whose projections are stored as Q4_1 (the default model), run on a
+    # CPU in bfloat16 by one process: steps of at most this many rows (decode batches
+    # that small) read the 4-bit codes as stored, a quarter of the dense weights' bytes
+    # (tandem/engine/gguf_int4.py; bench/linear_forms.py measures where that pays).
+    # Larger steps use the dense weights. 0: never.
+    int4_max_rows: int = 8
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -109,6 +115,8 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.int4_max_rows < 0:
+            raise ConfigError(f"int4_max_rows must be >= 0 (0: never), got {self.int4_max_rows}")
         if self.kv_sink_tokens < 0:
             raise ConfigError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
         if self.reserve_output_tokens is not None and self.reserve_output_tokens < 1:

@@ -33,6 +33,7 @@ from tandem.errors import ConfigError
             "attention_backend must be one of auto, torch, cpu, triton, got 'cuda'",
         ),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, int8, got 'fp8'"),
+        ({"int4_max_rows": -1}, "int4_max_rows must be >= 0 (0: never), got -1"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )

@@ -121,15 +121,6 @@ def _tandem_batch(engine, prompts: list[list[int]], outs: list[int]) -> float:
     return elapsed
 
 
-def _gguf_of(model: str) -> Path | None:
-    from tandem.engine.loader import DEFAULT_MODEL, smollm2_gguf_path
-
-    if model == DEFAULT_MODEL:
-        return smollm2_gguf_path()
-    path = Path(model).expanduser()
-    return path if path.is_file() and path.suffix == ".gguf" else None
-
-
 def _llama_cpp_decode_rate(gguf: Path, prompt: list[int], n: int, threads: int) -> float:
     """llama.cpp's batch-1 decode tokens/s after the first token, greedy, EOS ignored."""
     from llama_cpp import Llama
@@ -151,6 +142,12 @@ def _llama_cpp_decode_rate(gguf: Path, prompt: list[int], n: int, threads: int) 
     end = time.perf_counter()
     assert first is not None
     return (n - 1) / (end - first)
+
+
+def _uses_int4(engine) -> bool:
+    from tandem.engine.model import Linear
+
+    return any(m.int4 is not None for m in engine.model.modules() if isinstance(m, Linear))
 
 
 def _repeat(args: argparse.Namespace, fn) -> list[float]:
@@ -198,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
     t_rate = max(_repeat(args, lambda: _tandem_decode_rate(engine, p1, args.batch1_tokens)))
     h_rate, h_dtype = fastest_hf(lambda hf: hf.decode_rate(p1, args.batch1_tokens))
     rows.append(("batch1", "batch-1 decode tok/s", t_rate, h_rate, h_dtype))
-    gguf = _gguf_of(args.model)
+    from tandem.engine.loader import gguf_file
+
+    gguf = gguf_file(args.model)
     llama_rate = None
     if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
         threads = torch.get_num_threads()
@@ -230,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "threads": torch.get_num_threads(),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        # Steps of at most this many rows ran from the GGUF's 4-bit codes (0: none did).
+        "int4_max_rows": engine.config.int4_max_rows if _uses_int4(engine) else 0,
     }
     for key, _, t, h, h_dtype in rows:
         result[f"{key}_tandem"] = round(t, 2)
@@ -241,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"tandem in {result['dtype']}; hf generate at its fastest of {', '.join(hfs)}")
+        int4 = result["int4_max_rows"]
+        codes = f" (steps of <= {int4} rows from the GGUF's 4-bit codes)" if int4 else ""
+        print(f"tandem in {result['dtype']}{codes}; hf generate at its fastest of {', '.join(hfs)}")
         head = ("scenario", "tandem", "hf generate", "hf dtype", "ratio")
         print(f"{head[0]:<42} {head[1]:>10} {head[2]:>12} {head[3]:>9} {head[4]:>7}")
         for _, label, t, h, h_dtype in rows:

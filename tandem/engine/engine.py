@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import k_balance, parallel
+from tandem.engine import gguf_int4, k_balance, parallel
 from tandem.engine.device import keep_step_buffers_mapped, resolve_device, resolve_dtype
 from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block, kv_cache_dtype
-from tandem.engine.loader import load_state_dict, read_config, resolve_model
+from tandem.engine.loader import gguf_file, load_state_dict, read_config, resolve_model
 from tandem.engine.model import LlamaModel
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.model_runner import ModelRunner
@@ -651,6 +651,7 @@ def load_model(
         model.load_hf_state_dict(load_state_dict(model_dir, lambda n: shard.part(n, cfg)))
     except ValueError as exc:
         raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
+    int4 = _int4_codes(config, model, model_dir, device, dtype, shard)
     if config.kv_cache_dtype == "int8":
         k_balance.balance(model)
     model = model.to(device=device, dtype=dtype).eval()
@@ -660,7 +661,31 @@ def load_model(
     if device.type == "cpu":
         model.pack_for_cpu()
         keep_step_buffers_mapped()
+    for name, (packed, scales_and_zeros) in int4.items():
+        model.get_submodule(name).use_int4(packed, scales_and_zeros, config.int4_max_rows)
     return model
+
+
+def _int4_codes(
+    config: EngineConfig,
+    model: LlamaModel,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Shard,
+) -> gguf_int4.Packed:
+    """The projections that small steps run from the GGUF's 4-bit codes (see
+    gguf_int4): none unless the model is a Q4_1 GGUF on one CPU in bfloat16."""
+    if (
+        config.int4_max_rows == 0
+        or device.type != "cpu"
+        or dtype != torch.bfloat16
+        or shard.size != 1
+        or not gguf_int4.available()
+    ):
+        return {}
+    gguf = gguf_file(config.model)
+    return {} if gguf is None else gguf_int4.load_packed(model, gguf, model_dir, dtype)
 
 
 def check_request(

@@ -164,15 +164,19 @@ def load_state_dict(model_dir: Path, part: Part | None = None) -> dict[str, torc
     return tensors
 
 
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file a model name stands for (the default model's included), or None."""
+    if model == DEFAULT_MODEL:
+        return smollm2_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def read_model_config(model: str, cache_dir: str | Path | None = None) -> dict:
     """A model's ``config.json`` without loading its weights: a GGUF (the default model
     included) is read for its metadata only, never dequantised."""
-    path = Path(model).expanduser()
-    if model == DEFAULT_MODEL:
-        gguf = smollm2_gguf_path()
-    elif path.is_file() and path.suffix == ".gguf":
-        gguf = path
-    else:
+    gguf = gguf_file(model)
+    if gguf is None:
         return read_config(resolve_model(model, cache_dir))
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.gguf_int4 import GROUP
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.rope import apply_rope, rope_cache, signed_sin
 
@@ -50,10 +51,17 @@ class Linear(nn.Linear):
     a decode step, and 1.1-1.4x on prefill chunks, in float32 and in bfloat16
     (``bench/linear_forms.py``). Without a bias, bfloat16 results are bit-identical to
     ``F.linear``; float32 ones equal up to rounding. ``pack`` reorders once the weights
-    are final; until then, and on other devices, it is ``F.linear``.
+    are final; until then, and on other devices, it is ``F.linear``. ``use_int4`` adds
+    a GGUF's 4-bit codes for steps of a few rows (tandem/engine/gguf_int4.py).
     """
 
     packed: torch.Tensor | None = None
+    # A GGUF's 4-bit codes (gguf_int4.pack) for steps of at most int4_max_rows rows.
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None
+    int4_max_rows = 0
+
+    def use_int4(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, max_rows: int):
+        self.int4, self.int4_max_rows = (packed, scales_and_zeros), max_rows
 
     def pack(self, keep_dense: bool = False) -> bool:
         """Reorder the weight for oneDNN; False (and nothing changed) where it cannot run.
@@ -74,6 +82,9 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            out = torch._weight_int4pack_mm_for_cpu(x, self.int4[0], GROUP, self.int4[1])
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return super().forward(x)

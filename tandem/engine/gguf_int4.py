@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP = 32  # Q4_1's weights per scale and minimum
+_PACK_ROWS = 16  # torch's int4 packing for CPU takes output rows in tiles of 16
+# Bump when what the cache file holds, or how it is made, changes.
+_CACHE_FORMAT = 1
 _BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit codes each
 # GGUF tensor -> Hugging Face parameter, per layer.
 _NAMES = {
@@ -126,6 +130,8 @@ def matching_codes(model: LlamaModel, tensors: dict[str, Q4_1]) -> dict[str, Q4_
                 continue
             codes = Q4_1.cat(parts)
             name = f"layers.{i}.{fused}"
+            if codes.codes.shape[0] % _PACK_ROWS:
+                continue  # torch's packing takes whole tiles of rows: dense weights only
             if torch.equal(codes.dequantize(), layer.get_submodule(fused).weight.float()):
                 found[name] = codes
             else:
@@ -160,12 +166,14 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     from tandem.kernels.cpu.build import cpu_flags
 
     # The packed layout is torch's and may differ by version and by CPU.
-    key = hashlib.sha256(f"{torch.__version__}|{cpu_flags()}".encode()).hexdigest()[:16]
-    cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{key}.safetensors"
+    key = f"{_CACHE_FORMAT}|{torch.__version__}|{cpu_flags()}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
     if cached.is_file():
-        tensors = load_file(str(cached))
-        names = {key.rsplit(".", 1)[0] for key in tensors}
-        return {n: (tensors[f"{n}.packed"], tensors[f"{n}.scales_and_zeros"]) for n in names}
+        try:
+            return _fitting(model, load_file(str(cached)))
+        except Exception as exc:  # safetensors raises its own error type for a bad file
+            log.warning("rebuilding %s, which does not fit the model: %s", cached, exc)
     cfg = model.cfg
     codes = matching_codes(model, read_q4_1(gguf, cfg.num_heads, cfg.num_kv_heads))
     packed = {name: pack(c, dtype) for name, c in codes.items()}
@@ -174,14 +182,28 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
         for n, pair in packed.items()
         for part, t in zip(("packed", "scales_and_zeros"), pair, strict=True)
     }
-    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    partial = cached.with_name(f"{cached.name}.{socket.gethostname()}.{os.getpid()}.partial")
     try:
         save_file(tensors, str(partial))
         os.replace(partial, cached)
-    except OSError as exc:  # a read-only cache still serves: the next start reads again
+    except Exception as exc:  # a read-only cache still serves: the next start reads again
         log.warning("cannot keep the packed 4-bit codes in %s: %s", cached, exc)
     finally:
         partial.unlink(missing_ok=True)
+    return packed
+
+
+def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> Packed:
+    """A cache file's pairs, each checked to belong to one of ``model``'s projections
+    (ValueError otherwise)."""
+    packed = {}
+    for name in {key.rsplit(".", 1)[0] for key in tensors}:
+        linear = model.get_submodule(name)  # AttributeError for a name it does not have
+        pair = tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"]
+        rows, cols = linear.out_features, linear.in_features
+        if pair[0].shape != (rows, cols // 2) or pair[1].shape != (cols // GROUP, rows, 2):
+            raise ValueError(f"{name}: packed {tuple(pair[0].shape)} for {rows} x {cols}")
+        packed[name] = pair
     return packed
 
 

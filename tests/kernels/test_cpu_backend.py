@@ -53,6 +53,16 @@ def test_decode_gives_the_same_bits_on_any_number_of_threads(cpu) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dim", [8, 24, 40])
+def test_decode_handles_head_dims_of_any_multiple_of_8(cpu, dim) -> None:
+    # The kernel works in vectors of 8 floats, its dot products two at a time: an odd
+    # number of vectors (24, 40) takes the tail path, 8 a single vector.
+    case = _decode_case(3, 6, 2, dim, 37, torch.float32)
+    torch.testing.assert_close(
+        cpu.decode_attention(*case), torch_ref.decode_attention(*case), rtol=2e-5, atol=2e-5
+    )
+
+
 def test_decode_reads_query_rows_with_a_stride(cpu) -> None:
     # The engine passes q as a slice of the fused projection's output (rows strided).
     q, *rest = _decode_case(3, 4, 2, 32, 40, torch.float32)

@@ -141,9 +141,12 @@ static inline v8sf load8_i8(const int8_t* p) {
  * ahead of use: the blocks lie anywhere in the cache and a head's row is a short run
  * within each token's row, so the hardware's own prefetcher does not see them coming. */
 static inline void prefetch_rows(const void* first, int64_t n, int64_t row_bytes, int64_t bytes) {
-    const char* p = first;
-    for (int64_t i = 0; i < n; i++, p += row_bytes)
-        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+    const uintptr_t start = (uintptr_t)first;
+    for (int64_t i = 0; i < n; i++) {
+        const uintptr_t row = start + i * row_bytes; /* every 64-byte line it touches */
+        for (uintptr_t line = row & ~(uintptr_t)63; line < row + bytes; line += 64)
+            __builtin_prefetch((const void*)line);
+    }
 }
 
 static inline float hsum8(v8sf v) {

@@ -7,8 +7,9 @@
  * blocks once for the scores and once for the values, in float32, with the group
  * of query heads that share the KV head computed together so that every K/V row
  * is loaded once, and the next block's rows asked for while one block is computed
- * (from memory, not the work, bounds it). Tasks are spread over OpenMP threads (torch's own runtime: the
- * library is loaded after torch, whose libgomp.so.1 it then shares).
+ * (fetching them from memory, not the arithmetic, bounds it). Tasks are spread over
+ * OpenMP threads (torch's own runtime: the library is loaded after torch, whose
+ * libgomp.so.1 it then shares).
  *
  * Layouts (all contiguous unless a stride is passed):
  *   q            [batch, heads, dim], row stride q_stride elements

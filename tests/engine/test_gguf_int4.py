@@ -21,6 +21,16 @@ from tandem.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(not gguf_int4.available(), reason="torch has no int4 CPU matmul")
 
 
+@pytest.fixture(scope="module")
+def smol():
+    """The default model in float32 (weights loaded, not cast) and its GGUF's codes."""
+    model_dir = resolve_model("smollm2-135m-instruct")
+    cfg = ModelConfig.from_hf(read_config(model_dir))
+    model = LlamaModel(cfg, 64)
+    model.load_hf_state_dict(load_state_dict(model_dir))
+    return model, gguf_int4.read_q4_1(smollm2_gguf_path(), cfg.num_heads, cfg.num_kv_heads)
+
+
 def _random_codes(rows: int, cols: int, seed: int = 0) -> Q4_1:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
@@ -85,24 +95,20 @@ def test_codes_that_do_not_give_the_loaded_weights_are_not_used(caplog) -> None:
 
 
 @pytest.mark.slow
-def test_the_default_models_codes_are_its_loaded_weights() -> None:
+def test_the_default_models_codes_are_its_loaded_weights(smol) -> None:
     # Nibble order, block layout and llama.cpp's RoPE row order of q and k: every
     # projection's codes dequantise to exactly what transformers' GGUF loader gives.
-    model_dir = resolve_model("smollm2-135m-instruct")
-    cfg = ModelConfig.from_hf(read_config(model_dir))
-    model = LlamaModel(cfg, 64)
-    model.load_hf_state_dict(load_state_dict(model_dir))
-    codes = gguf_int4.read_q4_1(smollm2_gguf_path(), cfg.num_heads, cfg.num_kv_heads)
+    model, codes = smol
+    cfg = model.cfg
     assert len(codes) == 7 * cfg.num_layers
     assert len(gguf_int4.matching_codes(model, codes)) == 4 * cfg.num_layers
 
 
 @pytest.mark.slow
-def test_int4_projections_err_about_as_much_as_bfloat16_weights() -> None:
+def test_int4_projections_err_about_as_much_as_bfloat16_weights(smol) -> None:
     # Against the exact weights: the int4 kernel rounds d and m + 8d to bfloat16, the
     # dense path each weight; measured 1.2x here, bounded at 1.5x.
-    cfg = ModelConfig.from_hf(read_config(resolve_model("smollm2-135m-instruct")))
-    codes = gguf_int4.read_q4_1(smollm2_gguf_path(), cfg.num_heads, cfg.num_kv_heads)
+    _, codes = smol
     gen = torch.Generator().manual_seed(0)
     for name in ("model.layers.3.self_attn.q_proj.weight", "model.layers.20.mlp.down_proj.weight"):
         weight = codes[name].dequantize()
@@ -200,15 +206,11 @@ def _drain(engine: LLMEngine) -> list:
 
 @pytest.mark.slow
 def test_a_cache_file_that_does_not_fit_is_rebuilt_and_one_that_cannot_be_kept_is_not_needed(
-    tmp_path, monkeypatch, caplog
+    smol, tmp_path, monkeypatch, caplog
 ) -> None:
-    model_dir = resolve_model("smollm2-135m-instruct")
-    cfg = ModelConfig.from_hf(read_config(model_dir))
-    model = LlamaModel(cfg, 64)
-    model.load_hf_state_dict(load_state_dict(model_dir))
+    model, codes = smol
     gguf = smollm2_gguf_path()
-    # Layer 0's codes only, read once: each build below then takes little time.
-    codes = gguf_int4.read_q4_1(gguf, cfg.num_heads, cfg.num_kv_heads)
+    # Layer 0's codes only: each build below then takes little time.
     first = {name: c for name, c in codes.items() if name.startswith("model.layers.0.")}
     monkeypatch.setattr(gguf_int4, "read_q4_1", lambda *args: first)
     built = gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16)

@@ -25,10 +25,13 @@ demo: setup
 	$(VENV)/bin/tandem demo --max-tokens 160
 
 # --durations: the suite's slowest tests in every run's log, so that its time
-# (about 15 minutes on 2 cores is the budget) is watched, not guessed.
+# (about 15 minutes on 2 cores is the budget) is watched, not guessed. Most of the
+# suite runs on two workers; the `exclusive` clusters (tests/conftest.py) then
+# run alone.
 test: setup
 	$(VENV)/bin/ruff check tandem tests bench
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q --durations=20 -n 2 --dist loadfile -m 'not exclusive'
+	$(VENV)/bin/pytest -q --durations=10 -m exclusive
 
 lint: setup
 	$(VENV)/bin/ruff check tandem tests bench

@@ -103,3 +103,15 @@ def certs(tmp_path_factory) -> Certs:
     for name, data in files.items():
         (d / f"{name}.pem").write_bytes(data)
     return Certs(**{name: str(d / f"{name}.pem") for name in files})
+
+
+# Clusters of real processes whose timeouts (keepalive, drain, Ray's restarts) assume
+# the machine to themselves: `make test` runs these on their own, after the rest of the
+# suite, which runs on two pytest-xdist workers (a module's tests on one: --dist loadfile).
+EXCLUSIVE = ("tests/e2e/", "tests/deploy/test_ray_")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(EXCLUSIVE):
+            item.add_marker(pytest.mark.exclusive)

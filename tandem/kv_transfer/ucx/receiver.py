@@ -232,14 +232,16 @@ class UcxReceiver(CoreReceiver):
         frame = await wire.recv_msg(ep, self._frame_limit)
         if frame[:1] != wire.CACHE_FRAME:
             raise wire.ProtocolError(f"expected where the sender's cache lies, got {frame[:1]!r}")
+        # On the loop's thread, with no await between the check and the unpack: the
+        # unpack reads the UCX endpoint, which close() (through _stop, on this thread)
+        # and a failed peer take away; unpacked on the pool, a connection closed at once
+        # freed the endpoint under it (a segfault). Unpacking and mapping take
+        # microseconds, once per connection.
+        if self._closed or ep.closed:
+            raise ConnectionError("the connection ended before the sender's cache was known")
         try:
-            conn.remote = await loop.run_in_executor(
-                self._pool,
-                self._cache.add_remote,
-                ep.ucp_endpoint,
-                frame[1:],
-                self.map_peers,
-                conn.heads,
+            conn.remote = self._cache.add_remote(
+                ep.ucp_endpoint, frame[1:], self.map_peers, conn.heads
             )
         except ValueError as exc:
             raise wire.ProtocolError(str(exc)) from None

@@ -122,7 +122,7 @@ def test_headers_outside_their_reservations_read_nothing() -> None:
         cache.close()
 
 
-CONNECT_AND_CLOSE = """
+CLOSE_AFTER_CONNECT = """
 from tandem.kv_transfer import make_receiver, make_sender
 from tests.kv_transfer.conftest import fingerprint, make_side
 
@@ -136,18 +136,42 @@ for _ in range(100):
         receiver.close()
 """
 
+# The receiver reading with UCX gets (as across hosts), closed with reads in flight.
+CLOSE_DURING_READS = """
+import time
+from tandem.kv_transfer import make_receiver, make_sender
+from tests.kv_transfer.conftest import fingerprint, make_side
 
-def test_closing_right_after_a_connect_never_frees_an_endpoint_under_its_key():
-    # The receiver unpacks the sender's memory key on the connection's UCX endpoint.
-    # It did so on a pool thread, and a connection closed at once freed the endpoint
-    # under the unpack: every one of five such processes segfaulted while another
-    # process kept a core busy. A process of its own, so that a crash fails this test
-    # rather than ending the run.
+for i in range(40):
+    here, there = make_side(64), make_side(64, seed=1, ucx=True)
+    receiver = make_receiver("ucx", here.kv, fingerprint(), host="127.0.0.1", map_peers=False)
+    sender = make_sender("ucx", there.kv, fingerprint())
+    try:
+        sender.connect(f"127.0.0.1:{receiver.port}")
+        for r in range(4):
+            dest = receiver.expect(f"r{r}", here.pool.allocate(12), lease_s=30)
+            sender.send(dest, there.pool.allocate(12), first_token=1)
+        time.sleep(0.001 * (i % 5))
+    finally:
+        receiver.close()
+        sender.close()
+"""
+
+
+@pytest.mark.parametrize("script", [CLOSE_AFTER_CONNECT, CLOSE_DURING_READS],
+                         ids=["after-connect", "during-reads"])  # fmt: skip
+def test_a_receiver_closed_at_any_moment_never_uses_a_freed_endpoint(script: str) -> None:
+    # The receiver unpacks the sender's memory key on the connection's UCX endpoint and
+    # (reading with gets) posts its reads there; closing frees the endpoint. The
+    # unpack ran on a pool thread and a read could be posted after the close: while
+    # another process kept a core busy, every process of five (after connect) and of
+    # three (during reads) segfaulted before the fix. A process of its own, so that a
+    # crash fails this test rather than ending the run.
     root = Path(__file__).resolve().parents[2]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         run = subprocess.run(
-            [sys.executable, "-X", "faulthandler", "-c", CONNECT_AND_CLOSE],
+            [sys.executable, "-X", "faulthandler", "-c", script],
             cwd=root, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
     finally:

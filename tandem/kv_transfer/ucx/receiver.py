@@ -321,6 +321,8 @@ class UcxReceiver(CoreReceiver):
         self._sweeper.cancel()
         self._listener.close()
         for conn in list(self._connections):
+            if conn.remote is not None:  # a read posted after the abort would reach freed memory
+                conn.remote.rkey.detach()
             conn.ep.abort(period=_ABORT_PERIOD_NS)
         # The readers see their endpoints fail and run their cleanup, which needs the
         # thread pool: close() shuts it down only after this.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -30,6 +31,7 @@ _VP = ctypes.c_void_p
 # ucs_status_t values used here (ucs/type/status.h).
 UCS_OK = 0
 UCS_INPROGRESS = 1
+UCS_ERR_CANCELED = -16
 _UCS_ERR_LAST = -100
 UCS_THREAD_MODE_MULTI = 2
 UCS_MEMORY_TYPE_HOST = 0
@@ -207,16 +209,23 @@ class Memory:
 
 
 class RemoteKey:
-    """A peer's packed key, unpacked on the endpoint to that peer; ``close`` before the
-    endpoint goes, and only once no read through it is in flight."""
+    """A peer's packed key, unpacked on the endpoint to that peer; ``close`` only once
+    no read through it is in flight. Before its owner closes the endpoint it calls
+    ``detach``: reads posted later fail instead of reaching a freed endpoint."""
 
     def __init__(self, endpoint: int, packed: bytes) -> None:
         handle = _VP()
         _check(
             "ucp_ep_rkey_unpack", _ucp.ucp_ep_rkey_unpack(endpoint, packed, ctypes.byref(handle))
         )
-        self.endpoint = endpoint
+        self.endpoint: int | None = endpoint
         self.handle: int | None = handle.value
+        self.posting = threading.Lock()  # held while reads are posted on the endpoint
+
+    def detach(self) -> None:
+        """No read is posted on the endpoint from now on (one being posted finishes)."""
+        with self.posting:
+            self.endpoint = None
 
     def pointer(self, remote_address: int) -> tuple[int | None, str]:
         """(the local address at which ``remote_address`` is mapped, '') or, when the
@@ -263,15 +272,18 @@ def get(
         param.op_attr_mask, param.memh = _OP_MEMH, local.handle
     pending: list[int] = []
     failure: UcpError | TimeoutError | None = None
-    for dst, src, nbytes in reads:
-        status, req = _request(
-            _ucp.ucp_get_nbx(rkey.endpoint, dst, nbytes, src, rkey.handle, ctypes.byref(param))
-        )
-        if req is not None:
-            pending.append(req)
-        elif status != UCS_OK:
-            failure = UcpError("ucp_get_nbx", status)
-            break
+    with rkey.posting:
+        if rkey.endpoint is None:  # the connection is closing: its endpoint may be gone
+            raise UcpError("ucp_get_nbx", UCS_ERR_CANCELED)
+        for dst, src, nbytes in reads:
+            status, req = _request(
+                _ucp.ucp_get_nbx(rkey.endpoint, dst, nbytes, src, rkey.handle, ctypes.byref(param))
+            )
+            if req is not None:
+                pending.append(req)
+            elif status != UCS_OK:
+                failure = UcpError("ucp_get_nbx", status)
+                break
     deadline = time.monotonic() + timeout_s
     spins = 0
     for req in pending:

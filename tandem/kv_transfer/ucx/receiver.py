@@ -233,10 +233,10 @@ class UcxReceiver(CoreReceiver):
         if frame[:1] != wire.CACHE_FRAME:
             raise wire.ProtocolError(f"expected where the sender's cache lies, got {frame[:1]!r}")
         # On the loop's thread, with no await between the check and the unpack: the
-        # unpack reads the UCX endpoint, which close() (through _stop, on this thread)
-        # and a failed peer take away; unpacked on the pool, a connection closed at once
-        # freed the endpoint under it (a segfault). Unpacking and mapping take
-        # microseconds, once per connection.
+        # unpack reads the UCX endpoint, which close() frees (_stop, on this thread).
+        # Unpacked on the pool, a connection closed at once had its endpoint freed under
+        # the unpack (a segfault). Unpacking and mapping take microseconds, once per
+        # connection.
         if self._closed or ep.closed:
             raise ConnectionError("the connection ended before the sender's cache was known")
         try:

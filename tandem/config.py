@@ -69,10 +69,11 @@ class EngineConfig:
     # A GGUF model whose projections are stored as Q4_1 (the default model), run on a
     # CPU in bfloat16 by one process: steps of at most this many rows (decode batches
     # that small) read the 4-bit codes as stored, a quarter of the dense weights' bytes
-    # (tandem/engine/gguf_int4.py; bench/linear_forms.py measures where that pays).
+    # (tandem/engine/gguf_int4.py; bench/linear_forms.py measures where that pays):
+    # up to 64 rows on a CPU with AMX, up to 8 elsewhere, whatever is set here.
     # Larger steps use the dense weights, so a request's bfloat16 tokens can depend on
     # how many others share its steps. 0: never.
-    int4_max_rows: int = 8
+    int4_max_rows: int = 64
 
     def __post_init__(self) -> None:
         bs = self.block_size

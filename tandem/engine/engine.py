@@ -661,8 +661,8 @@ def load_model(
     if device.type == "cpu":
         model.pack_for_cpu()
         keep_step_buffers_mapped()
-    for name, (packed, scales_and_zeros) in int4.items():
-        model.get_submodule(name).use_int4(packed, scales_and_zeros, config.int4_max_rows)
+    for name, forms in int4.items():
+        model.get_submodule(name).use_int4(forms, config.int4_max_rows)
     return model
 
 

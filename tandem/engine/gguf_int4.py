@@ -11,9 +11,17 @@ are rounded to bfloat16: against exact weights, a projection's error is about 1.
 that of the dense bfloat16 weights (tests/engine/test_gguf_int4.py checks it stays
 under 1.5x), both well under what bfloat16 rounding of the output adds.
 
-Where it pays (``python bench/linear_forms.py``): on CPU, in bfloat16, for steps of at
-most ``int4_max_rows`` rows; larger steps (prefill chunks, big decode batches) keep
-the dense prepacked weights, which stay loaded beside the codes (+25% weight memory).
+On a CPU with AMX (Intel Xeon since Sapphire Rapids), steps of 4 to 64 rows run
+tandem/kernels/cpu/q4_linear.c instead: it expands each group of 16 rows' codes to
+bfloat16 once a step, exactly the dense weights (checked at load), and multiplies them
+with every row of the step on the AMX tiles, so a step of 16 rows reads the codes
+once where torch's kernel expands them again for every row.
+
+Where each pays (``python bench/linear_forms.py``): on CPU, in bfloat16, steps of at
+most ``int4_max_rows`` rows read the codes (torch's kernel up to 8 rows, where it
+stops beating the dense weights; the AMX kernel from 4 to 64); larger steps (prefill
+chunks, big decode batches) keep the dense prepacked weights, which stay loaded
+beside the codes (+25% weight memory for each form of the codes).
 A tensor gets codes only when they dequantise to exactly the weights the engine
 loaded, so a GGUF whose layout this reader does not know is run dense, not wrong.
 Reading, checking and packing the codes takes seconds, so the packed result is kept
@@ -22,6 +30,7 @@ beside the dequantised weights (one file per torch version and CPU) and read bac
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -38,9 +47,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP = 32  # Q4_1's weights per scale and minimum
-_PACK_ROWS = 16  # torch's int4 packing for CPU takes output rows in tiles of 16
+_PACK_ROWS = 16  # torch's int4 packing for CPU and the AMX tiles take rows by 16
+# Which kernel a step of n rows runs (bench/linear_forms.py, a VM with AMX, 2 cores):
+# torch's is the faster below 4 rows and slower than the dense weights above 8; the
+# AMX kernel (q4_linear.c's Q4_MAX_ROWS) holds up to 64.
+TORCH_MAX_ROWS = 8
+AMX_MIN_ROWS, AMX_MAX_ROWS = 4, 64
 # Bump when what the cache file holds, or how it is made, changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit codes each
 # GGUF tensor -> Hugging Face parameter, per layer.
 _NAMES = {
@@ -146,16 +160,110 @@ def matching_codes(model: LlamaModel, tensors: dict[str, Q4_1]) -> dict[str, Q4_
     return found
 
 
-def pack(codes: Q4_1, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, scales and zeros) for ``_weight_int4pack_mm_for_cpu`` with
-    activations in ``dtype``: zero = m + 8d, since the kernel centres q on 8."""
+class Int4(NamedTuple):
+    """A projection's codes in the forms its kernels read."""
+
+    # torch's _weight_int4pack_mm_for_cpu: its packing, and [groups, rows, 2] scale and
+    # zero in the activations' dtype (zero = m + 8d, since it centres q on 8).
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    # q4_linear.c's, where it runs (None elsewhere): uint8 [rows/16, cols/32, 16, 16]
+    # codes, two a byte as in the GGUF, and float16 [rows/16, cols/32, 32], each group
+    # of 16 rows' d then m.
+    tiles: torch.Tensor | None = None
+    tile_scales: torch.Tensor | None = None
+
+
+def pack(codes: Q4_1, dtype: torch.dtype, amx: bool = False) -> Int4:
+    """``codes`` in the forms that steps in ``dtype`` read (the AMX kernel's too if
+    ``amx``: bfloat16 only)."""
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 2)
     zeros = codes.mins + 8 * codes.scales
     scales_and_zeros = torch.stack([codes.scales.t(), zeros.t()], dim=-1)  # [groups, rows, 2]
-    return packed, scales_and_zeros.to(dtype).contiguous()
+    forms = Int4(packed, scales_and_zeros.to(dtype).contiguous())
+    if not amx or dtype != torch.bfloat16:
+        return forms
+    rows, cols = codes.codes.shape
+    q = codes.codes.view(rows // 16, 16, cols // GROUP, 2, GROUP // 2)
+    tiles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    d, m = (t.half().view(rows // 16, 16, cols // GROUP).transpose(1, 2) for t in codes[1:])
+    return forms._replace(tiles=tiles, tile_scales=torch.cat([d, m], dim=-1).contiguous())
 
 
-Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection -> pack()'s pair
+Packed = dict[str, Int4]  # projection -> its codes' forms
+
+
+class _AMX:
+    """q4_linear.c's entry points, from the CPU kernels' library (built on first use)."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        from tandem.kernels.cpu.build import load
+
+        lib = load()
+        if lib is None:
+            return
+        i32, ptr = ctypes.c_int, ctypes.c_void_p
+        self.linear = lib.tandem_q4_linear_bf16
+        self.linear.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
+        self.dequant = lib.tandem_q4_dequant_bf16
+        self.dequant.argtypes = [ptr, ptr, i32, i32, ptr]
+        self.ready = lib.tandem_q4_amx_ready() == 1
+
+
+_amx: _AMX | None = None
+
+
+def _kernel() -> _AMX:
+    global _amx
+    if _amx is None:
+        _amx = _AMX()
+    return _amx
+
+
+def amx_available() -> bool:
+    """True where the AMX kernel runs: built for this CPU, and Linux grants AMX."""
+    return _kernel().ready
+
+
+def amx_weights(forms: Int4) -> torch.Tensor:
+    """[rows, cols] bfloat16: the weights the AMX kernel computes with."""
+    assert forms.tiles is not None and forms.tile_scales is not None
+    blocks, groups = forms.tiles.shape[:2]
+    w = torch.empty(blocks * 16, groups * GROUP, dtype=torch.bfloat16)
+    status = _kernel().dequant(
+        forms.tiles.data_ptr(), forms.tile_scales.data_ptr(), w.shape[0], w.shape[1], w.data_ptr()
+    )
+    if status != 0:
+        raise RuntimeError(f"the AMX Q4_1 kernel failed (status {status})")
+    return w
+
+
+def amx_linear(x: torch.Tensor, forms: Int4, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a bfloat16 ``x`` of 1..AMX_MAX_ROWS rows, W read from
+    ``forms``' tiles."""
+    assert forms.tiles is not None and forms.tile_scales is not None
+    blocks, groups = forms.tiles.shape[:2]
+    rows, out_features = x.shape[0], blocks * 16
+    # The kernel trusts its shapes.
+    if x.dim() != 2 or x.shape[1] != groups * GROUP or x.dtype != torch.bfloat16:
+        raise ValueError(f"amx_linear: x {tuple(x.shape)} {x.dtype} for {out_features} rows")
+    x = x.contiguous()
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    status = _kernel().linear(
+        x.data_ptr(),
+        rows,
+        x.shape[1],
+        forms.tiles.data_ptr(),
+        forms.tile_scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"the AMX Q4_1 kernel failed (status {status})")
+    return y
 
 
 def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dtype) -> Packed:
@@ -165,22 +273,25 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
 
     from tandem.kernels.cpu.build import cpu_flags
 
-    # The packed layout is torch's and may differ by version and by CPU.
-    key = f"{_CACHE_FORMAT}|{torch.__version__}|{cpu_flags()}"
+    amx = dtype == torch.bfloat16 and amx_available()
+    # torch's packed layout may differ by version and by CPU; the AMX tiles are there
+    # only where the kernel runs.
+    key = f"{_CACHE_FORMAT}|{torch.__version__}|{cpu_flags()}|amx={amx}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
     if cached.is_file():
         try:
-            return _fitting(model, load_file(str(cached)))
+            return _exact_tiles(model, _fitting(model, load_file(str(cached)), amx))
         except Exception as exc:  # safetensors raises its own error type for a bad file
             log.warning("rebuilding %s, which does not fit the model: %s", cached, exc)
     cfg = model.cfg
     codes = matching_codes(model, read_q4_1(gguf, cfg.num_heads, cfg.num_kv_heads))
-    packed = {name: pack(c, dtype) for name, c in codes.items()}
+    packed = {name: pack(c, dtype, amx) for name, c in codes.items()}
     tensors = {
         f"{n}.{part}": t
-        for n, pair in packed.items()
-        for part, t in zip(("packed", "scales_and_zeros"), pair, strict=True)
+        for n, forms in packed.items()
+        for part, t in forms._asdict().items()
+        if t is not None
     }
     partial = cached.with_name(f"{cached.name}.{socket.gethostname()}.{os.getpid()}.partial")
     try:
@@ -190,20 +301,52 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
         log.warning("cannot keep the packed 4-bit codes in %s: %s", cached, exc)
     finally:
         partial.unlink(missing_ok=True)
-    return packed
+    return _exact_tiles(model, packed)
 
 
-def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> Packed:
-    """A cache file's pairs, each checked to belong to one of ``model``'s projections
-    (ValueError otherwise)."""
+def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> Packed:
+    """A cache file's forms, each checked to belong to one of ``model``'s projections
+    and to hold the AMX tiles if ``amx`` (ValueError otherwise)."""
     packed = {}
     for name in {key.rsplit(".", 1)[0] for key in tensors}:
         linear = model.get_submodule(name)  # AttributeError for a name it does not have
-        pair = tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"]
+        forms = Int4(*(tensors.get(f"{name}.{part}") for part in Int4._fields))
         rows, cols = linear.out_features, linear.in_features
-        if pair[0].shape != (rows, cols // 2) or pair[1].shape != (cols // GROUP, rows, 2):
-            raise ValueError(f"{name}: packed {tuple(pair[0].shape)} for {rows} x {cols}")
-        packed[name] = pair
+        shapes = {
+            "packed": (rows, cols // 2),
+            "scales_and_zeros": (cols // GROUP, rows, 2),
+            "tiles": (rows // 16, cols // GROUP, 16, 16) if amx else None,
+            "tile_scales": (rows // 16, cols // GROUP, 32) if amx else None,
+        }
+        for part, shape in shapes.items():
+            t = getattr(forms, part)
+            if (None if t is None else tuple(t.shape)) != shape:
+                raise ValueError(
+                    f"{name}: {part} {None if t is None else tuple(t.shape)}, "
+                    f"not {shape} for {rows} x {cols}"
+                )
+        packed[name] = forms
+    return packed
+
+
+def _exact_tiles(model: LlamaModel, packed: Packed) -> Packed:
+    """``packed``, less the AMX tiles of any projection whose tiles do not expand to
+    exactly its weights in bfloat16 (logged): those steps take the other forms."""
+    wrong = []
+    for name, forms in packed.items():
+        if forms.tiles is None:
+            continue
+        weight = model.get_submodule(name).weight.detach()
+        if not torch.equal(amx_weights(forms), weight.to(torch.bfloat16)):
+            packed[name] = forms._replace(tiles=None, tile_scales=None)
+            wrong.append(name)
+    if wrong:
+        log.warning(
+            "%d projections' AMX tiles do not expand to their weights (e.g. %s): "
+            "those run without the AMX kernel",
+            len(wrong),
+            wrong[0],
+        )
     return packed
 
 

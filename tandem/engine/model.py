@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.gguf_int4 import GROUP
+from tandem.engine import gguf_int4
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.rope import apply_rope, rope_cache, signed_sin
 
@@ -57,11 +57,11 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     # A GGUF's 4-bit codes (gguf_int4.pack) for steps of at most int4_max_rows rows.
-    int4: tuple[torch.Tensor, torch.Tensor] | None = None
+    int4: gguf_int4.Int4 | None = None
     int4_max_rows = 0
 
-    def use_int4(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, max_rows: int):
-        self.int4, self.int4_max_rows = (packed, scales_and_zeros), max_rows
+    def use_int4(self, forms: gguf_int4.Int4, max_rows: int):
+        self.int4, self.int4_max_rows = forms, max_rows
 
     def pack(self, keep_dense: bool = False) -> bool:
         """Reorder the weight for oneDNN; False (and nothing changed) where it cannot run.
@@ -82,9 +82,16 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
-            out = torch._weight_int4pack_mm_for_cpu(x, self.int4[0], GROUP, self.int4[1])
-            return out if self.bias is None else out + self.bias
+        rows = x.shape[0]
+        if self.int4 is not None and rows <= self.int4_max_rows:
+            codes = self.int4
+            if codes.tiles is not None and gguf_int4.AMX_MIN_ROWS <= rows <= gguf_int4.AMX_MAX_ROWS:
+                return gguf_int4.amx_linear(x, codes, self.bias)
+            if rows <= gguf_int4.TORCH_MAX_ROWS:
+                out = torch._weight_int4pack_mm_for_cpu(
+                    x, codes.packed, gguf_int4.GROUP, codes.scales_and_zeros
+                )
+                return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return super().forward(x)

@@ -1,6 +1,7 @@
 """The GGUF's 4-bit projections (tandem/engine/gguf_int4.py): read as stored, checked
 against the weights the engine loads, used for small steps only, and close to the
-dense bfloat16 weights in error."""
+dense bfloat16 weights in error; the AMX kernel (tandem/kernels/cpu/q4_linear.c)
+computes with exactly the dense weights."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not gguf_int4.available(), reason="torch has no int4 CPU matmul")
+needs_amx = pytest.mark.skipif(
+    not gguf_int4.amx_available(), reason="this CPU (or its kernel build) has no AMX"
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,30 +43,117 @@ def _random_codes(rows: int, cols: int, seed: int = 0) -> Q4_1:
     return Q4_1(codes, scales, mins)
 
 
-def _linear_with_codes(codes: Q4_1, max_rows: int) -> Linear:
+def _linear_with_codes(codes: Q4_1, max_rows: int, amx: bool = False, bias=False) -> Linear:
     rows, cols = codes.codes.shape
-    linear = Linear(cols, rows, bias=False)
+    linear = Linear(cols, rows, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(codes.dequantize())
     linear = linear.to(torch.bfloat16)
-    linear.use_int4(*gguf_int4.pack(codes, torch.bfloat16), max_rows)
+    linear.use_int4(gguf_int4.pack(codes, torch.bfloat16, amx), max_rows)
     return linear
+
+
+def _torch_int4(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    forms = linear.int4
+    return torch._weight_int4pack_mm_for_cpu(x, forms.packed, GROUP, forms.scales_and_zeros)
 
 
 def test_steps_up_to_max_rows_read_the_codes_and_larger_ones_the_dense_weights() -> None:
     codes = _random_codes(96, 128)
     linear = _linear_with_codes(codes, max_rows=4)
-    packed, scales_and_zeros = linear.int4
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 4, 5, 16):
         x = torch.randn(rows, 128, generator=gen).bfloat16()
-        int4 = torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
         dense = torch.nn.functional.linear(x, linear.weight)
-        assert torch.equal(linear(x), int4 if rows <= 4 else dense), rows
+        assert torch.equal(linear(x), _torch_int4(linear, x) if rows <= 4 else dense), rows
+    # Above 8 rows torch's kernel loses to the dense weights, whatever max_rows says.
+    linear = _linear_with_codes(codes, max_rows=64)
+    for rows in (8, 9):
+        x = torch.randn(rows, 128, generator=gen).bfloat16()
+        dense = torch.nn.functional.linear(x, linear.weight)
+        assert torch.equal(linear(x), _torch_int4(linear, x) if rows <= 8 else dense), rows
     # The codes are the weights: what the kernel computes from them is their matmul.
     x = torch.randn(3, 128, generator=gen).bfloat16()
     exact = x.double() @ codes.dequantize().double().t()
     assert torch.allclose(linear(x).double(), exact, rtol=2e-2, atol=2e-2)
+
+
+def _rounding_of_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias=None):
+    """Whether ``y`` is x @ weight.T (+ bias) computed exactly and rounded once to
+    bfloat16, give or take one unit in the last place (float32 sums in some order)."""
+    exact = x.double() @ weight.double().t()
+    if bias is not None:
+        exact = exact + bias.double()
+    ulp = exact.abs().clamp_min(1e-30) * 2.0**-7
+    return bool(((y.double() - exact).abs() <= ulp + 1e-6).all())
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_amx_kernel_computes_with_exactly_the_dense_weights(bias: bool) -> None:
+    codes = _random_codes(48, 96, seed=2)
+    linear = _linear_with_codes(codes, max_rows=64, amx=True, bias=bias)
+    if bias:
+        with torch.no_grad():
+            linear.bias.copy_(torch.randn(48).bfloat16())
+    forms = linear.int4
+    assert torch.equal(gguf_int4.amx_weights(forms), linear.weight)
+    gen = torch.Generator().manual_seed(3)
+    # Row counts inside one block of 16, at its edges, and over several blocks.
+    for rows in (1, 3, 4, 15, 16, 17, 33, 64):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        y = gguf_int4.amx_linear(x, forms, linear.bias)
+        assert y.shape == (rows, 48)
+        assert _rounding_of_exact(y, x, linear.weight, linear.bias), rows
+    # A strided x (a slice of a wider tensor) is read as its values, not its storage.
+    wide = torch.randn(8, 192, generator=gen).bfloat16()
+    assert torch.equal(
+        gguf_int4.amx_linear(wide[:, ::2], forms, None),
+        gguf_int4.amx_linear(wide[:, ::2].contiguous(), forms, None),
+    )
+    with pytest.raises(ValueError, match="amx_linear: x"):
+        gguf_int4.amx_linear(torch.randn(2, 64).bfloat16(), forms, None)
+
+
+@needs_amx
+def test_steps_of_4_to_64_rows_run_the_amx_kernel_and_others_the_other_forms() -> None:
+    codes = _random_codes(48, 96, seed=4)
+    linear = _linear_with_codes(codes, max_rows=64, amx=True)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 4, 16, 64, 65):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        if rows < 4:
+            expected = _torch_int4(linear, x)
+        elif rows <= 64:
+            expected = gguf_int4.amx_linear(x, linear.int4, None)
+        else:
+            expected = torch.nn.functional.linear(x, linear.weight)
+        assert torch.equal(linear(x), expected), rows
+    # max_rows caps the AMX kernel too.
+    capped = _linear_with_codes(codes, max_rows=8, amx=True)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    assert torch.equal(capped(x), torch.nn.functional.linear(x, capped.weight))
+
+
+@needs_amx
+def test_tiles_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
+    cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random")))
+    model = LlamaModel(cfg, 64)
+    packed = {}
+    for i, layer in enumerate(model.layers):
+        module = layer.mlp.down_proj
+        codes = _random_codes(*module.weight.shape, seed=i)
+        with torch.no_grad():
+            module.weight.copy_(codes.dequantize())
+        packed[f"layers.{i}.mlp.down_proj"] = gguf_int4.pack(codes, torch.bfloat16, amx=True)
+    packed["layers.0.mlp.down_proj"].tiles[0, 0, 0, 0] ^= 0x10  # one weight's code
+    with caplog.at_level(logging.WARNING):
+        checked = gguf_int4._exact_tiles(model, packed)
+    assert checked["layers.0.mlp.down_proj"].tiles is None
+    assert checked["layers.0.mlp.down_proj"].packed is not None  # torch's form stays
+    others = range(1, cfg.num_layers)
+    assert all(checked[f"layers.{i}.mlp.down_proj"].tiles is not None for i in others)
+    assert "1 projections' AMX tiles do not expand to their weights" in caplog.text
 
 
 def test_codes_that_do_not_give_the_loaded_weights_are_not_used(caplog) -> None:
@@ -152,8 +243,9 @@ def test_an_engine_uses_codes_only_in_bfloat16_and_keeps_them_for_the_next_start
     monkeypatch.setattr(gguf_int4, "read_q4_1", no_gguf)
     again = LLMEngine(EngineConfig(**base, dtype="bfloat16"))
     first = engine.model.layers[0].mlp.down_proj.int4
+    assert (first.tiles is not None) == gguf_int4.amx_available()
     assert all(
-        torch.equal(a, b)
+        a is b is None or torch.equal(a, b)
         for a, b in zip(again.model.layers[0].mlp.down_proj.int4, first, strict=True)
     )
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
@@ -162,13 +254,17 @@ def test_an_engine_uses_codes_only_in_bfloat16_and_keeps_them_for_the_next_start
 
 
 @pytest.mark.slow
-def test_a_decode_step_from_the_codes_is_as_close_to_float32_as_bfloat16s(smol_engine) -> None:
-    # The first decode step (one row: the codes) after a dense prefill, against the
-    # float32 engine: its top-20 logprobs stray from float32's about as far as the
-    # dense bfloat16 engine's do (measured 0.09-0.34 nats for both); codes read wrong
-    # would stray by whole nats.
+@pytest.mark.parametrize("batched", [False, True], ids=["one-row-steps", "six-row-steps"])
+def test_a_decode_step_from_the_codes_is_as_close_to_float32_as_bfloat16s(
+    smol_engine, batched: bool
+) -> None:
+    # The first decode step (after a dense prefill) against the float32 engine: its
+    # top-20 logprobs stray from float32's about as far as the dense bfloat16
+    # engine's do (measured 0.09-0.34 nats for both); codes read wrong would stray by
+    # whole nats. One request at a time, each decode step is one row (torch's int4
+    # kernel); six at once, six rows (the AMX kernel where this CPU has one).
     base = dict(model="smollm2-135m-instruct", device="cpu", dtype="bfloat16", num_blocks=64)
-    int4, dense = (LLMEngine(EngineConfig(**base, int4_max_rows=m)) for m in (8, 0))
+    int4, dense = (LLMEngine(EngineConfig(**base, int4_max_rows=m)) for m in (64, 0))
     params = SamplingParams(max_tokens=2, temperature=0, logprobs=20)
     prompts = [
         "Name a colour.",
@@ -178,20 +274,25 @@ def test_a_decode_step_from_the_codes_is_as_close_to_float32_as_bfloat16s(smol_e
         "Say hello in Spanish.",
         "Write a haiku about autumn.",
     ]
+    ids = [smol_engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in prompts]
+    steps: dict[str, dict[str, list]] = {}
+    for name, engine in (("fp32", smol_engine), ("int4", int4), ("dense", dense)):
+        by_request: dict[str, list] = {}
+        for group in [ids] if batched else [[one] for one in ids]:
+            for prompt in group:
+                by_request[engine.add_request(prompt, params)] = []
+            for out in _drain(engine):
+                by_request[out.request_id].extend(out.logprobs)
+        steps[name] = list(by_request.values())
     worst = {"int4": 0.0, "dense": 0.0}
     compared = 0
-    for text in prompts:
-        ids = smol_engine.tokenizer.encode_chat([{"role": "user", "content": text}])
-        steps = {}
-        for name, engine in (("fp32", smol_engine), ("int4", int4), ("dense", dense)):
-            engine.add_request(ids, params)
-            steps[name] = [lp for out in _drain(engine) for lp in out.logprobs]
-        if len({s[0].token_id for s in steps.values()}) > 1:
+    for i in range(len(prompts)):
+        if len({steps[name][i][0].token_id for name in steps}) > 1:
             continue  # a different first token: the decode steps see different contexts
         compared += 1
-        ref = dict(steps["fp32"][1].top)
+        ref = dict(steps["fp32"][i][1].top)
         for name in worst:
-            top = dict(steps[name][1].top)
+            top = dict(steps[name][i][1].top)
             worst[name] = max(worst[name], *(abs(top[t] - ref[t]) for t in set(top) & set(ref)))
     assert compared >= 4
     assert worst["int4"] <= 1.5 * worst["dense"] + 0.05, worst

@@ -2,7 +2,7 @@
 
 The library is built for this CPU (``-march=native``) into the cache directory
 (``default_cache_dir()/kernels``), under a name that hashes everything the binary
-depends on: the source, the compiler and its version, the flags and the CPU's
+depends on: the sources, the compiler and its version, the flags and the CPU's
 feature flags, so a cache shared between different machines never hands one a
 binary built for another. A build takes about a second; later loads find the file.
 Concurrent builders (several workers starting at once) each write a private file
@@ -25,7 +25,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+# Compiled together into one library: the decode attention and the Q4_1 projections.
+SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("q4_linear.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
 _BUILD_TIMEOUT_S = 120
 
@@ -52,10 +53,12 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode()):
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    for part in (version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
     key.update(cpu_flags().encode())
-    return cache_dir / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    return cache_dir / "kernels" / f"cpu-kernels-{key.hexdigest()[:16]}.so"
 
 
 def build(cache_dir: Path, compiler: str) -> Path:
@@ -68,7 +71,7 @@ def build(cache_dir: Path, compiler: str) -> Path:
     log.info("compiling the CPU attention kernels with %s into %s", compiler, path)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             timeout=_BUILD_TIMEOUT_S,

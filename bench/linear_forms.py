@@ -13,9 +13,11 @@ from a warm cache. A decode step feeds the projections one row per sequence; a
 prefill, one per prompt token. Median of --iters passes, the two forms interleaved,
 in the same run; the ratio is F.linear's time over the engine's (> 1: the engine's
 form is faster). The values are checked equal up to the dtype's rounding first. In
-bfloat16 the int4 column runs the same projections from their codes
-(``_weight_int4pack_mm_for_cpu``, what steps of at most ``int4_max_rows`` rows run)
-in the same interleaved passes; ``packed/int4`` > 1: the codes are faster.
+bfloat16 the same projections also run from their codes in the same interleaved
+passes: ``int4``, torch's kernel (``_weight_int4pack_mm_for_cpu``), and, on a CPU
+with AMX and for up to 64 rows, ``amx``, Tandem's (``tandem/kernels/cpu/q4_linear.c``);
+``packed/int4`` and ``packed/amx`` > 1: the codes are faster. These columns set
+which kernel a step of n rows runs (``gguf_int4.TORCH_MAX_ROWS``, ``AMX_MIN_ROWS``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
     from tandem.engine.model import Linear
 
     with_int4 = dtype == torch.bfloat16 and gguf_int4.available()
+    with_amx = with_int4 and gguf_int4.amx_available()
     gen = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -60,21 +63,29 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
                 packed.weight.copy_(dense)
             if not packed.pack():
                 return None
-            int4 = None
-            if with_int4:
-                int4 = Linear(inp, out, bias=False, dtype=dtype)
-                int4.use_int4(*gguf_int4.pack(codes, dtype), max(rows))
-            layer.append({"linear": dense, "engine": packed, "int4": int4})
+            four_bit = gguf_int4.pack(codes, dtype, with_amx) if with_int4 else None
+            layer.append({"linear": dense, "engine": packed, "codes": four_bit})
         layers.append(layer)
-    forms = ("linear", "engine", "int4") if with_int4 else ("linear", "engine")
     results = []
     for m in rows:
+        forms = ["linear", "engine"]
+        forms += ["int4"] if with_int4 else []
+        forms += ["amx"] if with_amx and m <= gguf_int4.AMX_MAX_ROWS else []
         xs = {i: torch.randn(m, i, generator=gen).to(dtype) for _, i in SHAPES}
         with torch.inference_mode():
 
             def run(p: dict, form: str, xs=xs) -> torch.Tensor:
                 x = xs[p["linear"].shape[1]]
-                return F.linear(x, p["linear"]) if form == "linear" else p[form](x)
+                if form == "linear":
+                    return F.linear(x, p["linear"])
+                if form == "int4":
+                    c = p["codes"]
+                    return torch._weight_int4pack_mm_for_cpu(
+                        x, c.packed, gguf_int4.GROUP, c.scales_and_zeros
+                    )
+                if form == "amx":
+                    return gguf_int4.amx_linear(x, p["codes"], None)
+                return p["engine"](x)
 
             tol = TOLERANCE[dtype]
             for p in layers[0]:
@@ -97,9 +108,10 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
         ms = {form: statistics.median(times[form]) * 1e3 for form in forms}
         row = dict(rows=m, linear_ms=round(ms["linear"], 2), engine_ms=round(ms["engine"], 2))
         row["ratio"] = round(ms["linear"] / ms["engine"], 3)
-        if with_int4:
-            row["int4_ms"] = round(ms["int4"], 2)
-            row["engine_over_int4"] = round(ms["engine"] / ms["int4"], 3)
+        for form in ("int4", "amx"):
+            if form in ms:
+                row[f"{form}_ms"] = round(ms[form], 2)
+                row[f"engine_over_{form}"] = round(ms["engine"] / ms[form], 3)
         results.append(row)
         print(f"{str(dtype).removeprefix('torch.')}: {m} rows done", file=sys.stderr)
     return results
@@ -127,16 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         if results is None:
             print(f"{name}: this CPU's oneDNN cannot prepack it; the engine uses F.linear")
             continue
-        int4 = "int4_ms" in results[0]
+        codes = [f for f in ("int4", "amx") if any(f"{f}_ms" in r for r in results)]
         print(f"{name}:")
         head = f"{'rows':>6} {'F.linear ms':>12} {'packed ms':>10} {'ratio':>7}"
-        print(head + (f" {'int4 ms':>8} {'packed/int4':>12}" if int4 else ""))
+        print(head + "".join(f" {f + ' ms':>8} {'packed/' + f:>12}" for f in codes))
         for r in results:
             line = (
                 f"{r['rows']:>6} {r['linear_ms']:>12.1f} {r['engine_ms']:>10.1f} {r['ratio']:>7.2f}"
             )
-            if int4:
-                line += f" {r['int4_ms']:>8.1f} {r['engine_over_int4']:>12.2f}"
+            for f in codes:
+                if f"{f}_ms" in r:
+                    line += f" {r[f + '_ms']:>8.1f} {r['engine_over_' + f]:>12.2f}"
+                else:
+                    line += f" {'':>8} {'':>12}"
             print(line)
     return 0
 

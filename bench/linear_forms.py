@@ -15,7 +15,7 @@ in the same run; the ratio is F.linear's time over the engine's (> 1: the engine
 form is faster). The values are checked equal up to the dtype's rounding first. In
 bfloat16 the same projections also run from their codes in the same interleaved
 passes: ``int4``, torch's kernel (``_weight_int4pack_mm_for_cpu``), and, on a CPU
-with AMX and for up to 64 rows, ``amx``, Tandem's (``tandem/kernels/cpu/q4_linear.c``);
+with AMX and for up to 64 rows, ``amx``, Tandem's (``tandem/kernels/cpu/gguf_linear.c``);
 ``packed/int4`` and ``packed/amx`` > 1: the codes are faster. These columns set
 which kernel a step of n rows runs (``gguf_int4.TORCH_MAX_ROWS``, ``AMX_MIN_ROWS``).
 """

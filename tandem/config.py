@@ -70,7 +70,8 @@ class EngineConfig:
     # CPU in bfloat16 by one process: steps of at most this many rows (decode batches
     # that small) read the 4-bit codes as stored, a quarter of the dense weights' bytes
     # (tandem/engine/gguf_int4.py; bench/linear_forms.py measures where that pays):
-    # up to 64 rows on a CPU with AMX, up to 8 elsewhere, whatever is set here.
+    # up to 64 rows on a CPU with AMX (and the LM head from its 8-bit codes), up to 8
+    # elsewhere, whatever is set here.
     # Larger steps use the dense weights, so a request's bfloat16 tokens can depend on
     # how many others share its steps. 0: never.
     int4_max_rows: int = 64

@@ -144,10 +144,12 @@ def _llama_cpp_decode_rate(gguf: Path, prompt: list[int], n: int, threads: int) 
     return (n - 1) / (end - first)
 
 
-def _uses_int4(engine) -> bool:
+def _codes_in_use(engine) -> tuple[bool, bool]:
+    """(whether any projection reads the GGUF's codes, whether the AMX kernel does)."""
     from tandem.engine.model import Linear
 
-    return any(m.int4 is not None for m in engine.model.modules() if isinstance(m, Linear))
+    codes = [m.int4 for m in engine.model.modules() if isinstance(m, Linear) and m.int4]
+    return bool(codes), any(c.tiles is not None for c in codes)
 
 
 def _repeat(args: argparse.Namespace, fn) -> list[float]:
@@ -225,12 +227,15 @@ def run(args: argparse.Namespace) -> int:
     rows.append(("mixed", label, useful / t_s, h_rate, h_dtype))
     engine.kv.pool.check_integrity()
 
+    codes, amx = _codes_in_use(engine)
     result = {
         "model": args.model,
         "threads": torch.get_num_threads(),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        # Steps of at most this many rows ran from the GGUF's 4-bit codes (0: none did).
-        "int4_max_rows": engine.config.int4_max_rows if _uses_int4(engine) else 0,
+        # Steps of at most this many rows ran from the GGUF's codes (0: none did), on
+        # the AMX kernel where it runs (gguf_int4.AMX_MIN_ROWS and up).
+        "int4_max_rows": engine.config.int4_max_rows if codes else 0,
+        "amx_kernel": amx,
     }
     for key, _, t, h, h_dtype in rows:
         result[f"{key}_tandem"] = round(t, 2)
@@ -243,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         int4 = result["int4_max_rows"]
-        codes = f" (steps of <= {int4} rows from the GGUF's 4-bit codes)" if int4 else ""
+        codes = f" (steps of <= {int4} rows from the GGUF's codes" if int4 else ""
+        codes += (", on the AMX kernel)" if result["amx_kernel"] else ")") if int4 else ""
         print(f"tandem in {result['dtype']}{codes}; hf generate at its fastest of {', '.join(hfs)}")
         head = ("scenario", "tandem", "hf generate", "hf dtype", "ratio")
         print(f"{head[0]:<42} {head[1]:>10} {head[2]:>12} {head[3]:>9} {head[4]:>7}")

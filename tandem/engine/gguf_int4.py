@@ -12,10 +12,13 @@ that of the dense bfloat16 weights (tests/engine/test_gguf_int4.py checks it sta
 under 1.5x), both well under what bfloat16 rounding of the output adds.
 
 On a CPU with AMX (Intel Xeon since Sapphire Rapids), steps of 4 to 64 rows run
-tandem/kernels/cpu/q4_linear.c instead: it expands each group of 16 rows' codes to
+tandem/kernels/cpu/gguf_linear.c instead: it expands each group of 16 rows' codes to
 bfloat16 once a step, exactly the dense weights (checked at load), and multiplies them
 with every row of the step on the AMX tiles, so a step of 16 rows reads the codes
-once where torch's kernel expands them again for every row.
+once where torch's kernel expands them again for every row. The same kernel reads
+the LM head's 8-bit codes (Q8_0: ``q * d``, the default model's token embedding,
+which it ties to the head) for steps of 1 to 64 rows, there being no other form of
+them.
 
 Where each pays (``python bench/linear_forms.py``): on CPU, in bfloat16, steps of at
 most ``int4_max_rows`` rows read the codes (torch's kernel up to 8 rows, where it
@@ -50,11 +53,11 @@ GROUP = 32  # Q4_1's weights per scale and minimum
 _PACK_ROWS = 16  # torch's int4 packing for CPU and the AMX tiles take rows by 16
 # Which kernel a step of n rows runs (bench/linear_forms.py, a VM with AMX, 2 cores):
 # torch's is the faster below 4 rows and slower than the dense weights above 8; the
-# AMX kernel (q4_linear.c's Q4_MAX_ROWS) holds up to 64.
+# AMX kernel (gguf_linear.c's CODES_MAX_ROWS) holds up to 64.
 TORCH_MAX_ROWS = 8
 AMX_MIN_ROWS, AMX_MAX_ROWS = 4, 64
 # Bump when what the cache file holds, or how it is made, changes.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 _BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit codes each
 # GGUF tensor -> Hugging Face parameter, per layer.
 _NAMES = {
@@ -160,27 +163,34 @@ def matching_codes(model: LlamaModel, tensors: dict[str, Q4_1]) -> dict[str, Q4_
     return found
 
 
-class Int4(NamedTuple):
+class Forms(NamedTuple):
     """A projection's codes in the forms its kernels read."""
 
-    # torch's _weight_int4pack_mm_for_cpu: its packing, and [groups, rows, 2] scale and
-    # zero in the activations' dtype (zero = m + 8d, since it centres q on 8).
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
-    # q4_linear.c's, where it runs (None elsewhere): uint8 [rows/16, cols/32, 16, 16]
-    # codes, two a byte as in the GGUF, and float16 [rows/16, cols/32, 32], each group
-    # of 16 rows' d then m.
+    # torch's _weight_int4pack_mm_for_cpu (Q4_1 only; None for the Q8_0 head): its
+    # packing, and [groups, rows, 2] scale and zero in the activations' dtype (zero =
+    # m + 8d, since it centres q on 8).
+    packed: torch.Tensor | None
+    scales_and_zeros: torch.Tensor | None
+    # gguf_linear.c's, where it runs (None elsewhere), by groups of 16 rows and 32
+    # columns: Q4_1 uint8 [rows/16, cols/32, 16, 16] codes, two a byte as in the GGUF,
+    # and float16 [rows/16, cols/32, 32], the 16 rows' d then m; Q8_0 int8 [rows/16,
+    # cols/32, 16, 32] codes and float16 [rows/16, cols/32, 16], the rows' d.
     tiles: torch.Tensor | None = None
     tile_scales: torch.Tensor | None = None
 
+    @property
+    def tile_format(self) -> str:
+        assert self.tiles is not None
+        return "q8" if self.tiles.shape[-1] == GROUP else "q4"
 
-def pack(codes: Q4_1, dtype: torch.dtype, amx: bool = False) -> Int4:
+
+def pack(codes: Q4_1, dtype: torch.dtype, amx: bool = False) -> Forms:
     """``codes`` in the forms that steps in ``dtype`` read (the AMX kernel's too if
     ``amx``: bfloat16 only)."""
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 2)
     zeros = codes.mins + 8 * codes.scales
     scales_and_zeros = torch.stack([codes.scales.t(), zeros.t()], dim=-1)  # [groups, rows, 2]
-    forms = Int4(packed, scales_and_zeros.to(dtype).contiguous())
+    forms = Forms(packed, scales_and_zeros.to(dtype).contiguous())
     if not amx or dtype != torch.bfloat16:
         return forms
     rows, cols = codes.codes.shape
@@ -190,11 +200,46 @@ def pack(codes: Q4_1, dtype: torch.dtype, amx: bool = False) -> Int4:
     return forms._replace(tiles=tiles, tile_scales=torch.cat([d, m], dim=-1).contiguous())
 
 
-Packed = dict[str, Int4]  # projection -> its codes' forms
+class Q8_0(NamedTuple):
+    codes: torch.Tensor  # [rows, cols] int8
+    scales: torch.Tensor  # [rows, cols / GROUP] float32 (float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """[rows, cols] float32: ``d * q``, as gguf does."""
+        rows, cols = self.codes.shape
+        q = self.codes.view(rows, cols // GROUP, GROUP).float()
+        return (self.scales[..., None] * q).view(rows, cols)
+
+
+def read_q8_0_head(path: Path, tied: bool) -> Q8_0 | None:
+    """The LM head's Q8_0 codes: ``output.weight``, or with tied embeddings the token
+    embedding's (the default model's); None if the GGUF stores it otherwise."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    head = tensors.get("output.weight") or (tensors.get("token_embd.weight") if tied else None)
+    if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    raw = np.asarray(head.data)
+    blocks = raw.reshape(raw.shape[0], -1, 2 + GROUP)  # float16 d, 32 int8 codes
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    return Q8_0(torch.from_numpy(codes), torch.from_numpy(scales))
+
+
+def pack_q8_0(head: Q8_0) -> Forms:
+    """The LM head's codes as the AMX kernel's tiles (it has no other form)."""
+    rows, cols = head.codes.shape
+    tiles = head.codes.view(rows // 16, 16, cols // GROUP, GROUP).transpose(1, 2).contiguous()
+    d = head.scales.half().view(rows // 16, 16, cols // GROUP).transpose(1, 2).contiguous()
+    return Forms(None, None, tiles, d)
+
+
+Packed = dict[str, Forms]  # projection -> its codes' forms
 
 
 class _AMX:
-    """q4_linear.c's entry points, from the CPU kernels' library (built on first use)."""
+    """gguf_linear.c's entry points, from the CPU kernels' library (built on first use)."""
 
     def __init__(self) -> None:
         self.ready = False
@@ -204,11 +249,13 @@ class _AMX:
         if lib is None:
             return
         i32, ptr = ctypes.c_int, ctypes.c_void_p
-        self.linear = lib.tandem_q4_linear_bf16
-        self.linear.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
-        self.dequant = lib.tandem_q4_dequant_bf16
-        self.dequant.argtypes = [ptr, ptr, i32, i32, ptr]
-        self.ready = lib.tandem_q4_amx_ready() == 1
+        self.linear, self.dequant = {}, {}
+        for fmt in ("q4", "q8"):
+            self.linear[fmt] = getattr(lib, f"tandem_{fmt}_linear_bf16")
+            self.linear[fmt].argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
+            self.dequant[fmt] = getattr(lib, f"tandem_{fmt}_dequant_bf16")
+            self.dequant[fmt].argtypes = [ptr, ptr, i32, i32, ptr]
+        self.ready = lib.tandem_codes_amx_ready() == 1
 
 
 _amx: _AMX | None = None
@@ -226,20 +273,20 @@ def amx_available() -> bool:
     return _kernel().ready
 
 
-def amx_weights(forms: Int4) -> torch.Tensor:
+def amx_weights(forms: Forms) -> torch.Tensor:
     """[rows, cols] bfloat16: the weights the AMX kernel computes with."""
     assert forms.tiles is not None and forms.tile_scales is not None
     blocks, groups = forms.tiles.shape[:2]
     w = torch.empty(blocks * 16, groups * GROUP, dtype=torch.bfloat16)
-    status = _kernel().dequant(
+    status = _kernel().dequant[forms.tile_format](
         forms.tiles.data_ptr(), forms.tile_scales.data_ptr(), w.shape[0], w.shape[1], w.data_ptr()
     )
     if status != 0:
-        raise RuntimeError(f"the AMX Q4_1 kernel failed (status {status})")
+        raise RuntimeError(f"the AMX kernel failed (status {status})")
     return w
 
 
-def amx_linear(x: torch.Tensor, forms: Int4, bias: torch.Tensor | None) -> torch.Tensor:
+def amx_linear(x: torch.Tensor, forms: Forms, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a bfloat16 ``x`` of 1..AMX_MAX_ROWS rows, W read from
     ``forms``' tiles."""
     assert forms.tiles is not None and forms.tile_scales is not None
@@ -250,7 +297,7 @@ def amx_linear(x: torch.Tensor, forms: Int4, bias: torch.Tensor | None) -> torch
         raise ValueError(f"amx_linear: x {tuple(x.shape)} {x.dtype} for {out_features} rows")
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    status = _kernel().linear(
+    status = _kernel().linear[forms.tile_format](
         x.data_ptr(),
         rows,
         x.shape[1],
@@ -262,7 +309,7 @@ def amx_linear(x: torch.Tensor, forms: Int4, bias: torch.Tensor | None) -> torch
         torch.get_num_threads(),
     )
     if status != 0:
-        raise RuntimeError(f"the AMX Q4_1 kernel failed (status {status})")
+        raise RuntimeError(f"the AMX kernel failed (status {status})")
     return y
 
 
@@ -287,6 +334,12 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     cfg = model.cfg
     codes = matching_codes(model, read_q4_1(gguf, cfg.num_heads, cfg.num_kv_heads))
     packed = {name: pack(c, dtype, amx) for name, c in codes.items()}
+    head = read_q8_0_head(gguf, cfg.tie_word_embeddings) if amx else None
+    if head is not None and head.codes.shape[0] % _PACK_ROWS == 0:
+        if torch.equal(head.dequantize(), model.lm_head.weight.detach().float()):
+            packed["lm_head"] = pack_q8_0(head)
+        else:
+            log.warning("the LM head's 8-bit codes do not give its loaded weights: dense only")
     tensors = {
         f"{n}.{part}": t
         for n, forms in packed.items()
@@ -310,14 +363,18 @@ def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> 
     packed = {}
     for name in {key.rsplit(".", 1)[0] for key in tensors}:
         linear = model.get_submodule(name)  # AttributeError for a name it does not have
-        forms = Int4(*(tensors.get(f"{name}.{part}") for part in Int4._fields))
+        forms = Forms(*(tensors.get(f"{name}.{part}") for part in Forms._fields))
         rows, cols = linear.out_features, linear.in_features
-        shapes = {
-            "packed": (rows, cols // 2),
-            "scales_and_zeros": (cols // GROUP, rows, 2),
-            "tiles": (rows // 16, cols // GROUP, 16, 16) if amx else None,
-            "tile_scales": (rows // 16, cols // GROUP, 32) if amx else None,
-        }
+        tiles = (rows // 16, cols // GROUP, 16)
+        if forms.packed is None:  # an 8-bit head: the AMX kernel's tiles only
+            shapes = {"tiles": (*tiles, GROUP), "tile_scales": tiles}
+        else:
+            shapes = {
+                "packed": (rows, cols // 2),
+                "scales_and_zeros": (cols // GROUP, rows, 2),
+                "tiles": (*tiles, 16) if amx else None,
+                "tile_scales": (*tiles[:2], 32) if amx else None,
+            }
         for part, shape in shapes.items():
             t = getattr(forms, part)
             if (None if t is None else tuple(t.shape)) != shape:

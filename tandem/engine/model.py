@@ -56,11 +56,12 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    # A GGUF's 4-bit codes (gguf_int4.pack) for steps of at most int4_max_rows rows.
-    int4: gguf_int4.Int4 | None = None
+    # A GGUF's codes (gguf_int4.Forms: 4-bit projections, an 8-bit LM head) for steps
+    # of at most int4_max_rows rows.
+    int4: gguf_int4.Forms | None = None
     int4_max_rows = 0
 
-    def use_int4(self, forms: gguf_int4.Int4, max_rows: int):
+    def use_int4(self, forms: gguf_int4.Forms, max_rows: int):
         self.int4, self.int4_max_rows = forms, max_rows
 
     def pack(self, keep_dense: bool = False) -> bool:
@@ -85,9 +86,11 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         if self.int4 is not None and rows <= self.int4_max_rows:
             codes = self.int4
-            if codes.tiles is not None and gguf_int4.AMX_MIN_ROWS <= rows <= gguf_int4.AMX_MAX_ROWS:
+            # torch's kernel is the faster below AMX_MIN_ROWS, where it has the codes.
+            amx_rows = 1 if codes.packed is None else gguf_int4.AMX_MIN_ROWS
+            if codes.tiles is not None and amx_rows <= rows <= gguf_int4.AMX_MAX_ROWS:
                 return gguf_int4.amx_linear(x, codes, self.bias)
-            if rows <= gguf_int4.TORCH_MAX_ROWS:
+            if codes.packed is not None and rows <= gguf_int4.TORCH_MAX_ROWS:
                 out = torch._weight_int4pack_mm_for_cpu(
                     x, codes.packed, gguf_int4.GROUP, codes.scales_and_zeros
                 )

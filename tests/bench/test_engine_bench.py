@@ -29,6 +29,7 @@ def test_each_row_is_against_the_fastest_hf_dtype_timed():
     result = _bench("--dtype", "float32", "--hf-dtypes", "float32,bfloat16")
     assert result["dtype"] == "float32"
     assert result["int4_max_rows"] == 0  # no GGUF, and float32: dense weights throughout
+    assert result["amx_kernel"] is False
     for row in ("batch1", "batch16", "mixed"):
         assert result[f"{row}_tandem"] > 0 and result[f"{row}_hf"] > 0
         assert result[f"{row}_hf_dtype"] in ("float32", "bfloat16")

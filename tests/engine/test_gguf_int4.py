@@ -1,6 +1,6 @@
 """The GGUF's 4-bit projections (tandem/engine/gguf_int4.py): read as stored, checked
 against the weights the engine loads, used for small steps only, and close to the
-dense bfloat16 weights in error; the AMX kernel (tandem/kernels/cpu/q4_linear.c)
+dense bfloat16 weights in error; the AMX kernel (tandem/kernels/cpu/gguf_linear.c)
 computes with exactly the dense weights."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine import gguf_int4
 from tandem.engine.engine import LLMEngine
-from tandem.engine.gguf_int4 import GROUP, Q4_1
+from tandem.engine.gguf_int4 import GROUP, Q4_1, Q8_0
 from tandem.engine.loader import load_state_dict, read_config, resolve_model, smollm2_gguf_path
 from tandem.engine.model import Linear, LlamaModel
 from tandem.engine.model_config import ModelConfig
@@ -43,13 +43,22 @@ def _random_codes(rows: int, cols: int, seed: int = 0) -> Q4_1:
     return Q4_1(codes, scales, mins)
 
 
-def _linear_with_codes(codes: Q4_1, max_rows: int, amx: bool = False, bias=False) -> Linear:
+def _random_q8_0(rows: int, cols: int, seed: int = 0) -> Q8_0:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
+    return Q8_0(codes, (torch.rand(rows, cols // GROUP, generator=gen) * 1e-3).half().float())
+
+
+def _linear_with_codes(codes: Q4_1 | Q8_0, max_rows: int, amx: bool = False, bias=False) -> Linear:
     rows, cols = codes.codes.shape
     linear = Linear(cols, rows, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(codes.dequantize())
     linear = linear.to(torch.bfloat16)
-    linear.use_int4(gguf_int4.pack(codes, torch.bfloat16, amx), max_rows)
+    if isinstance(codes, Q8_0):
+        linear.use_int4(gguf_int4.pack_q8_0(codes), max_rows)
+    else:
+        linear.use_int4(gguf_int4.pack(codes, torch.bfloat16, amx), max_rows)
     return linear
 
 
@@ -90,8 +99,9 @@ def _rounding_of_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
 
 @needs_amx
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_the_amx_kernel_computes_with_exactly_the_dense_weights(bias: bool) -> None:
-    codes = _random_codes(48, 96, seed=2)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_amx_kernel_computes_with_exactly_the_dense_weights(fmt: str, bias: bool) -> None:
+    codes = _random_codes(48, 96, seed=2) if fmt == "q4_1" else _random_q8_0(48, 96, seed=2)
     linear = _linear_with_codes(codes, max_rows=64, amx=True, bias=bias)
     if bias:
         with torch.no_grad():
@@ -133,6 +143,16 @@ def test_steps_of_4_to_64_rows_run_the_amx_kernel_and_others_the_other_forms() -
     capped = _linear_with_codes(codes, max_rows=8, amx=True)
     x = torch.randn(9, 96, generator=gen).bfloat16()
     assert torch.equal(capped(x), torch.nn.functional.linear(x, capped.weight))
+    # An 8-bit head has no other form of its codes: the AMX kernel from one row.
+    head = _linear_with_codes(_random_q8_0(48, 96, seed=6), max_rows=64)
+    for rows in (1, 64, 65):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        expected = (
+            gguf_int4.amx_linear(x, head.int4, None)
+            if rows <= 64
+            else torch.nn.functional.linear(x, head.weight)
+        )
+        assert torch.equal(head(x), expected), rows
 
 
 @needs_amx
@@ -196,6 +216,15 @@ def test_the_default_models_codes_are_its_loaded_weights(smol) -> None:
 
 
 @pytest.mark.slow
+def test_the_default_models_head_codes_are_its_loaded_weights(smol) -> None:
+    # Its LM head is its token embedding, stored as Q8_0.
+    model, _ = smol
+    head = gguf_int4.read_q8_0_head(smollm2_gguf_path(), model.cfg.tie_word_embeddings)
+    assert head is not None
+    assert torch.equal(head.dequantize(), model.lm_head.weight.detach().float())
+
+
+@pytest.mark.slow
 def test_int4_projections_err_about_as_much_as_bfloat16_weights(smol) -> None:
     # Against the exact weights: the int4 kernel rounds d and m + 8d to bfloat16, the
     # dense path each weight; measured 1.2x here, bounded at 1.5x.
@@ -233,7 +262,9 @@ def test_an_engine_uses_codes_only_in_bfloat16_and_keeps_them_for_the_next_start
             (model_dir / f.name).symlink_to(f)
     monkeypatch.setattr("tandem.engine.engine.resolve_model", lambda *a, **k: model_dir)
     engine = LLMEngine(EngineConfig(**base, dtype="bfloat16"))
-    assert int4_projections(engine) == 4 * engine.model_config.num_layers
+    # Four projections a layer, and with AMX the 8-bit LM head.
+    expected = 4 * engine.model_config.num_layers + gguf_int4.amx_available()
+    assert int4_projections(engine) == expected
     (cached,) = model_dir.glob("int4-*")  # one file, and no partial one left
     assert cached.name.startswith("int4-bfloat16-") and cached.suffix == ".safetensors"
 
@@ -315,7 +346,7 @@ def test_a_cache_file_that_does_not_fit_is_rebuilt_and_one_that_cannot_be_kept_i
     first = {name: c for name, c in codes.items() if name.startswith("model.layers.0.")}
     monkeypatch.setattr(gguf_int4, "read_q4_1", lambda *args: first)
     built = gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16)
-    assert len(built) == 4
+    assert len(built) == 4 + gguf_int4.amx_available()  # the layer, and the 8-bit head
     (cached,) = tmp_path.glob("int4-*")
     cached.write_bytes(b"not a safetensors file")
     with caplog.at_level(logging.WARNING):

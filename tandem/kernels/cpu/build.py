@@ -25,8 +25,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Compiled together into one library: the decode attention and the Q4_1 projections.
-SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("q4_linear.c"))
+# Compiled together into one library: the decode attention and the projections from
+# a GGUF's codes.
+SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("gguf_linear.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
 _BUILD_TIMEOUT_S = 120
 

@@ -1,32 +1,36 @@
-/* A projection whose weights are a GGUF's Q4_1 codes, for the few rows of a decode
- * step, on Intel AMX: y[M, N] = x[M, K] @ W^T (+ bias), bfloat16 in and out.
+/* A projection whose weights are a GGUF's codes, for the few rows of a decode step, on
+ * Intel AMX: y[M, N] = x[M, K] @ W^T (+ bias), bfloat16 in and out.
  *
- * W is read as stored: along each row, groups of 32 weights q * d + m (q in 0..15, d
- * and m float16), a quarter of the bytes of bfloat16 weights. Each group of 16 rows
- * is expanded in turn to bfloat16 in a 1 KiB tile (d * q, then + m, in float32, then
- * rounded to nearest even: the very weights the engine's loader makes, checked by
- * the caller through tandem_q4_dequant_bf16), and one AMX instruction multiplies it
- * with up to 16 rows of x, accumulating in float32. A step of up to 64 rows expands
- * each weight once; oneDNN's dense kernel reads 4x the bytes, and torch's int4
- * kernel expands the weights again for every row (tandem/engine/gguf_int4.py).
+ * W is read as stored: along each row, groups of 32 weights, Q4_1 (q * d + m, q in
+ * 0..15, d and m float16: a quarter of the bytes of bfloat16 weights) or Q8_0 (q * d,
+ * q in -128..127: about half). Each group of 16 rows is expanded in turn to bfloat16
+ * in a 1 KiB tile (in float32, then rounded to nearest even: the very weights the
+ * engine's loader makes, checked by the caller through tandem_q*_dequant_bf16), and
+ * one AMX instruction multiplies it with up to 16 rows of x, accumulating in float32.
+ * A step of up to 64 rows expands each weight once; oneDNN's dense kernel reads
+ * 2-4x the bytes, and torch's int4 kernel expands the weights again for every row
+ * (tandem/engine/gguf_int4.py).
  *
- * Layout (gguf_int4.amx_tiles): codes [N/16][K/32][16 rows][16 bytes], the low
- * nibble of byte j being weight j of the group and the high nibble weight j + 16;
- * dm [N/16][K/32][32] float16: the 16 rows' d, then their m.
+ * Layout (gguf_int4.pack and pack_q8_0), per group of 16 rows and 32 columns:
+ * Q4_1: codes [16 rows][16 bytes], the low nibble of byte j being weight j of the
+ *       group and the high nibble weight j + 16; scales [32] float16, the rows' d
+ *       then their m;
+ * Q8_0: codes [16 rows][32 bytes]; scales [16] float16, the rows' d;
+ * both in [N/16][K/32] order.
  *
  * Built only where the compiler targets AMX-BF16 and AVX512-BF16 (-march=native on
- * such a CPU); elsewhere every entry point returns Q4_NO_AMX and the engine keeps its
+ * such a CPU); elsewhere every entry point returns CODES_NO_AMX and the engine keeps its
  * other forms.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define Q4_OK 0
-#define Q4_BAD_SHAPE -1
-#define Q4_NO_AMX -2
-#define Q4_NO_MEMORY -3
-#define Q4_MAX_ROWS 64
+#define CODES_OK 0
+#define CODES_BAD_SHAPE -1
+#define CODES_NO_AMX -2
+#define CODES_NO_MEMORY -3
+#define CODES_MAX_ROWS 64
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -43,16 +47,19 @@ typedef struct {
 } tile_config;
 
 /* The process asks Linux once for the AMX register state; 1 if granted. */
-int tandem_q4_amx_ready(void) {
+int tandem_codes_amx_ready(void) {
     static int ready = -1;
     if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return ready;
 }
 
+enum { Q4_1 = 0, Q8_0 = 1 };
+static const int code_bytes[] = {256, 512}, scale_halves[] = {32, 16}; /* per tile */
+
 /* 16 rows x 32 weights of one group, as bfloat16, row-major (64 bytes a row). d * q is
- * exact in float32 (an 11-bit significand times 4 bits), so the fused multiply-add
- * rounds once, as the loader's product and then sum do. */
-static inline void expand_tile(const uint8_t *codes, const uint16_t *dm, uint16_t *out) {
+ * exact in float32 (an 11-bit significand times 4 or 8 bits), so the fused
+ * multiply-add rounds once, as the loader's product and then sum do. */
+static inline void expand_q4_1(const uint8_t *codes, const uint16_t *dm, uint16_t *out) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 16)));
     const __m512i nibble = _mm512_set1_epi32(0xF);
@@ -66,6 +73,26 @@ static inline void expand_tile(const uint8_t *codes, const uint16_t *dm, uint16_
         hi = _mm512_fmadd_ps(hi, dr, mr);
         _mm512_storeu_si512((void *)(out + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
+}
+
+static inline void expand_q8_0(const uint8_t *codes, const uint16_t *scales, uint16_t *out) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+    for (int r = 0; r < 16; r++) {
+        const __m128i *row = (const __m128i *)(codes + 32 * r);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
+        __m512 dr = _mm512_permutexvar_ps(_mm512_set1_epi32(r), d);
+        lo = _mm512_mul_ps(lo, dr);
+        hi = _mm512_mul_ps(hi, dr);
+        _mm512_storeu_si512((void *)(out + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+static inline void expand(int kind, const uint8_t *codes, const uint16_t *scales, uint16_t *out) {
+    if (kind == Q4_1)
+        expand_q4_1(codes, scales, out);
+    else
+        expand_q8_0(codes, scales, out);
 }
 
 /* x's rows as AMX B tiles, one per (16 rows, group): dword [p][j] holds x[j][2p, 2p+1]
@@ -106,14 +133,14 @@ static uint32_t *x_tiles(const uint16_t *x, int M, int K) {
         _tile_dpbf16ps(c, 4, 5);                                                         \
     } while (0)
 
-int tandem_q4_linear_bf16(const uint16_t *x, int M, int K, const uint8_t *codes,
-                          const uint16_t *dm, const uint16_t *bias, uint16_t *y, int N,
-                          int threads) {
-    if (M < 1 || M > Q4_MAX_ROWS || K < 32 || K % 32 || N < 16 || N % 16)
-        return Q4_BAD_SHAPE;
-    if (!tandem_q4_amx_ready()) return Q4_NO_AMX;
+static inline __attribute__((always_inline)) int linear(
+    int kind, const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *bias, uint16_t *y, int N, int threads) {
+    if (M < 1 || M > CODES_MAX_ROWS || K < 32 || K % 32 || N < 16 || N % 16)
+        return CODES_BAD_SHAPE;
+    if (!tandem_codes_amx_ready()) return CODES_NO_AMX;
     const uint32_t *xt = x_tiles(x, M, K);
-    if (!xt) return Q4_NO_MEMORY;
+    if (!xt) return CODES_NO_MEMORY;
     const int KB = K / 32, NB = N / 16, MB = (M + 15) / 16;
     _Pragma("omp parallel num_threads(threads)") {
         tile_config cfg;
@@ -132,16 +159,17 @@ int tandem_q4_linear_bf16(const uint16_t *x, int M, int K, const uint8_t *codes,
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            const uint8_t *cp = codes + (size_t)nb * KB * 256;
-            const uint16_t *dp = dm + (size_t)nb * KB * 32;
+            const int cb = code_bytes[kind], sh = scale_halves[kind];
+            const uint8_t *cp = codes + (size_t)nb * KB * cb;
+            const uint16_t *dp = scales + (size_t)nb * KB * sh;
             for (int kb = 0; kb < KB; kb++) {
                 /* Ask for the group four ahead (it may be the next block's, or past the
                  * end: a prefetch never faults). */
-                const char *ahead = (const char *)(cp + (size_t)(kb + 4) * 256);
-                for (int line = 0; line < 256; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)(dp + (size_t)(kb + 4) * 32), _MM_HINT_T0);
+                const char *ahead = (const char *)(cp + (size_t)(kb + 4) * cb);
+                for (int line = 0; line < cb; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(dp + (size_t)(kb + 4) * sh), _MM_HINT_T0);
                 uint16_t *tile = w[kb & 1]; /* two, so a tile load never waits on the next expansion */
-                expand_tile(cp + (size_t)kb * 256, dp + (size_t)kb * 32, tile);
+                expand(kind, cp + (size_t)kb * cb, dp + (size_t)kb * sh, tile);
                 _tile_loadd(4, tile, 64);
                 TILE_DOT(0, 0);
                 if (MB > 1) TILE_DOT(1, 1);
@@ -169,37 +197,55 @@ int tandem_q4_linear_bf16(const uint16_t *x, int M, int K, const uint8_t *codes,
         }
         _tile_release();
     }
-    return Q4_OK;
+    return CODES_OK;
 }
 
 /* The weights the kernel computes with: [N, K] bfloat16, row-major. */
-int tandem_q4_dequant_bf16(const uint8_t *codes, const uint16_t *dm, int N, int K, uint16_t *w) {
-    if (K < 32 || K % 32 || N < 16 || N % 16) return Q4_BAD_SHAPE;
-    const int KB = K / 32;
+static int dequant(int kind, const uint8_t *codes, const uint16_t *scales, int N, int K,
+                   uint16_t *w) {
+    if (K < 32 || K % 32 || N < 16 || N % 16) return CODES_BAD_SHAPE;
+    const int KB = K / 32, cb = code_bytes[kind], sh = scale_halves[kind];
     uint16_t tile[16 * 32] __attribute__((aligned(64)));
     for (int nb = 0; nb < N / 16; nb++)
         for (int kb = 0; kb < KB; kb++) {
-            expand_tile(codes + ((size_t)nb * KB + kb) * 256, dm + ((size_t)nb * KB + kb) * 32, tile);
+            size_t at = (size_t)nb * KB + kb;
+            expand(kind, codes + at * cb, scales + at * sh, tile);
             for (int r = 0; r < 16; r++)
                 memcpy(w + (size_t)(nb * 16 + r) * K + (size_t)kb * 32, tile + 32 * r, 64);
         }
-    return Q4_OK;
+    return CODES_OK;
 }
+
+#define ENTRY_POINTS(name, kind)                                                           \
+    int tandem_##name##_linear_bf16(const uint16_t *x, int M, int K, const uint8_t *codes,  \
+                                    const uint16_t *scales, const uint16_t *bias,          \
+                                    uint16_t *y, int N, int threads) {                     \
+        return linear(kind, x, M, K, codes, scales, bias, y, N, threads);                  \
+    }                                                                                      \
+    int tandem_##name##_dequant_bf16(const uint8_t *codes, const uint16_t *scales, int N,  \
+                                     int K, uint16_t *w) {                                 \
+        return dequant(kind, codes, scales, N, K, w);                                      \
+    }
 
 #else /* no AMX on the CPU this was built for */
 
-int tandem_q4_amx_ready(void) { return 0; }
+int tandem_codes_amx_ready(void) { return 0; }
 
-int tandem_q4_linear_bf16(const uint16_t *x, int M, int K, const uint8_t *codes,
-                          const uint16_t *dm, const uint16_t *bias, uint16_t *y, int N,
-                          int threads) {
-    (void)x, (void)M, (void)K, (void)codes, (void)dm, (void)bias, (void)y, (void)N, (void)threads;
-    return Q4_NO_AMX;
-}
-
-int tandem_q4_dequant_bf16(const uint8_t *codes, const uint16_t *dm, int N, int K, uint16_t *w) {
-    (void)codes, (void)dm, (void)N, (void)K, (void)w;
-    return Q4_NO_AMX;
-}
+#define ENTRY_POINTS(name, kind)                                                           \
+    int tandem_##name##_linear_bf16(const uint16_t *x, int M, int K, const uint8_t *codes,  \
+                                    const uint16_t *scales, const uint16_t *bias,          \
+                                    uint16_t *y, int N, int threads) {                     \
+        (void)x, (void)M, (void)K, (void)codes, (void)scales, (void)bias, (void)y, (void)N; \
+        (void)threads;                                                                     \
+        return CODES_NO_AMX;                                                                  \
+    }                                                                                      \
+    int tandem_##name##_dequant_bf16(const uint8_t *codes, const uint16_t *scales, int N,  \
+                                     int K, uint16_t *w) {                                 \
+        (void)codes, (void)scales, (void)N, (void)K, (void)w;                              \
+        return CODES_NO_AMX;                                                                  \
+    }
 
 #endif
+
+ENTRY_POINTS(q4, Q4_1)
+ENTRY_POINTS(q8, Q8_0)

@@ -19,6 +19,7 @@ from torch import nn
 from tandem.engine import gguf_int4
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.rope import apply_rope, rope_cache, signed_sin
+from tandem.kernels.cpu import norm as cpu_norm
 
 
 @dataclass
@@ -111,9 +112,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_norm.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused[1]
         # rms_norm computes in float32 and casts back before the weight multiplies, as
         # HF's LlamaRMSNorm does in 16-bit dtypes (bit-identical: tests/engine/test_layers.py).
         return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
+
+    def add(self, h: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + out, this norm of it): a residual add and the norm after it, in one call
+        on a CPU in bfloat16 (tandem/kernels/cpu/rms_norm.c)."""
+        fused = cpu_norm.rms_norm(out, self.weight, self.eps, residual=h)
+        if fused is not None:
+            return fused
+        h = h + out
+        return h, self(h)
 
 
 class Attention(nn.Module):
@@ -238,20 +251,24 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[positions].to(h.dtype)
         sin_signed = self.rope_sin_signed[positions].to(h.dtype)
         reduce = self.all_reduce
-        for i, layer in enumerate(self.layers):
+        layers = self.layers
+        # Each residual add is done by the norm that follows it (RMSNorm.add).
+        normed = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
             out = layer.self_attn(
-                layer.input_layernorm(h), cos, sin_signed, kv_cache[i, 0], kv_cache[i, 1], meta, ops
+                normed, cos, sin_signed, kv_cache[i, 0], kv_cache[i, 1], meta, ops
             )
             if reduce is not None:
                 reduce(out)
-            h = h + out
+            h, normed = layer.post_attention_layernorm.add(h, out)
             if after_layer is not None:
                 after_layer(i)
-            out = layer.mlp(layer.post_attention_layernorm(h))
+            out = layer.mlp(normed)
             if reduce is not None:
                 reduce(out)
-            h = h + out
-        return self.norm(h)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, normed = following.add(h, out)
+        return normed
 
     def pack_for_cpu(self) -> bool:
         """Prepack every projection for oneDNN (``Linear.pack``); call once the model is

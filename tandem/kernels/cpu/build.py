@@ -25,9 +25,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Compiled together into one library: the decode attention and the projections from
-# a GGUF's codes.
-SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("gguf_linear.c"))
+# Compiled together into one library: the decode attention, the projections from a
+# GGUF's codes, and RMSNorm.
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_decode.c", "gguf_linear.c", "rms_norm.c")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
 _BUILD_TIMEOUT_S = 120
 

@@ -1,0 +1,72 @@
+"""RMSNorm of bfloat16 rows on a CPU, the residual add before it fused in
+(``rms_norm.c``, in the CPU kernels' library): one call where torch's ops take 8-10.
+
+``rms_norm`` returns None where the kernel does not apply (another dtype or device,
+or no library here), and the caller computes with torch's ops instead: float32
+models (Hugging Face parity) always do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+_kernel: Callable[..., int] | None = None
+_tried = False
+
+
+def _load() -> Callable[..., int] | None:
+    global _kernel, _tried
+    if not _tried:
+        _tried = True
+        from tandem.kernels.cpu.build import load
+
+        lib = load()
+        if lib is not None:
+            fn = lib.tandem_rms_norm_bf16
+            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _kernel = fn
+    return _kernel
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(h, weight * rms_norm(h)) with h = x + residual (x without one), bfloat16, or None
+    where the kernel does not apply."""
+    if (
+        x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or weight.shape != (x.shape[1],)
+        or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
+    ):
+        return None
+    kernel = _load()
+    if kernel is None:
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    h = x
+    if residual is not None:
+        residual = residual.contiguous()
+        h = torch.empty_like(x)
+    status = kernel(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        None if residual is None else h.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        y.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"rms_norm: the CPU kernel refused {tuple(x.shape)} (status {status})")
+    return h, y

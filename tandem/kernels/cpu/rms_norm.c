@@ -1,0 +1,75 @@
+/* RMSNorm of bfloat16 rows in one pass, with the residual add before it fused in.
+ *
+ * Per row, as Hugging Face's LlamaRMSNorm computes it in bfloat16 (and
+ * tandem.engine.model.RMSNorm with torch's ops):
+ *     h = bf16(x + residual)                  (when a residual is given; h is stored)
+ *     r = 1 / sqrt(mean(float(h)^2) + eps)    (float32)
+ *     y = bf16(float(w) * float(bf16(float(h) * r)))
+ * torch's ops take 8-10 dispatches and temporaries for this (30-70 us a call on a
+ * 2-core VM, 61 calls a decode step); this is one call of a few microseconds. The only
+ * difference from torch's result is the order of the float32 sum of squares (16
+ * partial sums here), which moves the rare output that lies within a float32
+ * rounding of a bfloat16 tie by one bfloat16 unit (tests/engine/test_layers.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch converts; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#define LANES 16
+
+static void norm_row(const uint16_t *x, const uint16_t *residual, uint16_t *h_out,
+                     const uint16_t *w, float eps, uint16_t *y, int64_t dim) {
+    float partial[LANES] = {0};
+    int64_t i = 0;
+    if (residual) {
+        for (; i < dim; i++) h_out[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
+        x = h_out;
+    }
+    for (i = 0; i + LANES <= dim; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float v = bf16_to_float(x[i + l]);
+            partial[l] += v * v;
+        }
+    for (int l = 0; i < dim; i++, l++) {
+        float v = bf16_to_float(x[i]);
+        partial[l] += v * v;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += partial[l];
+    const float r = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (i = 0; i < dim; i++) {
+        float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * r));
+        y[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+    }
+}
+
+/* x, residual, h_out, y: [rows, dim] contiguous; residual and h_out both NULL or not.
+ * Returns 0, or -1 for a shape it does not take. */
+int tandem_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *h_out,
+                         const uint16_t *weight, float eps, uint16_t *y, int64_t rows,
+                         int64_t dim, int threads) {
+    if (rows < 0 || dim < 1 || (residual == NULL) != (h_out == NULL)) return -1;
+    /* A decode step's few rows are not worth waking the other threads for. */
+    if (rows * dim < (1 << 16)) threads = 1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(x + r * dim, residual ? residual + r * dim : NULL, h_out ? h_out + r * dim : NULL,
+                 weight, eps, y + r * dim, dim);
+    return 0;
+}

@@ -295,6 +295,10 @@ def amx_linear(x: torch.Tensor, forms: Forms, bias: torch.Tensor | None) -> torc
     # The kernel trusts its shapes.
     if x.dim() != 2 or x.shape[1] != groups * GROUP or x.dtype != torch.bfloat16:
         raise ValueError(f"amx_linear: x {tuple(x.shape)} {x.dtype} for {out_features} rows")
+    if bias is not None:
+        if bias.shape != (out_features,) or bias.dtype != torch.bfloat16:
+            raise ValueError(f"amx_linear: bias {tuple(bias.shape)} {bias.dtype}")
+        bias = bias.contiguous()
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=torch.bfloat16)
     status = _kernel().linear[forms.tile_format](
@@ -328,7 +332,11 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
     if cached.is_file():
         try:
-            return _exact_tiles(model, _fitting(model, load_file(str(cached)), amx))
+            packed = _fitting(model, load_file(str(cached)), amx)
+            wrong = _wrong_tiles(model, packed)
+            if wrong:
+                raise ValueError(f"the AMX tiles of {wrong[0]} do not expand to its weights")
+            return packed
         except Exception as exc:  # safetensors raises its own error type for a bad file
             log.warning("rebuilding %s, which does not fit the model: %s", cached, exc)
     cfg = model.cfg
@@ -340,6 +348,7 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
             packed["lm_head"] = pack_q8_0(head)
         else:
             log.warning("the LM head's 8-bit codes do not give its loaded weights: dense only")
+    packed = _without_wrong_tiles(model, packed)
     tensors = {
         f"{n}.{part}": t
         for n, forms in packed.items()
@@ -354,7 +363,7 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
         log.warning("cannot keep the packed 4-bit codes in %s: %s", cached, exc)
     finally:
         partial.unlink(missing_ok=True)
-    return _exact_tiles(model, packed)
+    return packed
 
 
 def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> Packed:
@@ -386,17 +395,29 @@ def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> 
     return packed
 
 
-def _exact_tiles(model: LlamaModel, packed: Packed) -> Packed:
-    """``packed``, less the AMX tiles of any projection whose tiles do not expand to
-    exactly its weights in bfloat16 (logged): those steps take the other forms."""
-    wrong = []
-    for name, forms in packed.items():
-        if forms.tiles is None:
-            continue
-        weight = model.get_submodule(name).weight.detach()
-        if not torch.equal(amx_weights(forms), weight.to(torch.bfloat16)):
-            packed[name] = forms._replace(tiles=None, tile_scales=None)
-            wrong.append(name)
+def _wrong_tiles(model: LlamaModel, packed: Packed) -> list[str]:
+    """The projections whose AMX tiles do not expand to exactly their weights in
+    bfloat16 (the kernel's own expansion, against the loaded weights)."""
+    return [
+        name
+        for name, forms in packed.items()
+        if forms.tiles is not None
+        and not torch.equal(
+            amx_weights(forms), model.get_submodule(name).weight.detach().to(torch.bfloat16)
+        )
+    ]
+
+
+def _without_wrong_tiles(model: LlamaModel, packed: Packed) -> Packed:
+    """``packed`` less the AMX tiles that ``_wrong_tiles`` finds (logged): those steps
+    take the other forms, or the dense weights where there is none."""
+    wrong = _wrong_tiles(model, packed)
+    for name in wrong:
+        forms = packed[name]._replace(tiles=None, tile_scales=None)
+        if forms.packed is None:
+            del packed[name]
+        else:
+            packed[name] = forms
     if wrong:
         log.warning(
             "%d projections' AMX tiles do not expand to their weights (e.g. %s): "

@@ -123,6 +123,8 @@ def test_the_amx_kernel_computes_with_exactly_the_dense_weights(fmt: str, bias: 
     )
     with pytest.raises(ValueError, match="amx_linear: x"):
         gguf_int4.amx_linear(torch.randn(2, 64).bfloat16(), forms, None)
+    with pytest.raises(ValueError, match="amx_linear: bias"):  # the kernel would read past it
+        gguf_int4.amx_linear(torch.randn(2, 96).bfloat16(), forms, torch.zeros(47).bfloat16())
 
 
 @needs_amx
@@ -168,7 +170,7 @@ def test_tiles_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
         packed[f"layers.{i}.mlp.down_proj"] = gguf_int4.pack(codes, torch.bfloat16, amx=True)
     packed["layers.0.mlp.down_proj"].tiles[0, 0, 0, 0] ^= 0x10  # one weight's code
     with caplog.at_level(logging.WARNING):
-        checked = gguf_int4._exact_tiles(model, packed)
+        checked = gguf_int4._without_wrong_tiles(model, packed)
     assert checked["layers.0.mlp.down_proj"].tiles is None
     assert checked["layers.0.mlp.down_proj"].packed is not None  # torch's form stays
     others = range(1, cfg.num_layers)
@@ -354,6 +356,20 @@ def test_a_cache_file_that_does_not_fit_is_rebuilt_and_one_that_cannot_be_kept_i
     assert f"rebuilding {cached}, which does not fit the model" in caplog.text
     assert rebuilt.keys() == built.keys()
     assert gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16).keys() == built.keys()
+    if gguf_int4.amx_available():
+        # A file whose AMX tiles do not expand to the weights is rebuilt too.
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(cached))
+        tensors["layers.0.mlp.down_proj.tiles"][0, 0, 0, 0] ^= 0x10
+        save_file(tensors, str(cached))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            again = gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16)
+        assert "the AMX tiles of layers.0.mlp.down_proj do not expand to its weights" in caplog.text
+        assert torch.equal(
+            again["layers.0.mlp.down_proj"].tiles, built["layers.0.mlp.down_proj"].tiles
+        )
 
     def full(*args):
         raise RuntimeError("No space left on device")  # safetensors' own error is no OSError

@@ -48,9 +48,13 @@ typedef struct {
 
 /* The process asks Linux once for the AMX register state; 1 if granted. */
 int tandem_codes_amx_ready(void) {
-    static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return ready;
+    static int ready = -1; /* asking twice is harmless: racing callers may */
+    int known = __atomic_load_n(&ready, __ATOMIC_RELAXED);
+    if (known < 0) {
+        known = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&ready, known, __ATOMIC_RELAXED);
+    }
+    return known;
 }
 
 enum { Q4_1 = 0, Q8_0 = 1 };

@@ -9,27 +9,32 @@ models (Hugging Face parity) always do.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 
 import torch
 
 _kernel: Callable[..., int] | None = None
 _tried = False
+_loading = threading.Lock()  # a caller during the first load waits for it
 
 
 def _load() -> Callable[..., int] | None:
     global _kernel, _tried
-    if not _tried:
-        _tried = True
-        from tandem.kernels.cpu.build import load
+    if _tried:
+        return _kernel
+    with _loading:
+        if not _tried:
+            from tandem.kernels.cpu.build import load
 
-        lib = load()
-        if lib is not None:
-            fn = lib.tandem_rms_norm_bf16
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _kernel = fn
+            lib = load()
+            if lib is not None:
+                fn = lib.tandem_rms_norm_bf16
+                ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+                fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _kernel = fn
+            _tried = True
     return _kernel
 
 

@@ -104,6 +104,10 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             raise BuildError(f"no C compiler {compiler!r} on PATH (set CC to choose one)")
         lib = ctypes.CDLL(str(build(cache, compiler)))
     except (BuildError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("CPU attention kernels unavailable, using the torch backend: %s", exc)
+        log.warning(
+            "CPU attention kernels unavailable, using the torch backend (and torch's ops for "
+            "RMSNorm and the GGUF's codes): %s",
+            exc,
+        )
     _loaded[cache] = lib
     return lib

@@ -44,8 +44,10 @@ if TYPE_CHECKING:
 # payloads: after the handshake the sender describes its cache (frame b"M") and the
 # receiver reads each header's blocks out of it (ucx/rma.py); 6 lets the two sides'
 # tensor-parallel widths differ (the receiver re-splits heads, heads.py), which needs
-# a sender that cuts its messages at rank boundaries.
-PROTOCOL_VERSION = 6
+# a sender that cuts its messages at rank boundaries; 7 may offer a mailbox in frame
+# b"M", which the receiver answers, and then carries frames and acks through it
+# (ucx/mailbox.py).
+PROTOCOL_VERSION = 7
 # The decode/prefill KV tensor layout this protocol moves (see tandem/engine/kv_cache.py).
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 # How a host cache's blocks are checksummed (payload.py); a GPU cache's differ

@@ -106,6 +106,57 @@ def test_the_blocks_are_read_in_place(receiver, prefill) -> None:
     side.pool.free(src_ids)
 
 
+def test_control_goes_through_a_mailbox_on_one_host(receiver, prefill, path) -> None:
+    """A receiver that maps its peers (one host) takes the sender's mailbox: frames and
+    acks skip UCX. One that reads with UCX gets (the path across hosts) keeps them on
+    UCX, and its transfers work as well."""
+    side, sender = prefill
+    src_ids, dst_ids = side.pool.allocate(2), receiver("allocate", 2)
+    dest = receiver("expect", "mb", dst_ids, 30.0)
+    assert sender.send(dest, src_ids, first_token=1).result(timeout=20).state is (
+        TransferState.DONE
+    )
+    assert set(receiver("mailbox")) == {path == "mapped"}
+    receiver("release", "mb")
+    receiver("free", dst_ids)
+    side.pool.free(src_ids)
+
+
+def test_a_bad_frame_in_the_mailbox_ends_the_connection_and_the_next_request_reconnects(
+    receiver, prefill, path
+) -> None:
+    """A record the receiver cannot parse ends that connection at both ends (the sender
+    hears of it through the closed rings), and the next request connects again."""
+    if path != "mapped":
+        pytest.skip("a mailbox is taken only where the sender's memory can be mapped")
+    side, sender = prefill
+    src_ids, dst_ids = side.pool.allocate(2), receiver("allocate", 2)
+    first = receiver("expect", "before", dst_ids, 30.0)
+    assert sender.send(first, src_ids, first_token=1).result(timeout=20).state is (
+        TransferState.DONE
+    )
+    receiver("release", "before")
+    peer = sender._peers[first.address]
+
+    async def junk() -> None:  # on the loop: the ring's one producer
+        assert peer.mailbox.frames.put(b"Z not a frame")
+
+    sender._rt.submit(junk()).result(timeout=10)
+    deadline = time.monotonic() + 20
+    while not peer.dead:
+        assert time.monotonic() < deadline, "the sender never heard that the connection ended"
+        time.sleep(0.01)
+    after = receiver("expect", "after", dst_ids, 30.0)
+    assert sender.send(after, src_ids, first_token=3).result(timeout=20).state is (
+        TransferState.DONE
+    )
+    assert sender._peers[first.address] is not peer
+    assert torch.equal(receiver("blocks", dst_ids), side.kv[:, :, src_ids])
+    receiver("release", "after")
+    receiver("free", dst_ids)
+    side.pool.free(src_ids)
+
+
 def test_a_cache_torch_allocated_is_read_with_gets(receiver) -> None:
     """Memory UCX did not allocate cannot be mapped by a peer: the receiver reads it
     with UCX gets, whatever it would prefer."""

@@ -52,6 +52,8 @@ def _receiver_main(
         "live": lambda: receiver.core.num_live,
         # How each connected sender's cache is read: True mapped, False UCX gets.
         "mapped": lambda: [c.remote.mapped for c in receiver._connections if c.remote],
+        # Whether each connected sender's frames and acks go through a mailbox.
+        "mailbox": lambda: [c.mailbox is not None for c in receiver._connections if c.remote],
     }
     _serve(conn, commands)
     receiver.close()

@@ -3,7 +3,9 @@
 A request's path through one connection: frames are read on the UCX loop thread
 and handed, in order, to the connection's own thread, which reads the blocks and
 verifies them while the loop reads the next frames (so the next header is already
-there when a read ends); acks go back through the loop.
+there when a read ends); acks go back through the loop. With a mailbox (a sender on
+this host, mailbox.py) the connection's thread takes the frames from the mailbox's
+ring itself and puts its acks in the other ring: no hop through UCX and the loop.
 
     listen on host:port      ucxx listens on every interface; sockets.restrict_listener
                              drops connections to any other address than ``host``'s
@@ -14,7 +16,9 @@ there when a read ends); acks go back through the loop.
                              with the peer's address, close. Nothing below runs for a
                              peer that has not proved the secret (auth.py)
     frame b"M"+where         -> the sender's cache (rma.RemoteCache): mapped into this
-                                process where UCX can, else read with UCX gets
+                                process where UCX can, else read with UCX gets; a
+                                mailbox on offer is mapped too where the cache is,
+                                and the answer (MAILBOX) says whether it was
     loop:  frame  b"K"+header -> validated -> the connection's thread:
                                  core.deliver(header, fill): under the reservation's
                                  write lock, if still live, ``fill`` reads the header's
@@ -35,9 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import queue
 import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -47,7 +54,7 @@ from tandem.kv_transfer.base import Fingerprint, TransferMetrics
 from tandem.kv_transfer.heads import HeadMap
 from tandem.kv_transfer.payload import HeaderError, MessageHeader, decode_header
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
-from tandem.kv_transfer.ucx import rma, sockets, wire
+from tandem.kv_transfer.ucx import mailbox, rma, sockets, wire
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -61,6 +68,8 @@ _CLOSE_WAIT_S = rma.READ_TIMEOUT_S + 5
 
 # Frames read but not yet delivered, per connection; past it the sender is dropped.
 MAX_QUEUED_FRAMES = 4096
+# How long an ack may wait for room in a full mailbox before the sender is dropped.
+_ACK_ROOM_S = 10.0
 
 
 class _Connection:
@@ -78,6 +87,10 @@ class _Connection:
         self.frames: queue.SimpleQueue[MessageHeader | str | None] = queue.SimpleQueue()
         self.deliverer: threading.Thread | None = None
         self.ending = False  # set before the thread is told to stop: skip what is left
+        # The sender's mailbox, mapped here (its key keeps the mapping), when it offered
+        # one and it could be: then ``frames`` above stays empty.
+        self.mailbox: mailbox.Mailbox | None = None
+        self.mailbox_key = None
 
 
 class UcxReceiver(CoreReceiver):
@@ -161,6 +174,8 @@ class UcxReceiver(CoreReceiver):
             if conn.deliverer is not None:  # no read may start once the key is gone
                 conn.ending = True
                 conn.frames.put(None)
+                if conn.mailbox is not None:  # wakes the thread (and tells the sender)
+                    conn.mailbox.close()
                 await loop.run_in_executor(self._pool, conn.deliverer.join)
             lost = await loop.run_in_executor(self._pool, self.core.source_lost, conn)
             if lost:
@@ -172,6 +187,8 @@ class UcxReceiver(CoreReceiver):
                 )
             if conn.remote is not None:  # source_lost drained its reads
                 self._cache.remove_remote(conn.remote)
+            if conn.mailbox_key is not None:  # the thread that used the mailbox is over
+                conn.mailbox_key.close()
             self._connections.discard(conn)  # after source_lost: close() waits for this
             ep.abort(period=_ABORT_PERIOD_NS)
 
@@ -243,44 +260,73 @@ class UcxReceiver(CoreReceiver):
             conn.remote = self._cache.add_remote(
                 ep.ucp_endpoint, frame[1:], self.map_peers, conn.heads
             )
+            offer = json.loads(frame[1:]).get("mailbox")
+            if offer is not None and self.map_peers:
+                attached = mailbox.attach(ep.ucp_endpoint, offer)
+                if attached is not None:
+                    conn.mailbox, conn.mailbox_key = attached
         except ValueError as exc:
             raise wire.ProtocolError(str(exc)) from None
         log.debug(
-            "KV receiver %s: sender %s's cache %s",
+            "KV receiver %s: sender %s's cache %s, control %s",
             self.address,
             conn.peer,
             "mapped" if conn.remote.mapped else "read with UCX gets",
+            "through its mailbox" if conn.mailbox is not None else "over UCX",
         )
+        if offer is not None:
+            await wire.send_msg(ep, wire.encode_mailbox_answer(conn.mailbox is not None))
         conn.deliverer = threading.Thread(
             target=self._deliver, args=(conn, loop), name="tandem-kv-deliver", daemon=True
         )
         conn.deliverer.start()
-        reader = wire.Reader(ep, self._frame_limit)
+        reader = wire.Reader(ep, self._frame_limit, depth=1 if conn.mailbox else 8)
         try:
+            if conn.mailbox is not None:  # the reader is there to see the endpoint fail
+                await reader.next()
+                raise wire.ProtocolError("a frame over UCX, where they go through the mailbox")
             await self._queue_frames(conn, reader)
         finally:
             reader.close()
 
     async def _queue_frames(self, conn: _Connection, reader: wire.Reader) -> None:
         while True:
-            frame = await reader.next()
-            kind, body = frame[:1], frame[1:]
-            if kind == wire.ABORT_FRAME:
-                conn.frames.put(body.decode(errors="replace"))
-            elif kind == wire.KV_FRAME:
-                try:
-                    conn.frames.put(decode_header(body))
-                except HeaderError as exc:
-                    raise wire.ProtocolError(f"bad header: {exc}") from None
-            else:
-                raise wire.ProtocolError(f"unknown frame kind {kind!r}")
+            conn.frames.put(_parse_frame(await reader.next()))
             if conn.frames.qsize() > MAX_QUEUED_FRAMES:
                 raise wire.ProtocolError(f"over {MAX_QUEUED_FRAMES} frames not yet delivered")
 
+    def _mailbox_frames(
+        self, conn: _Connection, loop: asyncio.AbstractEventLoop
+    ) -> Iterator[MessageHeader | str]:
+        """The frames of a connection with a mailbox, as they come, until it ends; one
+        the sender could not have written drops the connection."""
+        ring = conn.mailbox.frames
+        while not conn.ending:
+            try:
+                record = ring.get(timeout_s=1.0)
+                if record is not None:
+                    yield _parse_frame(record)
+            except mailbox.RingClosed:
+                return
+            except (mailbox.RingError, wire.ProtocolError) as exc:
+                self._drop(conn, loop, exc)
+                return
+
+    def _drop(self, conn: _Connection, loop: asyncio.AbstractEventLoop, why: Exception) -> None:
+        """End a connection from its thread: the reader sees the endpoint fail and
+        cleans up (``_serve``)."""
+        log.info("KV receiver %s: dropping sender %s: %s", self.address, conn.peer, why)
+        conn.ending = True
+        loop.call_soon_threadsafe(functools.partial(conn.ep.abort, period=_ABORT_PERIOD_NS))
+
     def _deliver(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         """A connection's thread: its frames in order, each read and verified into its
-        reservation (core.deliver), the ack of a final one handed to the loop."""
-        while (item := conn.frames.get()) is not None:
+        reservation (core.deliver), the ack of a final one sent back."""
+        if conn.mailbox is not None:
+            frames = self._mailbox_frames(conn, loop)
+        else:
+            frames = iter(conn.frames.get, None)
+        for item in frames:
             if conn.ending:
                 continue
             if isinstance(item, str):
@@ -298,9 +344,24 @@ class UcxReceiver(CoreReceiver):
                     conn.heads,
                 )
             status = self.core.deliver(item, conn, fill, conn.heads)
-            if status is not None:
-                ack = wire.encode_ack(item.request_id, status)
+            if status is None:
+                continue
+            ack = wire.encode_ack(item.request_id, status)
+            if conn.mailbox is None:
                 asyncio.run_coroutine_threadsafe(self._send_ack(conn, ack), loop)
+            else:
+                self._put_ack(conn, loop, ack)
+
+    def _put_ack(self, conn: _Connection, loop: asyncio.AbstractEventLoop, ack: bytes) -> None:
+        deadline = time.monotonic() + _ACK_ROOM_S
+        try:
+            while not conn.mailbox.acks.put(ack):  # the sender is behind on its acks
+                if time.monotonic() > deadline or conn.ending:
+                    self._drop(conn, loop, TimeoutError(f"no room for an ack in {_ACK_ROOM_S} s"))
+                    return
+                time.sleep(0.001)
+        except mailbox.RingClosed:  # the connection is going: its reader cleans up
+            log.debug("KV receiver %s: ack to %s not sent: closed", self.address, conn.peer)
 
     async def _send_ack(self, conn: _Connection, ack: bytes) -> None:
         try:
@@ -337,3 +398,16 @@ class UcxReceiver(CoreReceiver):
                 len(self._connections),
                 _CLOSE_WAIT_S,
             )
+
+
+def _parse_frame(frame: bytes) -> MessageHeader | str:
+    """A K frame's header, or the request id of an A frame; ProtocolError otherwise."""
+    kind, body = frame[:1], frame[1:]
+    if kind == wire.ABORT_FRAME:
+        return body.decode(errors="replace")
+    if kind == wire.KV_FRAME:
+        try:
+            return decode_header(body)
+        except HeaderError as exc:
+            raise wire.ProtocolError(f"bad header: {exc}") from None
+    raise wire.ProtocolError(f"unknown frame kind {kind!r}")

@@ -118,6 +118,11 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return flat.view(dtype).view(shape).zero_()
 
 
+def exiting() -> bool:
+    """Whether the interpreter is exiting (UCX may be gone: unmap nothing more)."""
+    return _exiting
+
+
 def _allocation_of(t: torch.Tensor) -> ucp.Memory | None:
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     with _lock:
@@ -187,14 +192,17 @@ class CacheMemory:
             )
         self.block_bytes = block_bytes(kv)
 
-    def describe(self) -> bytes:
-        """What a reader needs (frame b"M"): where the cache lies and the key to it."""
+    def describe(self, mailbox: dict | None = None) -> bytes:
+        """What a reader needs (frame b"M"): where the cache lies and the key to it,
+        and the connection's mailbox, if the sender offers one (mailbox.py)."""
         body = {
             "base": self.kv.data_ptr(),
             "nbytes": self.kv.numel() * self.kv.element_size(),
             "blocks": self.kv.shape[2],
             "rkey": self._memory.pack_rkey().hex(),
         }
+        if mailbox is not None:
+            body["mailbox"] = mailbox
         return json.dumps(body).encode()
 
     def add_remote(

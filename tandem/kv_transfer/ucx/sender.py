@@ -11,17 +11,21 @@ A request's path (caller thread, then the UCX loop thread):
                               a receiver that cannot prove the secret -> HandshakeError
                               for everything queued, and not one frame is sent; then
                               where this cache lies (frame b"M"), and its writer drains
-                              the queue and its reader takes acks
+                              the queue and its reader takes acks. On x86-64 Linux
+                              frame b"M" offers a mailbox (mailbox.py); a receiver on
+                              this host takes it, and frames and acks go through it
     writer                    a header frame per message, posted in order, each without
-                              waiting for the last to complete
+                              waiting for the last to complete (or put in the mailbox)
     reader                    ACK -> the request's future: DONE status or TransferError;
-                              only then may the caller free the request's blocks
+                              only then may the caller free the request's blocks. With
+                              a mailbox, the peer's ack thread takes them from its ring
     failure                   endpoint error (peer killed) -> every request to that peer
                               fails with "peer lost"; the next send reconnects.
                               No ack within ``ack_timeout_s`` of the final message ->
                               "timeout" (and an abort frame, best effort).
 
-Futures resolve on the UCX loop thread: done-callbacks run there and must not block.
+Futures resolve on the UCX loop thread, or a mailbox's ack thread: done-callbacks
+run there and must not block.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 
 import torch
@@ -42,7 +47,7 @@ from tandem.kv_transfer.base import (
 )
 from tandem.kv_transfer.payload import MessageHeader, encode_header
 from tandem.kv_transfer.sender import FaultHook, Outgoing, SenderBase
-from tandem.kv_transfer.ucx import rma, wire
+from tandem.kv_transfer.ucx import mailbox, rma, wire
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,10 @@ class _Peer:
         self.tasks: list[asyncio.Task] = []
         self.sends: set[asyncio.Task] = set()  # frames posted, not yet sent
         self.dead = False
+        # The connection's mailbox, once the receiver took it; unmapped when both its
+        # users are done with it (the writer, at _lost, and the ack thread).
+        self.mailbox: mailbox.OwnedMailbox | None = None
+        self.mailbox_users = 0
 
 
 class UcxSender(SenderBase):
@@ -157,7 +166,25 @@ class UcxSender(SenderBase):
         except wire.ProtocolError as exc:  # not a Tandem receiver, or another protocol
             raise HandshakeError(f"the receiver at {peer.address} answered badly: {exc}") from None
         # Only to a receiver that passed the handshake.
-        await wire.send_msg(peer.ep, wire.CACHE_FRAME + self._cache.describe())
+        offer = mailbox.OwnedMailbox(self._rt.context) if mailbox.supported() else None
+        try:
+            description = self._cache.describe(offer.describe() if offer else None)
+            await wire.send_msg(peer.ep, wire.CACHE_FRAME + description)
+            taken = offer is not None and wire.decode_mailbox_answer(
+                await wire.recv_msg(peer.ep, wire.HANDSHAKE_LIMIT)
+            )
+        except BaseException:
+            if offer is not None:
+                offer.free()
+            raise
+        if not taken:
+            if offer is not None:
+                offer.free()
+            return
+        peer.mailbox, peer.mailbox_users = offer, 2
+        threading.Thread(
+            target=self._take_acks, args=(peer,), name="tandem-kv-acks", daemon=True
+        ).start()
 
     async def _handshake(self, peer: _Peer) -> None:
         """Returns once the receiver accepted us and, with a secret, proved it has it."""
@@ -190,11 +217,32 @@ class UcxSender(SenderBase):
         while True:
             item = await peer.queue.get()
             if isinstance(item, str):  # an aborted request id
-                self._post(peer, wire.ABORT_FRAME + item.encode())
-                continue
-            out, header = item
-            if not out.future.done():  # else aborted or failed meanwhile: the rest is moot
-                self._post(peer, wire.KV_FRAME + encode_header(header))
+                frame = wire.ABORT_FRAME + item.encode()
+            else:
+                out, header = item
+                if out.future.done():  # aborted or failed meanwhile: the rest is moot
+                    continue
+                frame = wire.KV_FRAME + encode_header(header)
+                limit = peer.mailbox.frames.max_record if peer.mailbox else len(frame)
+                if len(frame) > limit:
+                    why = f"a header of {len(frame)} bytes, over the mailbox's {limit}"
+                    self._finish(out, TransferError("too large", why))
+                    continue
+            if peer.mailbox is None:
+                self._post(peer, frame)
+            else:
+                await self._put_frame(peer, frame)
+
+    async def _put_frame(self, peer: _Peer, frame: bytes) -> None:
+        """Into the mailbox; while it is full (the receiver is behind), the frames after
+        this one wait too. RingClosed (the receiver closed it) or a receiver that takes
+        nothing for ``ack_timeout_s`` end the connection."""
+        ring, loop = peer.mailbox.frames, asyncio.get_running_loop()
+        deadline = loop.time() + self.ack_timeout_s
+        while not ring.put(frame):
+            if loop.time() > deadline:
+                raise ConnectionError(f"the receiver took no frame for {self.ack_timeout_s:g} s")
+            await asyncio.sleep(0.001)
 
     def _post(self, peer: _Peer, frame: bytes) -> None:
         # A task's first step posts its send; tasks start in the order they were made.
@@ -212,17 +260,42 @@ class UcxSender(SenderBase):
         reader = wire.Reader(peer.ep, wire.ACK_LIMIT, depth=4)
         try:
             while True:
-                rid, status = wire.decode_ack(await reader.next())
-                with self._lock:
-                    out = self._requests.get(rid)
-                if out is not None and out.destination.address == peer.address:
-                    self._finish(out, self._done_status(out, status))
+                self._acked(peer, *wire.decode_ack(await reader.next()))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._lost(peer, TransferError("peer lost", f"connection to {peer.address}: {exc!r}"))
         finally:
             reader.close()
+
+    def _acked(self, peer: _Peer, rid: str, status) -> None:
+        with self._lock:
+            out = self._requests.get(rid)
+        if out is not None and out.destination.address == peer.address:
+            self._finish(out, self._done_status(out, status))
+
+    def _take_acks(self, peer: _Peer) -> None:
+        """A mailbox's ack thread: acks from its ring until the connection ends."""
+        ring = peer.mailbox.acks
+        error = TransferError("peer lost", f"connection to {peer.address} ended")
+        try:
+            while True:
+                record = ring.get(timeout_s=1.0)
+                if record is not None:
+                    self._acked(peer, *wire.decode_ack(record))
+        except mailbox.RingClosed:  # by _lost here, or by the receiver
+            error = TransferError("peer lost", f"connection to {peer.address} closed")
+        except Exception as exc:  # a bad ack, or what _finish raised
+            error = TransferError("peer lost", f"connection to {peer.address}: {exc!r}")
+        finally:
+            if not self._rt.loop.is_closed():
+                self._rt.call_soon(self._lost, peer, error)
+                self._rt.call_soon(self._release_mailbox, peer)
+
+    def _release_mailbox(self, peer: _Peer) -> None:
+        peer.mailbox_users -= 1
+        if peer.mailbox_users == 0 and not rma.exiting():
+            peer.mailbox.free()
 
     def _lost(self, peer: _Peer, error: TransferError) -> None:
         if peer.dead:
@@ -244,6 +317,9 @@ class UcxSender(SenderBase):
                 task.cancel()
         if peer.ep is not None:
             peer.ep.abort(period=_ABORT_PERIOD_NS)
+        if peer.mailbox is not None:  # wakes the ack thread; the writer is cancelled
+            peer.mailbox.close()
+            self._release_mailbox(peer)
 
     async def _watch_acks(self) -> None:
         while True:

@@ -8,7 +8,11 @@
     sender -> receiver   PROOF    proof_s, sent only if proof_r was right
     receiver -> sender   VERDICT  accepted, or "KV authentication failed" (then both close)
     sender -> receiver   the first frame: b"M" + where the sender's cache lies and the
-                           key to read it (rma.CacheMemory.describe)
+                           key to read it (rma.CacheMemory.describe), and, on x86-64
+                           Linux, the connection's mailbox (mailbox.py) on offer
+    receiver -> sender   MAILBOX  only if one was offered: whether the receiver mapped
+                                  it. If it did, every frame and ack below goes
+                                  through the mailbox's rings instead of UCX
     sender -> receiver   then any number of frames, each one message (``send_msg``):
                            b"K" + header (payload.encode_header): the receiver reads the
                                   header's blocks out of the sender's cache (rma.py);
@@ -195,6 +199,17 @@ def encode_proof(proof: bytes) -> bytes:
 
 def decode_proof(data: bytes) -> bytes | None:
     return _bytes(_json(data, "proof"), "proof", auth.PROOF_BYTES, "proof")
+
+
+def encode_mailbox_answer(taken: bool) -> bytes:
+    return json.dumps({"mailbox": taken}).encode()
+
+
+def decode_mailbox_answer(data: bytes) -> bool:
+    taken = _json(data, "mailbox answer").get("mailbox")
+    if not isinstance(taken, bool):
+        raise ProtocolError("bad mailbox answer: no yes or no")
+    return taken
 
 
 def encode_ack(request_id: str, status: TransferStatus) -> bytes:

@@ -5,7 +5,9 @@ A request's path (caller thread, then the UCX loop thread):
     send_layers / send        checksum of the source blocks where they lie, in the
                               caller's thread (sender.py); the receiver reads the
                               blocks in place (rma.py), so nothing is copied here;
-                              then call_soon -> the peer's queue, in call order
+                              then call_soon -> the peer's queue, in call order; or,
+                              once the peer's mailbox is up and nothing is queued
+                              for it, straight into the mailbox from the caller
     first use of an address   a _Peer is created: connect, handshake (wire.py, auth.py):
                               a fingerprint mismatch, a missing secret on either side or
                               a receiver that cannot prove the secret -> HandshakeError
@@ -90,6 +92,13 @@ class UcxSender(SenderBase):
         self.ack_timeout_s = ack_timeout_s
         self._rt = get_runtime()
         self._peers: dict[str, _Peer] = {}  # loop thread only
+        # Frames go into a peer's mailbox from the callers' threads once its connection
+        # is up (``_direct``) and none of the frames handed to the loop for it is still
+        # to be written (``_queued``), so that frames keep their call order. Guards
+        # both, and every put into a mailbox's frame ring (its one producer at a time).
+        self._route = threading.Lock()
+        self._direct: dict[str, _Peer] = {}
+        self._queued: dict[str, int] = {}
         self._closed = False
         self._watchdog = self._rt.submit(self._watch_acks())
 
@@ -103,7 +112,20 @@ class UcxSender(SenderBase):
         if self._closed:
             self._finish(out, TransferError("closed", "sender closed"))
             return
-        self._rt.call_soon(self._enqueue, out.destination.address, (out, header))
+        address = out.destination.address
+        frame = wire.KV_FRAME + encode_header(header) if address in self._direct else None
+        with self._route:
+            peer = self._direct.get(address)
+            if frame is not None and peer is not None and not self._queued.get(address):
+                try:
+                    if len(frame) <= peer.mailbox.frames.max_record and (
+                        peer.mailbox.frames.put(frame)
+                    ):
+                        return
+                except mailbox.RingClosed:  # the connection is ending: the loop says so
+                    pass
+            self._queued[address] = self._queued.get(address, 0) + 1
+        self._rt.call_soon(self._enqueue, address, (out, header))
 
     def _notify_abort(self, out: Outgoing) -> None:
         if not self._closed:
@@ -142,6 +164,9 @@ class UcxSender(SenderBase):
         try:
             await asyncio.wait_for(self._connect(peer), self.connect_timeout_s)
             peer.ready.set_result(None)
+            if peer.mailbox is not None:
+                with self._route:
+                    self._direct[peer.address] = peer
             peer.tasks.append(asyncio.create_task(self._read_acks(peer)))
             await self._write(peer)
         except asyncio.CancelledError:
@@ -220,18 +245,38 @@ class UcxSender(SenderBase):
                 frame = wire.ABORT_FRAME + item.encode()
             else:
                 out, header = item
-                if out.future.done():  # aborted or failed meanwhile: the rest is moot
-                    continue
-                frame = wire.KV_FRAME + encode_header(header)
-                limit = peer.mailbox.frames.max_record if peer.mailbox else len(frame)
-                if len(frame) > limit:
-                    why = f"a header of {len(frame)} bytes, over the mailbox's {limit}"
-                    self._finish(out, TransferError("too large", why))
+                frame = self._kv_frame(out, header, peer)
+                if frame is None:
+                    self._written(peer.address)
                     continue
             if peer.mailbox is None:
                 self._post(peer, frame)
             else:
                 await self._put_frame(peer, frame)
+            if not isinstance(item, str):
+                self._written(peer.address)
+
+    def _kv_frame(self, out: Outgoing, header: MessageHeader, peer: _Peer) -> bytes | None:
+        """The K frame of ``header``, or None if it is not to be sent: the request is
+        over (aborted, failed), or its header is too large for the mailbox (it fails)."""
+        if out.future.done():  # the rest of an aborted or failed request is moot
+            return None
+        frame = wire.KV_FRAME + encode_header(header)
+        limit = peer.mailbox.frames.max_record if peer.mailbox else len(frame)
+        if len(frame) > limit:
+            why = f"a header of {len(frame)} bytes, over the mailbox's {limit}"
+            self._finish(out, TransferError("too large", why))
+            return None
+        return frame
+
+    def _written(self, address: str) -> None:
+        """One frame handed to the loop for ``address`` is out of its queue."""
+        with self._route:
+            left = self._queued.get(address, 0) - 1
+            if left > 0:
+                self._queued[address] = left
+            else:
+                self._queued.pop(address, None)
 
     async def _put_frame(self, peer: _Peer, frame: bytes) -> None:
         """Into the mailbox; while it is full (the receiver is behind), the frames after
@@ -239,7 +284,10 @@ class UcxSender(SenderBase):
         nothing for ``ack_timeout_s`` end the connection."""
         ring, loop = peer.mailbox.frames, asyncio.get_running_loop()
         deadline = loop.time() + self.ack_timeout_s
-        while not ring.put(frame):
+        while True:
+            with self._route:
+                if ring.put(frame):
+                    return
             if loop.time() > deadline:
                 raise ConnectionError(f"the receiver took no frame for {self.ack_timeout_s:g} s")
             await asyncio.sleep(0.001)
@@ -304,6 +352,10 @@ class UcxSender(SenderBase):
         was_connected = peer.ready.done()
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
+        with self._route:  # frames of the next connection go through the loop at first
+            if self._direct.get(peer.address) is peer:
+                del self._direct[peer.address]
+            self._queued.pop(peer.address, None)
         if not peer.ready.done():
             peer.ready.set_exception(error)
             peer.ready.exception()  # retrieved: nobody may be waiting on it

@@ -53,8 +53,6 @@ ACK_RING_BYTES = 256 << 10
 _HEAD_BYTES = 64
 _WRAP = 0xFFFFFFFF
 _LEN = 4
-# How long a consumer sleeps before it looks at ``closed`` again (a close wakes it too).
-_WAIT_S = 0.05
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the peer is another process
@@ -182,7 +180,8 @@ class Ring:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            _futex_wait(self._seq_address, seq, min(left, _WAIT_S))
+            # Returns at once if seq moved since it was read: no record can slip by.
+            _futex_wait(self._seq_address, seq, left)
 
     def _take(self) -> bytes | None:
         h = self._h

@@ -17,8 +17,8 @@ ring itself and puts its acks in the other ring: no hop through UCX and the loop
                              peer that has not proved the secret (auth.py)
     frame b"M"+where         -> the sender's cache (rma.RemoteCache): mapped into this
                                 process where UCX can, else read with UCX gets; a
-                                mailbox on offer is mapped too where the cache is,
-                                and the answer (MAILBOX) says whether it was
+                                mailbox on offer is mapped too where UCX can (and
+                                ``map_peers``); the answer (MAILBOX) says whether it was
     loop:  frame  b"K"+header -> validated -> the connection's thread:
                                  core.deliver(header, fill): under the reservation's
                                  write lock, if still live, ``fill`` reads the header's

@@ -63,6 +63,19 @@ def test_decode_handles_head_dims_of_any_multiple_of_8(cpu, dim) -> None:
     )
 
 
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_decode_softmax_holds_for_any_length_and_sharp_scores(cpu, scale) -> None:
+    # The kernel's softmax exponentiates eight scores at a time (its own exp, within an
+    # ulp of libm's) and the last len % 8 through the same exp: every length from 1 to
+    # 40, and scores so spread (scale 40) that most weights underflow to zero.
+    for context in range(1, 41):
+        q, *rest, scale_ = _decode_case(2, 9, 3, 64, context, torch.float32)
+        case = (q * scale, *rest, scale_)
+        torch.testing.assert_close(
+            cpu.decode_attention(*case), torch_ref.decode_attention(*case), rtol=2e-5, atol=2e-5
+        )
+
+
 def test_decode_reads_query_rows_with_a_stride(cpu) -> None:
     # The engine passes q as a slice of the fused projection's output (rows strided).
     q, *rest = _decode_case(3, 4, 2, 32, 40, torch.float32)

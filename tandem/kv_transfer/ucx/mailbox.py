@@ -140,6 +140,8 @@ class Ring:
         if h.closed:
             raise RingClosed()
         head, tail = h.head, h.tail
+        if head % 8 or not 0 <= head - tail <= self.capacity:  # the peer wrote them
+            raise RingError(f"ring positions out of bounds (head {head}, tail {tail})")
         at = head % self.capacity
         size = _padded(_LEN + len(body))
         if at + size > self.capacity:  # it would straddle the end: wrap first
@@ -167,7 +169,8 @@ class Ring:
     def get(self, timeout_s: float) -> bytes | None:
         """The next record, waiting at most ``timeout_s`` (None if none came); RingClosed
         once the ring is closed and empty, RingError for a record the producer could
-        not have written."""
+        not have written. A consumer calls it in a loop with a short timeout (a second):
+        that bounds how late it sees a close whose wake-up it missed (``close``)."""
         deadline = time.monotonic() + timeout_s
         h = self._h
         while True:
@@ -211,8 +214,11 @@ class Ring:
     # --- either side ---------------------------------------------------------------
 
     def close(self) -> None:
-        """End the ring: its consumer's ``get`` raises RingClosed once it is empty (or
-        at once, if it is waiting), its producer's ``put`` raises."""
+        """End the ring: its consumer's ``get`` raises RingClosed once it is empty (at
+        once, if it is waiting), its producer's ``put`` raises. Either side may close,
+        and Python has no atomic increment: a close that races the producer's bump of
+        seq can leave seq as the consumer last read it, and a consumer about to sleep
+        then misses this wake-up and sees ``closed`` only when its wait times out."""
         self._h.closed = 1
         self._h.seq = (self._h.seq + 1) & 0xFFFFFFFF
         _futex_wake(self._seq_address)

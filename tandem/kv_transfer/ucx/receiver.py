@@ -295,35 +295,43 @@ class UcxReceiver(CoreReceiver):
             if conn.frames.qsize() > MAX_QUEUED_FRAMES:
                 raise wire.ProtocolError(f"over {MAX_QUEUED_FRAMES} frames not yet delivered")
 
-    def _mailbox_frames(
-        self, conn: _Connection, loop: asyncio.AbstractEventLoop
-    ) -> Iterator[MessageHeader | str]:
-        """The frames of a connection with a mailbox, as they come, until it ends; one
-        the sender could not have written drops the connection."""
+    def _mailbox_frames(self, conn: _Connection) -> Iterator[MessageHeader | str]:
+        """The frames of a connection with a mailbox, as they come, until it ends;
+        ProtocolError or RingError for one the sender could not have written."""
         ring = conn.mailbox.frames
         while not conn.ending:
             try:
                 record = ring.get(timeout_s=1.0)
-                if record is not None:
-                    yield _parse_frame(record)
+                if record is not None and len(record) > self._frame_limit:
+                    raise wire.ProtocolError(f"a frame over the limit of {self._frame_limit} bytes")
             except mailbox.RingClosed:
                 return
-            except (mailbox.RingError, wire.ProtocolError) as exc:
-                self._drop(conn, loop, exc)
-                return
+            if record is not None:
+                yield _parse_frame(record)
 
     def _drop(self, conn: _Connection, loop: asyncio.AbstractEventLoop, why: Exception) -> None:
         """End a connection from its thread: the reader sees the endpoint fail and
         cleans up (``_serve``)."""
-        log.info("KV receiver %s: dropping sender %s: %s", self.address, conn.peer, why)
+        log.info("KV receiver %s: dropping sender %s: %r", self.address, conn.peer, why)
         conn.ending = True
+        if conn.mailbox is not None:  # the sender hears of it without waiting for UCX
+            conn.mailbox.close()
         loop.call_soon_threadsafe(functools.partial(conn.ep.abort, period=_ABORT_PERIOD_NS))
 
     def _deliver(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         """A connection's thread: its frames in order, each read and verified into its
-        reservation (core.deliver), the ack of a final one sent back."""
+        reservation (core.deliver), the ack of a final one sent back. Whatever ends it
+        early (a frame it cannot take, a bug) ends the connection, as the loop's reader
+        does: the requests it fed fail then, rather than wait out their leases."""
+        try:
+            self._deliver_frames(conn, loop)
+        except Exception as exc:
+            if not conn.ending:
+                self._drop(conn, loop, exc)
+
+    def _deliver_frames(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         if conn.mailbox is not None:
-            frames = self._mailbox_frames(conn, loop)
+            frames = self._mailbox_frames(conn)
         else:
             frames = iter(conn.frames.get, None)
         for item in frames:
@@ -362,6 +370,8 @@ class UcxReceiver(CoreReceiver):
                 time.sleep(0.001)
         except mailbox.RingClosed:  # the connection is going: its reader cleans up
             log.debug("KV receiver %s: ack to %s not sent: closed", self.address, conn.peer)
+        except ValueError as exc:  # an ack over the ring's size (a huge request id)
+            self._drop(conn, loop, exc)
 
     async def _send_ack(self, conn: _Connection, ack: bytes) -> None:
         try:

@@ -94,8 +94,10 @@ class UcxSender(SenderBase):
         self._peers: dict[str, _Peer] = {}  # loop thread only
         # Frames go into a peer's mailbox from the callers' threads once its connection
         # is up (``_direct``) and none of the frames handed to the loop for it is still
-        # to be written (``_queued``), so that frames keep their call order. Guards
-        # both, and every put into a mailbox's frame ring (its one producer at a time).
+        # to be written (``_queued``: counted when handed over, uncounted when written,
+        # given up, or dropped with a dead peer's queue), so that frames keep their call
+        # order. Guards both, and every put into a mailbox's frame ring (its one
+        # producer at a time).
         self._route = threading.Lock()
         self._direct: dict[str, _Peer] = {}
         self._queued: dict[str, int] = {}
@@ -122,10 +124,10 @@ class UcxSender(SenderBase):
                         peer.mailbox.frames.put(frame)
                     ):
                         return
-                except mailbox.RingClosed:  # the connection is ending: the loop says so
+                except (mailbox.RingClosed, mailbox.RingError):  # the loop's writer says why
                     pass
             self._queued[address] = self._queued.get(address, 0) + 1
-        self._rt.call_soon(self._enqueue, address, (out, header))
+            self._rt.call_soon(self._enqueue, address, (out, header))
 
     def _notify_abort(self, out: Outgoing) -> None:
         if not self._closed:
@@ -243,18 +245,20 @@ class UcxSender(SenderBase):
             item = await peer.queue.get()
             if isinstance(item, str):  # an aborted request id
                 frame = wire.ABORT_FRAME + item.encode()
-            else:
-                out, header = item
-                frame = self._kv_frame(out, header, peer)
-                if frame is None:
-                    self._written(peer.address)
-                    continue
-            if peer.mailbox is None:
-                self._post(peer, frame)
-            else:
-                await self._put_frame(peer, frame)
-            if not isinstance(item, str):
+                await self._send_frame(peer, frame)
+                continue
+            try:
+                frame = self._kv_frame(*item, peer)
+                if frame is not None:
+                    await self._send_frame(peer, frame)
+            finally:  # written, given up, or cancelled with its peer
                 self._written(peer.address)
+
+    async def _send_frame(self, peer: _Peer, frame: bytes) -> None:
+        if peer.mailbox is None:
+            self._post(peer, frame)
+        else:
+            await self._put_frame(peer, frame)
 
     def _kv_frame(self, out: Outgoing, header: MessageHeader, peer: _Peer) -> bytes | None:
         """The K frame of ``header``, or None if it is not to be sent: the request is
@@ -269,10 +273,10 @@ class UcxSender(SenderBase):
             return None
         return frame
 
-    def _written(self, address: str) -> None:
-        """One frame handed to the loop for ``address`` is out of its queue."""
+    def _written(self, address: str, frames: int = 1) -> None:
+        """``frames`` handed to the loop for ``address`` are out of its queues for good."""
         with self._route:
-            left = self._queued.get(address, 0) - 1
+            left = self._queued.get(address, 0) - frames
             if left > 0:
                 self._queued[address] = left
             else:
@@ -355,7 +359,10 @@ class UcxSender(SenderBase):
         with self._route:  # frames of the next connection go through the loop at first
             if self._direct.get(peer.address) is peer:
                 del self._direct[peer.address]
-            self._queued.pop(peer.address, None)
+        dropped = 0  # its queued frames are never written (their requests fail below)
+        while not peer.queue.empty():
+            dropped += not isinstance(peer.queue.get_nowait(), str)
+        self._written(peer.address, dropped)
         if not peer.ready.done():
             peer.ready.set_exception(error)
             peer.ready.exception()  # retrieved: nobody may be waiting on it

@@ -127,7 +127,7 @@ class Ring:
         self._seq_address = address
         self._data = address + _HEAD_BYTES
         self.capacity = capacity
-        self.max_record = capacity - _LEN - 8  # a record must fit with room to wrap
+        self.max_record = capacity - _LEN - 8  # fits, length and padding, from offset 0
 
     # --- producer ------------------------------------------------------------------
 

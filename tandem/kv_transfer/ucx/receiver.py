@@ -370,8 +370,6 @@ class UcxReceiver(CoreReceiver):
                 time.sleep(0.001)
         except mailbox.RingClosed:  # the connection is going: its reader cleans up
             log.debug("KV receiver %s: ack to %s not sent: closed", self.address, conn.peer)
-        except ValueError as exc:  # an ack over the ring's size (a huge request id)
-            self._drop(conn, loop, exc)
 
     async def _send_ack(self, conn: _Connection, ack: bytes) -> None:
         try:

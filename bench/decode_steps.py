@@ -13,7 +13,9 @@ that many requests of ``--prompt-len`` random token ids, prefilled, then
   steps of up to 8 rows take torch's int4 kernel, larger ones the dense weights;
 - ``no-head-codes``: the LM head on its dense weights instead of its 8-bit codes;
 - ``no-fused-norm``: RMSNorm and its residual add in torch's ops instead of
-  tandem/kernels/cpu/rms_norm.c.
+  tandem/kernels/cpu/rms_norm.c;
+- ``no-step-ops``: RoPE, the KV store and the greedy argmax in torch's ops instead of
+  tandem/kernels/cpu/step_ops.c.
 A variant that changes nothing on this machine (no AMX, float32) is left out. Each
 round runs every variant once per batch size; the table shows the median of the
 rounds and ``all``'s speed-up over each variant (> 1: the path pays).
@@ -38,6 +40,7 @@ from tandem.engine import model as model_module  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
 from tandem.engine.model import Linear  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.kernels import cpu as cpu_backend  # noqa: E402
 
 
 def _variants(engine: LLMEngine) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
@@ -74,6 +77,17 @@ def _variants(engine: LLMEngine) -> dict[str, Callable[[], contextlib.AbstractCo
         finally:
             norm.rms_norm = fused
 
+    @contextlib.contextmanager
+    def without_step_ops() -> Iterator[None]:
+        ops = model_module.cpu_ops
+        saved = ops.rope, ops.argmax, cpu_backend._store_rows
+        ops.rope = ops.argmax = lambda *args: None
+        cpu_backend._store_rows = lambda *args: False
+        try:
+            yield
+        finally:
+            ops.rope, ops.argmax, cpu_backend._store_rows = saved
+
     variants: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "all": contextlib.nullcontext
     }
@@ -84,6 +98,8 @@ def _variants(engine: LLMEngine) -> dict[str, Callable[[], contextlib.AbstractCo
     probe = engine.model.norm.weight
     if model_module.cpu_norm.rms_norm(probe[None, :], probe, 1e-5) is not None:
         variants["no-fused-norm"] = without_fused_norm
+    if model_module.cpu_ops.argmax(probe[None, :].float()) is not None:
+        variants["no-step-ops"] = without_step_ops
     return variants
 
 

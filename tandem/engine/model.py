@@ -20,6 +20,7 @@ from tandem.engine import gguf_int4
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.rope import apply_rope, rope_cache, signed_sin
 from tandem.kernels.cpu import norm as cpu_norm
+from tandem.kernels.cpu import step_ops as cpu_ops
 
 
 @dataclass
@@ -163,9 +164,9 @@ class Attention(nn.Module):
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate q and k in one go: they are adjacent heads of the fused projection.
-        qk = apply_rope(
-            qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin_signed
-        )
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        rotated = cpu_ops.rope(qk, cos, sin_signed)
+        qk = apply_rope(qk, cos, sin_signed) if rotated is None else rotated
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.k_balance is not None:
             q, k = q * self.q_balance, k * self.k_balance

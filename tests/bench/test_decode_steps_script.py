@@ -34,6 +34,10 @@ def test_each_variant_turns_its_path_off_and_back_on(decode_steps):
     with variants["no-fused-norm"]():
         assert norm.rms_norm(x, engine.model.norm.weight, 1e-5) is None
     assert norm.rms_norm is fused
+    ops, rows = model_module.cpu_ops, x.float()
+    with variants["no-step-ops"]():
+        assert ops.argmax(rows) is None and ops.rope(x[None], x, x) is None
+    assert ops.argmax(rows) == [int(rows.argmax())]
 
 
 def test_a_run_times_every_variant_at_every_batch():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.kernels.cpu import build as _build
 from tandem.kernels.cpu.build import load as _load_library
 from tandem.kernels.torch_ref import decode_attention as _torch_decode_attention
 from tandem.kernels.torch_ref import prefill_attention
@@ -46,6 +47,8 @@ _STORE_SYMBOLS = {
     torch.float32: "tandem_store_kv_i8_f32",
 }
 _stores: dict[torch.dtype, Callable[..., int]] = {}
+_STORE_ROWS_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+_STORE_ROWS_ARGS += [ctypes.c_int64] * 3
 
 
 def load(cache_dir: Path | None = None) -> bool:
@@ -78,7 +81,10 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [tokens], int64
 ) -> None:
     """As :func:`tandem.kernels.torch_ref.store_kv`: into an int8 cache by the C store
-    (bit-identical rows, one pass), into a float cache by the reference's copy."""
+    (bit-identical rows, one pass), into a float cache of k's dtype by a C copy of
+    each token's rows (one call for K and V), else by the reference's copy."""
+    if k_cache.dtype == k.dtype and _store_rows(k, v, k_cache, v_cache, slot_mapping):
+        return
     store = _stores.get(k.dtype)
     tokens, kv_heads, head_dim = k.shape
     if (
@@ -113,6 +119,47 @@ def store_kv(
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"store_kv: the CPU kernel refused the shapes (status {status})")
+
+
+def _store_rows(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Copy K and V into a cache of their dtype with ``step_ops.c``; False (nothing
+    written) where it does not apply: a layout whose heads do not lie one after
+    another in each token's row, or no library here."""
+    tokens, kv_heads, head_dim = k.shape
+    rows = (kv_heads, head_dim)
+    if not (
+        k.device.type == "cpu"
+        and v.shape == k.shape
+        and v.dtype == k.dtype
+        and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[2:] == rows
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.shape == (tokens,)
+        and slot_mapping.is_contiguous()
+    ):
+        return False
+    copy = _build.function("tandem_store_rows", _STORE_ROWS_ARGS)
+    if copy is None:
+        return False
+    size = k.element_size()
+    status = copy(
+        k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), tokens,
+        k_cache.shape[0] * k_cache.shape[1], kv_heads * head_dim * size,
+    )  # fmt: skip
+    if status != 0:  # the kernel checks the slots before it writes
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        raise IndexError(f"store_kv: a slot outside the cache's {capacity}")
+    return True
 
 
 def decode_attention(

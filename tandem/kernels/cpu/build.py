@@ -21,19 +21,26 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 # Compiled together into one library: the decode attention, the projections from a
-# GGUF's codes, and RMSNorm.
+# GGUF's codes, RMSNorm, and RoPE with the KV store.
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_decode.c", "gguf_linear.c", "rms_norm.c")
+    Path(__file__).with_name(name)
+    for name in ("paged_decode.c", "gguf_linear.c", "rms_norm.c", "step_ops.c")
 )
+# Included by the sources: part of what a build depends on.
+HEADERS = (Path(__file__).with_name("bf16.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
 _BUILD_TIMEOUT_S = 120
 
 _loaded: dict[Path, ctypes.CDLL | None] = {}
+_functions: dict[str, Callable[..., int] | None] = {}
+_loading = threading.Lock()  # a caller during the first load waits for it
 
 
 class BuildError(RuntimeError):
@@ -56,7 +63,7 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     for part in (version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
@@ -111,3 +118,19 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         )
     _loaded[cache] = lib
     return lib
+
+
+def function(symbol: str, argtypes: list) -> Callable[..., int] | None:
+    """``symbol`` of the library in the default cache, returning a C int, its arguments
+    ``argtypes``; None where the library cannot be built here. Looked up once."""
+    if symbol in _functions:
+        return _functions[symbol]
+    with _loading:
+        if symbol not in _functions:
+            lib = load()
+            fn = None
+            if lib is not None:
+                fn = getattr(lib, symbol)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            _functions[symbol] = fn
+    return _functions[symbol]

@@ -9,33 +9,13 @@ models (Hugging Face parity) always do.
 from __future__ import annotations
 
 import ctypes
-import threading
-from collections.abc import Callable
 
 import torch
 
-_kernel: Callable[..., int] | None = None
-_tried = False
-_loading = threading.Lock()  # a caller during the first load waits for it
+from tandem.kernels.cpu import build
 
-
-def _load() -> Callable[..., int] | None:
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    with _loading:
-        if not _tried:
-            from tandem.kernels.cpu.build import load
-
-            lib = load()
-            if lib is not None:
-                fn = lib.tandem_rms_norm_bf16
-                ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _kernel = fn
-            _tried = True
-    return _kernel
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_ARGS = [_ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _i64, _i64, ctypes.c_int]
 
 
 def rms_norm(
@@ -52,7 +32,7 @@ def rms_norm(
         or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
     ):
         return None
-    kernel = _load()
+    kernel = build.function("tandem_rms_norm_bf16", _ARGS)
     if kernel is None:
         return None
     x, weight = x.contiguous(), weight.contiguous()

@@ -15,46 +15,39 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#include "bf16.h"
 
-/* Round to nearest even, as torch converts; NaN stays NaN. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-#define LANES 16
-
+/* The sum of squares is kept in 16 lanes, element i in lane i % 16, added up in lane
+ * order at the end. */
 static void norm_row(const uint16_t *x, const uint16_t *residual, uint16_t *h_out,
                      const uint16_t *w, float eps, uint16_t *y, int64_t dim) {
-    float partial[LANES] = {0};
-    int64_t i = 0;
+    const int64_t whole = dim - dim % 16;
+    int64_t i;
     if (residual) {
-        for (; i < dim; i++) h_out[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
+        for (i = 0; i < whole; i += 16)
+            bf16x16_store(h_out + i, bf16x16_load(x + i) + bf16x16_load(residual + i));
+        for (; i < dim; i++)
+            h_out[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
         x = h_out;
     }
-    for (i = 0; i + LANES <= dim; i += LANES)
-        for (int l = 0; l < LANES; l++) {
-            float v = bf16_to_float(x[i + l]);
-            partial[l] += v * v;
-        }
+    v16sf lanes = {0};
+    for (i = 0; i < whole; i += 16) {
+        const v16sf v = bf16x16_load(x + i);
+        lanes += v * v;
+    }
+    float partial[16];
+    memcpy(partial, &lanes, sizeof partial);
     for (int l = 0; i < dim; i++, l++) {
-        float v = bf16_to_float(x[i]);
+        const float v = bf16_to_float(x[i]);
         partial[l] += v * v;
     }
     float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += partial[l];
+    for (int l = 0; l < 16; l++) sum += partial[l];
     const float r = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (i = 0; i < dim; i++) {
-        float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * r));
+    for (i = 0; i < whole; i += 16)
+        bf16x16_store(y + i, bf16x16_load(w + i) * bf16x16_round(bf16x16_load(x + i) * r));
+    for (; i < dim; i++) {
+        const float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * r));
         y[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
     }
 }

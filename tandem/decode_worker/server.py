@@ -53,6 +53,8 @@ class DecodeServer(WorkerServer):
         )
         self.admission = KvAdmission(self.receiver, cfg.kv_lease_s)
         self.loop.add_hook(self.admission.poll)
+        # A transfer's end wakes the engine thread, which admits (or fails) the request.
+        self.receiver.notify(self.loop.wake)
 
     def _close_transfer(self) -> None:
         if self.receiver is not None:

@@ -4,8 +4,10 @@
 asyncio code hands work over with ``call`` (runs between two steps and returns
 the result) and receives a request's outputs on the asyncio queue that
 ``subscribe`` returned. The thread steps the engine while it has work and
-otherwise sleeps until a command arrives; ``on_idle`` hooks run every iteration
-(the decode worker admits requests whose KV has arrived there).
+otherwise sleeps until a command arrives, ``wake`` is called (the decode worker's
+KV receiver calls it when a transfer ends) or ``poll_interval_s`` passes; hooks
+run every iteration (the decode worker admits requests whose KV has arrived
+there).
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ from tandem.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_WAKE = None  # a command that only wakes the thread
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, poll_interval_s: float = 0.002) -> None:
+    def __init__(self, engine: LLMEngine, poll_interval_s: float = 0.1) -> None:
         self.engine = engine
-        self.poll_interval_s = poll_interval_s  # how often hooks run while idle
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        # How often hooks run while idle and nothing wakes the thread. What they wait
+        # for calls ``wake`` (a 2 ms poll cost an idle worker 1% of a core).
+        self.poll_interval_s = poll_interval_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = (
+            queue.SimpleQueue()
+        )
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._hooks: list[Callable[[LLMEngine], None]] = []
         self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
@@ -43,8 +50,13 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._commands.put((lambda: None, Future()))  # wake the thread
+        self.wake()
         self._thread.join(timeout)
+
+    def wake(self) -> None:
+        """Run the hooks now rather than at the next poll (from any thread, holding any
+        lock: it only queues a token)."""
+        self._commands.put(_WAKE)
 
     def add_hook(self, hook: Callable[[LLMEngine], None]) -> None:
         """Run ``hook(engine)`` on the engine thread every iteration (before each step)."""
@@ -112,12 +124,15 @@ class EngineLoop:
         while True:
             try:
                 if timeout is not None:
-                    fn, fut = self._commands.get(timeout=timeout)
+                    command = self._commands.get(timeout=timeout)
                     timeout = None
                 else:
-                    fn, fut = self._commands.get_nowait()
+                    command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if command is _WAKE:
+                continue
+            fn, fut = command
             if not fut.set_running_or_notify_cancel():
                 continue
             try:

@@ -265,3 +265,9 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def notify(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever a reservation ends (DONE or FAILED), from the thread
+        that ended it and under its locks: it must neither block nor call back in. The
+        owner polls to learn which (the engine thread, woken by it)."""

@@ -134,6 +134,8 @@ class ReceiverCore:
         self.block_layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()
         self._lock = threading.Lock()  # guards _table and every reservation's fields
         self._table: dict[str, _Reservation] = {}
+        # Called (under _lock) whenever a reservation ends: KVReceiver.notify.
+        self.on_end: Callable[[], None] | None = None
 
     # --- engine side ---------------------------------------------------------------
 
@@ -383,6 +385,7 @@ class ReceiverCore:
         res.state = TransferState.DONE
         res.seconds = self.clock() - (res.started or self.clock())
         self.metrics.record_done(res.seconds, received=res.nbytes)
+        self._ended_locked()
 
     def _expire_locked(self, res: _Reservation) -> bool:
         if res.state not in TERMINAL and self.clock() > res.deadline:
@@ -398,6 +401,14 @@ class ReceiverCore:
         res.detail = detail
         self.metrics.record_failure(reason)
         log.warning("KV transfer %s failed: %s %s", res.request_id, reason, detail)
+        self._ended_locked()
+
+    def _ended_locked(self) -> None:
+        if self.on_end is not None:
+            try:
+                self.on_end()
+            except Exception:  # the owner still polls: a broken callback only slows it
+                log.exception("KV receiver: the end-of-transfer callback failed")
 
     @staticmethod
     def _drain(res: _Reservation) -> None:
@@ -451,3 +462,6 @@ class CoreReceiver(KVReceiver):
 
     def release(self, request_id: str) -> None:
         self.core.release(request_id)
+
+    def notify(self, callback: Callable[[], None]) -> None:
+        self.core.on_end = callback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -241,3 +242,18 @@ def test_prefill_here_cancelled_mid_stream_frees_its_blocks(pair):
     assert next(stream).chunk.token_ids  # the first token, sampled here
     stream.cancel()
     wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
+
+
+def test_an_arrived_transfer_wakes_an_idle_worker_that_would_poll_in_an_hour(pair):
+    loop = pair.decode.server.loop
+    loop.poll_interval_s = 3600
+    try:
+        time.sleep(0.3)  # the engine thread is back in an hour-long wait
+        req = request([5] * 30, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        stream, dest = _open(pair.decode, req)
+        prefill(pair.prefill, req, dest)
+        # Admitted when the KV arrived: the receiver woke the engine thread.
+        assert next(stream).chunk.token_ids
+    finally:
+        loop.poll_interval_s = 0.1
+        loop.wake()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from tandem.engine.loop import EngineLoop
 from tandem.engine.sampling_params import SamplingParams
@@ -77,3 +79,20 @@ def test_a_failing_step_fails_its_requests_and_frees_blocks(tiny_engine, monkeyp
         monkeypatch.undo()
     assert out.finished and out.finish_reason is FinishReason.ERROR
     assert tiny_engine.kv.pool.num_used == 0
+
+
+def test_wake_runs_the_hooks_of_an_idle_loop_without_waiting_for_its_poll(tiny_engine):
+    ran = threading.Event()
+    loop = EngineLoop(tiny_engine, poll_interval_s=3600)
+    loop.add_hook(lambda engine: ran.set())
+    loop.start()
+    try:
+        time.sleep(0.1)
+        assert not ran.is_set()  # the idle thread waits out its poll before any hook
+        for _ in range(2):
+            loop.wake()
+            assert ran.wait(10), "wake ran the hooks; the poll would have taken an hour"
+            ran.clear()
+        assert loop.submit(lambda e: 7).result(10) == 7  # commands still run after a wake
+    finally:
+        loop.stop()

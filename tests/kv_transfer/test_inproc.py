@@ -404,3 +404,31 @@ def test_a_second_sender_is_refused_and_leaves_the_first_ones_request_alone(
         other_side.check_clean()
     finally:
         second.close()
+
+
+def test_the_owner_is_told_each_time_a_reservation_ends(link) -> None:
+    src, dst, sender, receiver = link
+    ended = []
+    receiver.notify(lambda: ended.append(1))  # called under the receiver's lock
+    clock = FakeClock()
+    receiver.core.clock = clock
+    src_ids = src.pool.allocate(2)
+    ids = {rid: dst.pool.allocate(2) for rid in ("done", "aborted", "expired")}
+    dests = {rid: receiver.expect(rid, blocks, lease_s=5) for rid, blocks in ids.items()}
+    assert not ended
+    assert sender.send(dests["done"], src_ids, first_token=3).result(5).state is TransferState.DONE
+    assert len(ended) == 1
+    receiver.abort("aborted")
+    clock.now += 6
+    assert receiver.core.sweep() == ["expired"]
+    assert len(ended) == 3
+    receiver.abort("aborted")  # already over: nothing ends twice
+    assert len(ended) == 3
+    # A callback that raises is logged; the transfer it reports on is not disturbed.
+    receiver.notify(lambda: 1 / 0)
+    more = receiver.expect("more", dst.pool.allocate(2), lease_s=5)
+    assert sender.send(more, src_ids, first_token=4).result(5).state is TransferState.DONE
+    for rid in (*ids, "more"):
+        receiver.release(rid)
+    dst.pool.free([b for blocks in ids.values() for b in blocks] + list(more.block_ids))
+    src.pool.free(src_ids)

@@ -94,15 +94,27 @@ class EngineLoop:
         # Scheduler work, not engine.has_unfinished(): a decode-side reservation waiting
         # for its KV is unfinished but has nothing to step, and must not spin the thread.
         scheduler = self.engine.scheduler
+        stepped = False
         while not self._stop.is_set():
-            self._drain_commands(block=not scheduler.has_work())
+            # After a step the hooks see its outcome (the worker's published load) before
+            # the thread sleeps, not a poll interval later.
+            done = self._drain_commands(block=not stepped and not scheduler.has_work())
+            stepped = False
             for hook in self._hooks:
                 try:
                     hook(self.engine)
                 except Exception:  # a hook's bug must not stop serving
                     log.exception("engine hook failed")
+            # Callers hear of their commands once the hooks have seen them: the load a
+            # worker publishes already counts a reservation its caller was told of.
+            for fut, result, error in done:
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
             if not scheduler.has_work():
                 continue
+            stepped = True
             started = time.perf_counter()
             try:
                 outputs = self.engine.step()
@@ -119,8 +131,11 @@ class EngineLoop:
             for out in outputs:
                 self._deliver(out)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool) -> list[tuple[Future, Any, BaseException | None]]:
+        """Run the queued commands (waiting up to a poll interval for one if ``block``);
+        returns each one's future with its result or error, not yet resolved."""
         timeout = self.poll_interval_s if block else None
+        done: list[tuple[Future, Any, BaseException | None]] = []
         while True:
             try:
                 if timeout is not None:
@@ -129,16 +144,16 @@ class EngineLoop:
                 else:
                     command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return done
             if command is _WAKE:
                 continue
             fn, fut = command
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn())
+                done.append((fut, fn(), None))
             except BaseException as exc:  # handed back to the caller
-                fut.set_exception(exc)
+                done.append((fut, None, exc))
 
     def _deliver(self, out: RequestOutput) -> None:
         sub = self._subscribers.get(out.request_id)

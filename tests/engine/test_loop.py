@@ -96,3 +96,35 @@ def test_wake_runs_the_hooks_of_an_idle_loop_without_waiting_for_its_poll(tiny_e
         assert loop.submit(lambda e: 7).result(10) == 7  # commands still run after a wake
     finally:
         loop.stop()
+
+
+def test_the_hooks_see_the_last_steps_outcome_before_the_thread_sleeps(tiny_engine):
+    idle = threading.Event()
+    loop = EngineLoop(tiny_engine, poll_interval_s=3600)
+    loop.add_hook(lambda engine: idle.set() if not engine.has_unfinished() else idle.clear())
+    loop.start()
+    try:
+        outs = asyncio.run(_run(loop, "r", [5, 6, 7]))
+        assert outs[-1].finished
+        # What a worker publishes from its hooks (its load) is the finished state, now.
+        assert idle.wait(10), "the hooks ran after the last step, not an hour later"
+    finally:
+        loop.stop()
+
+
+def test_a_command_returns_once_the_hooks_have_seen_it(tiny_engine):
+    published = []
+
+    def publish(engine):  # what a worker's Status reads: slow, so any race would show
+        time.sleep(0.05)
+        published.append(len(engine.scheduler.waiting))
+
+    loop = EngineLoop(tiny_engine)
+    loop.add_hook(publish)
+    loop.start()
+    try:
+        loop.submit(lambda e: e.add_request([5, 6, 7], PARAMS, "r")).result(10)
+        assert published[-1] == 1, "the caller heard back before its request was published"
+        loop.submit(lambda e: e.abort("r")).result(10)
+    finally:
+        loop.stop()

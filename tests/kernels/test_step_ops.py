@@ -81,6 +81,8 @@ def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(cpu) -> No
         with pytest.raises(IndexError, match="outside the cache's 8"):
             cpu.store_kv(k, k, *caches, torch.tensor([1, 2, bad]))
         assert not any(c.any() for c in caches)
+    # A V cache of another dtype: the reference's copy, which casts.
+    assert not cpu._store_rows(k, k, caches[0], caches[1].float(), torch.tensor([0, 1, 2]))
     # Heads that do not lie one after another in a token's row: the reference's copy.
     strided = torch.randn(2, 16, 3).bfloat16().transpose(1, 2)[:, :2]
     assert not cpu._store_rows(strided, strided, *caches, torch.tensor([0, 1]))

@@ -83,7 +83,7 @@ def store_kv(
     """As :func:`tandem.kernels.torch_ref.store_kv`: into an int8 cache by the C store
     (bit-identical rows, one pass), into a float cache of k's dtype by a C copy of
     each token's rows (one call for K and V), else by the reference's copy."""
-    if k_cache.dtype == k.dtype and _store_rows(k, v, k_cache, v_cache, slot_mapping):
+    if _store_rows(k, v, k_cache, v_cache, slot_mapping):
         return
     store = _stores.get(k.dtype)
     tokens, kv_heads, head_dim = k.shape
@@ -134,9 +134,10 @@ def _store_rows(
     tokens, kv_heads, head_dim = k.shape
     rows = (kv_heads, head_dim)
     if not (
-        k.device.type == "cpu"
+        all(t.device.type == "cpu" for t in (k, v, k_cache, v_cache, slot_mapping))
         and v.shape == k.shape
         and v.dtype == k.dtype
+        and k_cache.dtype == v_cache.dtype == k.dtype
         and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
         and k_cache.shape == v_cache.shape
         and k_cache.shape[2:] == rows

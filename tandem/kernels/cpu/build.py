@@ -40,7 +40,8 @@ _BUILD_TIMEOUT_S = 120
 
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 _functions: dict[str, Callable[..., int] | None] = {}
-_loading = threading.Lock()  # a caller during the first load waits for it
+# A caller during the first load (or build) waits for it; re-entered by ``function``.
+_loading = threading.RLock()
 
 
 class BuildError(RuntimeError):
@@ -77,7 +78,7 @@ def build(cache_dir: Path, compiler: str) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     log.info("compiling the CPU attention kernels with %s into %s", compiler, path)
     try:
         done = subprocess.run(
@@ -102,22 +103,23 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     from tandem.engine.loader import default_cache_dir
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    if cache in _loaded:
-        return _loaded[cache]
-    lib = None
-    compiler = os.environ.get("CC", "cc")
-    try:
-        if shutil.which(compiler) is None:
-            raise BuildError(f"no C compiler {compiler!r} on PATH (set CC to choose one)")
-        lib = ctypes.CDLL(str(build(cache, compiler)))
-    except (BuildError, OSError, subprocess.SubprocessError) as exc:
-        log.warning(
-            "CPU attention kernels unavailable, using the torch backend (and torch's ops for "
-            "RMSNorm and the GGUF's codes): %s",
-            exc,
-        )
-    _loaded[cache] = lib
-    return lib
+    with _loading:
+        if cache in _loaded:
+            return _loaded[cache]
+        lib = None
+        compiler = os.environ.get("CC", "cc")
+        try:
+            if shutil.which(compiler) is None:
+                raise BuildError(f"no C compiler {compiler!r} on PATH (set CC to choose one)")
+            lib = ctypes.CDLL(str(build(cache, compiler)))
+        except (BuildError, OSError, subprocess.SubprocessError) as exc:
+            log.warning(
+                "CPU attention kernels unavailable, using the torch backend (and torch's ops "
+                "for RMSNorm and the GGUF's codes): %s",
+                exc,
+            )
+        _loaded[cache] = lib
+        return lib
 
 
 def function(symbol: str, argtypes: list) -> Callable[..., int] | None:

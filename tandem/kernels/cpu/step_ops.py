@@ -30,6 +30,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     if (
         x.dtype != torch.bfloat16
         or x.device.type != "cpu"
+        or cos.device.type != "cpu"
+        or sin_signed.device.type != "cpu"
         or x.dim() != 3
         or x.stride(2) != 1
         or x.stride(1) != x.shape[2]

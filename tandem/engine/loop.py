@@ -32,8 +32,8 @@ _WAKE = None  # a command that only wakes the thread
 class EngineLoop:
     def __init__(self, engine: LLMEngine, poll_interval_s: float = 0.1) -> None:
         self.engine = engine
-        # How often hooks run while idle and nothing wakes the thread. What they wait
-        # for calls ``wake`` (a 2 ms poll cost an idle worker 1% of a core).
+        # How often hooks run while idle and nothing wakes the thread: what they wait
+        # for (a decode reservation's KV) calls ``wake``, so this is only a fallback.
         self.poll_interval_s = poll_interval_s
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = (
             queue.SimpleQueue()

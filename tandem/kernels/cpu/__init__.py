@@ -2,12 +2,13 @@
 
 Decode attention is a C kernel (``paged_decode.c``) that reads the paged cache in
 place through the block tables, compiled for this machine on first use
-(``build.py``); prefill attention and the KV store into a float cache are the torch
-reference's (PyTorch's fused CPU attention already serves long queries well). An
-int8 cache is stored by C code too (rotate and quantize each row in one pass, the
-reference's values bit for bit), and read by the decode kernel directly. Against the
-torch backend's decode attention it was 1.6-3x faster on the default model's
-shapes, in bfloat16 and float32 (``bench/decode_attention.py``).
+(``build.py``); prefill attention is the torch reference's (PyTorch's fused CPU
+attention already serves long queries well). The KV store is C code too: into a
+float cache of K's dtype, a copy of each token's rows (``step_ops.c``); into an int8
+cache, each row rotated and quantized in one pass (the reference's values bit for
+bit), which the decode kernel reads directly. Against the torch backend's decode
+attention the kernel was 1.6-3x faster on the default model's shapes, in bfloat16
+and float32 (``bench/decode_attention.py``).
 
 ``load`` must succeed before ``decode_attention`` is called; ``resolve_backend``
 does that, and picks this backend for ``auto`` on a CPU where it loads.
@@ -47,8 +48,11 @@ _STORE_SYMBOLS = {
     torch.float32: "tandem_store_kv_i8_f32",
 }
 _stores: dict[torch.dtype, Callable[..., int]] = {}
-_STORE_ROWS_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
-_STORE_ROWS_ARGS += [ctypes.c_int64] * 3
+# k, its token stride, v, its token stride, the caches, the slots, tokens, capacity,
+# bytes a token: step_ops.c's tandem_store_rows.
+_STORE_ROWS_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+)
 
 
 def load(cache_dir: Path | None = None) -> bool:

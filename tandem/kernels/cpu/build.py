@@ -28,7 +28,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # Compiled together into one library: the decode attention, the projections from a
-# GGUF's codes, RMSNorm, and RoPE with the KV store.
+# GGUF's codes, RMSNorm, and the small steps (RoPE, the KV store, the greedy argmax).
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("paged_decode.c", "gguf_linear.c", "rms_norm.c", "step_ops.c")

@@ -309,10 +309,17 @@ def int8_checks(b: Bench, ops, ref, heads, kv_heads, head_dim, block_size, batch
             p = int8_paged(make_paged([context_len], kv_heads, head_dim, dtype, device, block_size))
             q = torch.randn(query_len, heads, head_dim, device=device, dtype=dtype)
             args = (p.tables[0], context_len, head_dim**-0.5)
-            want = ref.prefill_attention(q.float(), p.k_cache, p.v_cache, *args)
-            for out, got in ((errs, ops), (torch_errs, ref)):
-                out.append(rel_error(got.prefill_attention(q, p.k_cache, p.v_cache, *args), want))
-        return _check_row(max(errs), dtype, "with and without a cached prefix", max(torch_errs))
+            # The new tokens' K/V read back from the cache, then taken as computed.
+            new = [torch.randn(query_len, kv_heads, head_dim, device=device, dtype=dtype)
+                   for _ in range(2)]  # fmt: skip
+            for new_kv in (None, tuple(new)):
+                wide = None if new_kv is None else tuple(x.float() for x in new_kv)
+                want = ref.prefill_attention(q.float(), p.k_cache, p.v_cache, *args, new_kv=wide)
+                for out, got in ((errs, ops), (torch_errs, ref)):
+                    got_out = got.prefill_attention(q, p.k_cache, p.v_cache, *args, new_kv=new_kv)
+                    out.append(rel_error(got_out, want))
+        note = "with and without a cached prefix; new K/V stored and as computed"
+        return _check_row(max(errs), dtype, note, max(torch_errs))
 
     def store() -> Row:
         p = int8_paged(make_paged([max_len], kv_heads, head_dim, dtype, device, block_size))

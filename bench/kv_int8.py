@@ -14,8 +14,8 @@ Quality: one engine per ``kv_cache_dtype`` (auto, int8), everything else equal.
 - Perplexity on a fixed text (default: the running Python's LICENSE.txt, English
   prose and tables; ``--text`` another file): its first ``--ppl-tokens`` tokens
   prefilled in chunks of 256 through the paged cache, so each chunk attends over
-  the earlier chunks' stored (for int8: quantized) KV, and every token's
-  log-probability scored.
+  the earlier chunks' stored (for int8: quantized) KV and its own tokens' KV as
+  computed, and every token's log-probability scored.
 - The int8 cache without K's per-channel balance (tandem/engine/k_balance.py), the
   format before it, as a third engine: the same prompts, text and counts.
 - The yardstick for agreement, in the same run: the float cache once more through

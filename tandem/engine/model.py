@@ -192,7 +192,13 @@ class Attention(nn.Module):
         for p in meta.prefills:
             s = slice(p.start, p.start + p.query_len)
             out[s] = ops.prefill_attention(
-                q[s], k_cache, v_cache, p.block_table, p.context_len, self.scale
+                q[s],
+                k_cache,
+                v_cache,
+                p.block_table,
+                p.context_len,
+                self.scale,
+                new_kv=(k[s], v[s]),
             )
         return self.o_proj(out.reshape(n, self.q_size))
 

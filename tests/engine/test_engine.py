@@ -171,6 +171,24 @@ def test_an_int8_kv_cache_holds_its_scales_and_more_blocks_in_the_same_bytes():
     assert float_engine.kv_fingerprint().kv_cache_dtype == "auto"
 
 
+def test_an_int8_cache_prefill_attends_its_own_tokens_exactly_and_earlier_chunks_as_stored():
+    """Within a prefill chunk, attention takes the chunk's K/V as computed, so one
+    chunk scores as with a float cache (up to the rotation's rounding); a later chunk
+    reads the earlier one from the int8 cache."""
+    ids = list(range(3, 3 + 40))
+    exact = make_engine().score(ids, chunk_tokens=64)
+    engine = make_engine(kv_cache_dtype="int8")
+
+    one_chunk = engine.score(ids, chunk_tokens=64)
+    chunked = engine.score(ids, chunk_tokens=16)
+
+    assert max(abs(a - b) for a, b in zip(one_chunk, exact, strict=True)) < 1e-4
+    # The first chunk is the same computation as the first 16 tokens of one chunk.
+    assert max(abs(a - b) for a, b in zip(chunked[:16], one_chunk[:16], strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(chunked[15:], exact[15:], strict=True)) > 1e-4
+    assert engine.kv.pool.num_used == 0
+
+
 def test_preemption_with_an_int8_kv_cache_gives_the_same_tokens():
     # Recompute after preemption quantizes the same rows again: the same tokens.
     reference = make_engine(kv_cache_dtype="int8")

@@ -118,7 +118,7 @@ def test_store_kv_quantizes_exactly_the_given_slots_as_the_reference(
 
 def _sequence(context_len: int, seed: int, dtype: torch.dtype):
     """A sequence's K and V stored in an int8 cache through shuffled blocks."""
-    table = [7, 2, 11, 5, 0, 9, 3][: -(-context_len // BLOCK_SIZE)]
+    table = [7, 2, 11, 5, 0, 9, 3, 10, 1, 6][: -(-context_len // BLOCK_SIZE)]
     k = _randn(context_len, KV_HEADS, HEAD_DIM, seed=seed, dtype=dtype)
     v = _randn(context_len, KV_HEADS, HEAD_DIM, seed=seed + 1, dtype=dtype)
     k_cache, v_cache = _empty_cache(), _empty_cache()
@@ -148,6 +148,54 @@ def test_prefill_attention_over_an_int8_cache(
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
     unquantized = reference_attention(q, k, v, positions, scale)
     assert (out.double() - unquantized).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize(
+    "context_len, query_len",
+    [(5, 5), (2 * BLOCK_SIZE + 3, 5), (39, 33)],  # no prefix; one; query and key tiles of 16
+)
+def test_prefill_over_an_int8_cache_attends_the_new_tokens_as_computed(
+    backend: ModuleType, dtype: torch.dtype, group: int, context_len: int, query_len: int
+) -> None:
+    table, k, v, k_cache, v_cache, held_k, held_v = _sequence(context_len, 40, dtype)
+    q = _randn(query_len, KV_HEADS * group, HEAD_DIM, seed=41, dtype=dtype)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    prefix = context_len - query_len
+
+    out = backend.prefill_attention(
+        q, k_cache, v_cache, torch.tensor(table), context_len, scale,
+        new_kv=(k[prefix:], v[prefix:]),
+    )  # fmt: skip
+
+    assert out.dtype == dtype and out.shape == q.shape
+    # The prefix as the cache holds it, the new tokens as they were computed.
+    keys = torch.cat([held_k[:prefix], k[prefix:].double()])
+    values = torch.cat([held_v[:prefix], v[prefix:].double()])
+    positions = list(range(prefix, context_len))
+    expected = reference_attention(q, keys, values, positions, scale)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    if dtype == torch.float32:  # and not what the stored rows give
+        stored = reference_attention(q, held_k, held_v, positions, scale)
+        assert (out.double() - stored).abs().max() > 10 * TOLERANCES[dtype]["atol"]
+
+
+def test_prefill_over_a_float_cache_reads_the_new_tokens_from_it(backend: ModuleType) -> None:
+    """A float cache holds the new tokens exactly: ``new_kv`` changes nothing."""
+    context_len, query_len = 2 * BLOCK_SIZE + 3, 5
+    k_cache = _randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, seed=50)
+    v_cache = _randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, seed=51)
+    table = torch.tensor([7, 2, 11])
+    q = _randn(query_len, KV_HEADS, HEAD_DIM, seed=52)
+    ignored = torch.full((query_len, KV_HEADS, HEAD_DIM), 1e3)
+
+    read = backend.prefill_attention(q, k_cache, v_cache, table, context_len, 0.2)
+    given = backend.prefill_attention(
+        q, k_cache, v_cache, table, context_len, 0.2, new_kv=(ignored, ignored)
+    )
+
+    assert torch.equal(given, read)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

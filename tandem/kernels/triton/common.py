@@ -62,6 +62,16 @@ def _int8_as(x, q, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(m, lsum, s):
+    """The online softmax's update for a tile of base-2 scores ``s``: (the new row
+    maxima, the new row sums, the tile's probabilities, the factor for the old sums)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, lsum * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def attend_tile(
     q,
     m,
@@ -113,15 +123,50 @@ def attend_tile(
     if CAUSAL:
         visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    lsum = lsum * alpha + tl.sum(p, 1)
+    m_new, lsum, p, alpha = _softmax_step(m, lsum, s)
     v_rows = v_ptr + block * stride_vb + token * stride_vt + kv_head * stride_vh
     v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if QUANT:
         p = p * row_scale(v_rows + HEAD_DIM, in_context)[None, :]
         v = _int8_as(v, q, WIDEN)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def attend_new_tile(
+    q,
+    m,
+    lsum,
+    acc,
+    j0,
+    rows,
+    query_len,
+    k_ptr,
+    v_ptr,
+    kv_head,
+    scale_log2,
+    stride_t,
+    stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """``attend_tile`` over keys ``j0 .. j0 + BLOCK_N`` of the new tokens' own K/V as
+    computed: dense [query_len, kv_heads, head_dim] tensors of q's dtype, both with
+    strides ``stride_t`` and ``stride_h``. New key j is visible to query row r
+    where j <= r."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    valid = j < query_len
+    kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+    offsets = j[:, None].to(tl.int64) * stride_t + kv_head * stride_h + d[None, :]
+    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    s = mma(q, tl.trans(k), WIDEN) * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.where((j[None, :] <= rows[:, None]) & valid[None, :], s, float("-inf"))
+    m_new, lsum, p, alpha = _softmax_step(m, lsum, s)
+    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, WIDEN)
     return m_new, lsum, acc
 

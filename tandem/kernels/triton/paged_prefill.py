@@ -8,6 +8,10 @@ Grid: (query tile, head), heaviest tiles first. A tile of BLOCK_M query rows at
 positions ``prefix + row`` runs an online softmax over key tiles of BLOCK_N: the
 tiles every row sees whole come first with no mask, then the ones across the
 causal diagonal with it.
+
+Over an int8 cache with the new tokens' K/V as computed (``new_kv``), only the
+cached prefix is read through the block table (quantized), and the new tokens
+attend to each other's exact K/V (tandem/kernels/torch_ref.py says why).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.torch_ref import on_rotated_kv
+from tandem.kernels.torch_ref import on_rotated_kv, rotate
 from tandem.kernels.triton.common import (
     INTERPRET,
     LOG2E,
+    attend_new_tile,
     attend_tile,
     block_d,
     check_cache,
@@ -39,9 +44,13 @@ def _prefill_kernel(
     v_ptr,
     table_ptr,
     out_ptr,
+    new_k_ptr,  # NEW: the new tokens' K and V as computed, [query_len, kv_heads, head_dim]
+    new_v_ptr,
     scale_log2,  # softmax scale x log2(e): the softmax runs in base 2
     query_len,
     context_len,
+    stride_nt,  # the new K and V's strides: token, head
+    stride_nh,
     stride_qt,
     stride_qh,
     stride_kb,  # cache strides: block, token, head (head_dim is contiguous)
@@ -60,6 +69,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     WIDEN: tl.constexpr,
     QUANT: tl.constexpr,
+    NEW: tl.constexpr,
 ):
     # The last query tiles see the most keys: start them first.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -77,22 +87,45 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys below the tile's first position are visible to every row of the tile.
-    whole = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
-    end = tl.minimum(prefix + (tile + 1) * BLOCK_M, context_len)
-    for n0 in range(0, whole, BLOCK_N):
-        m, lsum, acc = attend_tile(
-            q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
-            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
-        )  # fmt: skip
-    # Key 0 is in the first tile and visible to every row, so m is finite from then on.
-    for n0 in range(whole, end, BLOCK_N):
-        m, lsum, acc = attend_tile(
-            q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
-            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
-        )  # fmt: skip
+    if NEW:
+        # The cached prefix is visible to every row: only the tile across its end masks
+        # (the keys past it). Then the new keys up to the tile's last row, as computed.
+        # Key 0 comes first either way, so m is finite after the first tile.
+        whole = prefix // BLOCK_N * BLOCK_N
+        for n0 in range(0, whole, BLOCK_N):
+            m, lsum, acc = attend_tile(
+                q, m, lsum, acc, n0, q_pos, prefix, table_ptr, k_ptr, v_ptr, kv_head,
+                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
+            )  # fmt: skip
+        for n0 in range(whole, prefix, BLOCK_N):
+            m, lsum, acc = attend_tile(
+                q, m, lsum, acc, n0, q_pos, prefix, table_ptr, k_ptr, v_ptr, kv_head,
+                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
+            )  # fmt: skip
+        for j0 in range(0, tl.minimum((tile + 1) * BLOCK_M, query_len), BLOCK_N):
+            m, lsum, acc = attend_new_tile(
+                q, m, lsum, acc, j0, rows, query_len, new_k_ptr, new_v_ptr, kv_head,
+                scale_log2, stride_nt, stride_nh, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN,
+            )  # fmt: skip
+    else:
+        # Keys below the tile's first position are visible to every row of the tile.
+        whole = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+        end = tl.minimum(prefix + (tile + 1) * BLOCK_M, context_len)
+        for n0 in range(0, whole, BLOCK_N):
+            m, lsum, acc = attend_tile(
+                q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
+                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
+            )  # fmt: skip
+        # Key 0 is in the first tile and visible to every row, so m is finite from then on.
+        for n0 in range(whole, end, BLOCK_N):
+            m, lsum, acc = attend_tile(
+                q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
+                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
+            )  # fmt: skip
 
     out = acc / lsum[:, None]
     o_off = rows[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :]
@@ -125,11 +158,13 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its whole cached context.
 
     The interface of :func:`tandem.kernels.torch_ref.prefill_attention`: the new
-    tokens' K/V must already be stored. Returns [query_len, num_heads, head_dim].
+    tokens' K/V must already be stored, and an int8 cache's attention takes them from
+    ``new_kv`` as computed. Returns [query_len, num_heads, head_dim].
     """
     check_cache(k_cache, v_cache)
     group = check_query(q, k_cache)
@@ -144,6 +179,19 @@ def prefill_attention(
             f"block_table holds {block_table.shape[0]} blocks of {block_size}, "
             f"fewer than context_len {context_len} tokens"
         )
+    new = new_kv is not None and is_quantized(k_cache)
+    if new:
+        # Rotated as the cache's rows are; fresh contiguous tensors, so K's strides are V's.
+        new_k, new_v = (rotate(x.to(q.dtype)) for x in new_kv)
+        if new_k.shape != (query_len, k_cache.shape[2], head_dim) or new_v.shape != new_k.shape:
+            raise ValueError(
+                f"new_kv must be two [query_len, kv_heads, head_dim] = "
+                f"[{query_len}, {k_cache.shape[2]}, {head_dim}], got "
+                f"{tuple(new_kv[0].shape)} and {tuple(new_kv[1].shape)}"
+            )
+        check_device(q, new_k, new_v)
+    else:
+        new_k = new_v = q  # not read
     bm, bn, warps, stages = default_tiles(head_dim, query_len, q.dtype)
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q)
@@ -154,9 +202,13 @@ def prefill_attention(
         v_cache,
         block_table,
         out,
+        new_k,
+        new_v,
         scale * LOG2E,
         query_len,
         context_len,
+        new_k.stride(0),
+        new_k.stride(1),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -175,6 +227,7 @@ def prefill_attention(
         BLOCK_D=block_d(head_dim),
         WIDEN=widen(q.dtype),
         QUANT=is_quantized(k_cache),
+        NEW=new,
         num_warps=num_warps or warps,
         num_stages=num_stages or stages,
     )

@@ -3,15 +3,18 @@ variants interleaved in the same process, so that each path's share of a step is
 measured against the same machine state rather than across runs.
 
     python bench/decode_steps.py [--batches 1,4,8,16] [--prompt-len 128] [--steps 50]
-                                 [--rounds 3] [--json]
+                                 [--rounds 3] [--dtype auto] [--json]
 
-The default model at its defaults (bfloat16 where native). For each batch size:
+The default model at its defaults (bfloat16 where native; ``--dtype float32`` runs
+it as a CPU without native bfloat16 does). For each batch size:
 that many requests of ``--prompt-len`` random token ids, prefilled, then
 ``--steps`` decode steps timed one by one; the median step counts. Variants:
 - ``all``: the engine as it runs;
 - ``no-amx``: the projections' AMX tiles set aside (tandem/kernels/cpu/gguf_linear.c):
   steps of up to 8 rows take torch's int4 kernel, larger ones the dense weights;
 - ``no-head-codes``: the LM head on its dense weights instead of its 8-bit codes;
+- ``no-f32-codes`` (float32): the projections and the LM head on their dense weights
+  instead of their codes (tandem/kernels/cpu/codes_f32.c);
 - ``no-fused-norm``: RMSNorm and its residual add in torch's ops instead of
   tandem/kernels/cpu/rms_norm.c;
 - ``no-step-ops``: RoPE, the KV store and the greedy argmax in torch's ops instead of
@@ -46,7 +49,8 @@ from tandem.kernels import cpu as cpu_backend  # noqa: E402
 def _variants(engine: LLMEngine) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     linears = [m for m in engine.model.modules() if isinstance(m, Linear) and m.int4]
     projections = [m for m in linears if m.int4.packed is not None and m.int4.tiles is not None]
-    head = engine.model.lm_head if engine.model.lm_head in linears else None
+    f32_codes = [m for m in linears if m.int4.f32_codes is not None]
+    head = engine.model.lm_head if engine.model.lm_head in linears and not f32_codes else None
 
     @contextlib.contextmanager
     def without_tiles() -> Iterator[None]:
@@ -57,6 +61,17 @@ def _variants(engine: LLMEngine) -> dict[str, Callable[[], contextlib.AbstractCo
             yield
         finally:
             for m, forms in zip(projections, saved, strict=True):
+                m.int4 = forms
+
+    @contextlib.contextmanager
+    def without_f32_codes() -> Iterator[None]:
+        saved = [m.int4 for m in f32_codes]
+        for m in f32_codes:
+            m.int4 = None
+        try:
+            yield
+        finally:
+            for m, forms in zip(f32_codes, saved, strict=True):
                 m.int4 = forms
 
     @contextlib.contextmanager
@@ -93,6 +108,8 @@ def _variants(engine: LLMEngine) -> dict[str, Callable[[], contextlib.AbstractCo
     }
     if projections:
         variants["no-amx"] = without_tiles
+    if f32_codes:
+        variants["no-f32-codes"] = without_f32_codes
     if head is not None:
         variants["no-head-codes"] = without_head_codes
     probe = engine.model.norm.weight
@@ -130,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="auto", help="the model's dtype (auto: bf16 where native)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    engine = LLMEngine(EngineConfig(model=args.model, enable_prefix_caching=False))
+    config = EngineConfig(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
+    engine = LLMEngine(config)
     variants = _variants(engine)
     batches = [int(b) for b in args.batches.split(",")]
     times: dict[int, dict[str, list[float]]] = {b: {v: [] for v in variants} for b in batches}

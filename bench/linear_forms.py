@@ -1,6 +1,6 @@
 """The engine's CPU projections (weights prepacked for oneDNN, ``Linear.pack``) against
 ``F.linear(x, W)`` (what Hugging Face and ``nn.Linear`` run), by the rows ``x`` has;
-in bfloat16 also the GGUF's 4-bit codes (``tandem/engine/gguf_int4.py``).
+and the GGUF's 4-bit codes (``tandem/engine/gguf_int4.py``).
 
     python bench/linear_forms.py [--rows 1,2,4,8,16,32,64,128,256,512]
                                  [--dtypes float32,bfloat16] [--iters 5] [--json]
@@ -16,8 +16,10 @@ form is faster). The values are checked equal up to the dtype's rounding first. 
 bfloat16 the same projections also run from their codes in the same interleaved
 passes: ``int4``, torch's kernel (``_weight_int4pack_mm_for_cpu``), and, on a CPU
 with AMX and for up to 64 rows, ``amx``, Tandem's (``tandem/kernels/cpu/gguf_linear.c``);
-``packed/int4`` and ``packed/amx`` > 1: the codes are faster. These columns set
-which kernel a step of n rows runs (``gguf_int4.TORCH_MAX_ROWS``, ``AMX_MIN_ROWS``).
+``packed/int4`` and ``packed/amx`` > 1: the codes are faster. In float32, up to 16
+rows, ``f32codes``: ``tandem/kernels/cpu/codes_f32.c``, the codes expanded to float32
+in registers. These columns set which kernel a step of n rows runs
+(``gguf_int4.TORCH_MAX_ROWS``, ``AMX_MIN_ROWS``, ``F32_MAX_ROWS``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
 
     with_int4 = dtype == torch.bfloat16 and gguf_int4.available()
     with_amx = with_int4 and gguf_int4.amx_available()
+    with_f32 = dtype == torch.float32 and gguf_int4.f32_available()
     gen = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -63,7 +66,7 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
                 packed.weight.copy_(dense)
             if not packed.pack():
                 return None
-            four_bit = gguf_int4.pack(codes, dtype, with_amx) if with_int4 else None
+            four_bit = gguf_int4.pack(codes, dtype, with_amx) if with_int4 or with_f32 else None
             layer.append({"linear": dense, "engine": packed, "codes": four_bit})
         layers.append(layer)
     results = []
@@ -71,6 +74,7 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
         forms = ["linear", "engine"]
         forms += ["int4"] if with_int4 else []
         forms += ["amx"] if with_amx and m <= gguf_int4.AMX_MAX_ROWS else []
+        forms += ["f32codes"] if with_f32 and m <= gguf_int4.F32_KERNEL_MAX_ROWS else []
         xs = {i: torch.randn(m, i, generator=gen).to(dtype) for _, i in SHAPES}
         with torch.inference_mode():
 
@@ -85,6 +89,8 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
                     )
                 if form == "amx":
                     return gguf_int4.amx_linear(x, p["codes"], None)
+                if form == "f32codes":
+                    return gguf_int4.f32_linear(x, p["codes"], None)
                 return p["engine"](x)
 
             tol = TOLERANCE[dtype]
@@ -108,7 +114,7 @@ def _measure(dtype: torch.dtype, rows: list[int], iters: int) -> list[dict] | No
         ms = {form: statistics.median(times[form]) * 1e3 for form in forms}
         row = dict(rows=m, linear_ms=round(ms["linear"], 2), engine_ms=round(ms["engine"], 2))
         row["ratio"] = round(ms["linear"] / ms["engine"], 3)
-        for form in ("int4", "amx"):
+        for form in ("int4", "amx", "f32codes"):
             if form in ms:
                 row[f"{form}_ms"] = round(ms[form], 2)
                 row[f"engine_over_{form}"] = round(ms["engine"] / ms[form], 3)
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if results is None:
             print(f"{name}: this CPU's oneDNN cannot prepack it; the engine uses F.linear")
             continue
-        codes = [f for f in ("int4", "amx") if any(f"{f}_ms" in r for r in results)]
+        codes = [f for f in ("int4", "amx", "f32codes") if any(f"{f}_ms" in r for r in results)]
         print(f"{name}:")
         head = f"{'rows':>6} {'F.linear ms':>12} {'packed ms':>10} {'ratio':>7}"
         print(head + "".join(f" {f + ' ms':>8} {'packed/' + f:>12}" for f in codes))

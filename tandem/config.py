@@ -67,13 +67,14 @@ class EngineConfig:
     # (the KV handshake says so).
     tensor_parallel_size: int = 1
     # A GGUF model whose projections are stored as Q4_1 (the default model), run on a
-    # CPU in bfloat16 by one process: steps of at most this many rows (decode batches
-    # that small) read the 4-bit codes as stored, a quarter of the dense weights' bytes
-    # (tandem/engine/gguf_int4.py; bench/linear_forms.py measures where that pays):
-    # up to 64 rows on a CPU with AMX (and the LM head from its 8-bit codes), up to 8
-    # elsewhere, whatever is set here.
-    # Larger steps use the dense weights, so a request's bfloat16 tokens can depend on
-    # how many others share its steps. 0: never.
+    # CPU by one process: steps of at most this many rows (decode batches that small)
+    # read the codes as stored (tandem/engine/gguf_int4.py; bench/linear_forms.py
+    # measures where that pays). bfloat16: a quarter of the dense weights' bytes, up to
+    # 64 rows on a CPU with AMX (and the LM head from its 8-bit codes), up to 8
+    # elsewhere; float32: under a fifth, and the 8-bit head, up to 8 rows; whatever is
+    # set here. Larger steps use the dense weights, so a request's bfloat16 tokens can
+    # depend on how many others share its steps (float32 ones only in the last bits of
+    # the sums). 0: never.
     int4_max_rows: int = 64
 
     def __post_init__(self) -> None:

@@ -144,12 +144,19 @@ def _llama_cpp_decode_rate(gguf: Path, prompt: list[int], n: int, threads: int) 
     return (n - 1) / (end - first)
 
 
-def _codes_in_use(engine) -> tuple[bool, bool]:
-    """(whether any projection reads the GGUF's codes, whether the AMX kernel does)."""
+def _codes_in_use(engine) -> tuple[int, bool]:
+    """(the most rows a step may have and read the GGUF's codes, 0 if none does;
+    whether the AMX kernel reads them)."""
+    from tandem.engine import gguf_int4
     from tandem.engine.model import Linear
 
     codes = [m.int4 for m in engine.model.modules() if isinstance(m, Linear) and m.int4]
-    return bool(codes), any(c.tiles is not None for c in codes)
+    if not codes:
+        return 0, False
+    rows = engine.config.int4_max_rows
+    if any(c.f32_codes is not None for c in codes):
+        rows = min(rows, gguf_int4.F32_MAX_ROWS)
+    return rows, any(c.tiles is not None for c in codes)
 
 
 def _repeat(args: argparse.Namespace, fn) -> list[float]:
@@ -227,14 +234,14 @@ def run(args: argparse.Namespace) -> int:
     rows.append(("mixed", label, useful / t_s, h_rate, h_dtype))
     engine.kv.pool.check_integrity()
 
-    codes, amx = _codes_in_use(engine)
+    code_rows, amx = _codes_in_use(engine)
     result = {
         "model": args.model,
         "threads": torch.get_num_threads(),
         "dtype": str(engine.dtype).removeprefix("torch."),
         # Steps of at most this many rows ran from the GGUF's codes (0: none did), on
         # the AMX kernel where it runs (gguf_int4.AMX_MIN_ROWS and up).
-        "int4_max_rows": engine.config.int4_max_rows if codes else 0,
+        "int4_max_rows": code_rows,
         "amx_kernel": amx,
     }
     for key, _, t, h, h_dtype in rows:

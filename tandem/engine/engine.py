@@ -674,14 +674,17 @@ def _int4_packed(
     dtype: torch.dtype,
     shard: Shard,
 ) -> gguf_int4.Packed:
-    """The projections that small steps run from the GGUF's 4-bit codes (see
-    gguf_int4): none unless the model is a Q4_1 GGUF on one CPU in bfloat16."""
+    """The projections that small steps run from the GGUF's codes (see gguf_int4):
+    none unless the model is a Q4_1 GGUF on one CPU, in bfloat16 (with torch's int4
+    kernel) or float32 (with the CPU kernels' library)."""
     if (
         config.int4_max_rows == 0
         or device.type != "cpu"
-        or dtype != torch.bfloat16
         or shard.size != 1
-        or not gguf_int4.available()
+        or not (
+            (dtype == torch.bfloat16 and gguf_int4.available())
+            or (dtype == torch.float32 and gguf_int4.f32_available())
+        )
     ):
         return {}
     gguf = gguf_file(config.model)

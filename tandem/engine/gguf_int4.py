@@ -20,6 +20,13 @@ the LM head's 8-bit codes (Q8_0: ``q * d``, the default model's token embedding,
 which it ties to the head) for steps of 1 to 64 rows, there being no other form of
 them.
 
+In float32 (a CPU without native bfloat16, where ``dtype: auto`` is float32) a step
+of one row reads 4 bytes a weight from the dense weights. Steps of up to
+``F32_MAX_ROWS`` rows run tandem/kernels/cpu/codes_f32.c instead, which reads the
+codes (0.75 bytes a weight for Q4_1, 1.125 for the Q8_0 head) and expands each
+group in registers to exactly the dense float32 weights (checked at load), for any
+x86-64 or Arm CPU.
+
 Where each pays (``python bench/linear_forms.py``): on CPU, in bfloat16, steps of at
 most ``int4_max_rows`` rows read the codes (torch's kernel up to 8 rows, where it
 stops beating the dense weights; the AMX kernel from 4 to 64); larger steps (prefill
@@ -56,8 +63,15 @@ _PACK_ROWS = 16  # torch's int4 packing for CPU and the AMX tiles take rows by 1
 # AMX kernel (gguf_linear.c's CODES_MAX_ROWS) holds up to 64.
 TORCH_MAX_ROWS = 8
 AMX_MIN_ROWS, AMX_MAX_ROWS = 4, 64
+# float32 steps of at most this many rows read the codes (codes_f32.c): against the
+# dense weights prepacked for oneDNN, over all 30 layers' projections, 1.6-1.7x
+# faster at 1 to 4 rows, 1.3-1.5x at 6 and 8, 0.9x at 16 (bench/linear_forms.py
+# --dtypes float32, an Intel VM with AVX-512 and an L3 that holds the dense weights:
+# where they stream from memory the codes gain more).
+F32_MAX_ROWS = 8
+F32_KERNEL_MAX_ROWS = 16  # codes_f32.c's CODES_F32_MAX_ROWS
 # Bump when what the cache file holds, or how it is made, changes.
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4
 _BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit codes each
 # GGUF tensor -> Hugging Face parameter, per layer.
 _NAMES = {
@@ -177,16 +191,33 @@ class Forms(NamedTuple):
     # cols/32, 16, 32] codes and float16 [rows/16, cols/32, 16], the rows' d.
     tiles: torch.Tensor | None = None
     tile_scales: torch.Tensor | None = None
+    # codes_f32.c's, for float32 steps (the only form there): Q4_1 uint8 [rows, cols/2]
+    # codes, a group's 16 bytes as in the GGUF, and float32 [rows, cols/32, 2], d and
+    # m; Q8_0 int8 [rows, cols] codes and float32 [rows, cols/32], d.
+    f32_codes: torch.Tensor | None = None
+    f32_scales: torch.Tensor | None = None
 
     @property
     def tile_format(self) -> str:
         assert self.tiles is not None
         return "q8" if self.tiles.shape[-1] == GROUP else "q4"
 
+    @property
+    def f32_format(self) -> int:
+        """codes_f32.c's format: 0 Q4_1, 1 Q8_0."""
+        assert self.f32_scales is not None
+        return 0 if self.f32_scales.dim() == 3 else 1
+
 
 def pack(codes: Q4_1, dtype: torch.dtype, amx: bool = False) -> Forms:
     """``codes`` in the forms that steps in ``dtype`` read (the AMX kernel's too if
-    ``amx``: bfloat16 only)."""
+    ``amx``: bfloat16 only; float32 steps read codes_f32.c's form only)."""
+    if dtype == torch.float32:
+        rows, cols = codes.codes.shape
+        q = codes.codes.view(rows, cols // GROUP, 2, GROUP // 2)
+        packed_codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, cols // 2)
+        scales = torch.stack([codes.scales, codes.mins], dim=-1).contiguous()
+        return Forms(None, None, f32_codes=packed_codes.contiguous(), f32_scales=scales)
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 2)
     zeros = codes.mins + 8 * codes.scales
     scales_and_zeros = torch.stack([codes.scales.t(), zeros.t()], dim=-1)  # [groups, rows, 2]
@@ -227,8 +258,11 @@ def read_q8_0_head(path: Path, tied: bool) -> Q8_0 | None:
     return Q8_0(torch.from_numpy(codes), torch.from_numpy(scales))
 
 
-def pack_q8_0(head: Q8_0) -> Forms:
-    """The LM head's codes as the AMX kernel's tiles (it has no other form)."""
+def pack_q8_0(head: Q8_0, dtype: torch.dtype = torch.bfloat16) -> Forms:
+    """The LM head's codes as the AMX kernel's tiles (bfloat16), or codes_f32.c's
+    form (float32)."""
+    if dtype == torch.float32:
+        return Forms(None, None, f32_codes=head.codes.contiguous(), f32_scales=head.scales)
     rows, cols = head.codes.shape
     tiles = head.codes.view(rows // 16, 16, cols // GROUP, GROUP).transpose(1, 2).contiguous()
     d = head.scales.half().view(rows // 16, 16, cols // GROUP).transpose(1, 2).contiguous()
@@ -317,14 +351,99 @@ def amx_linear(x: torch.Tensor, forms: Forms, bias: torch.Tensor | None) -> torc
     return y
 
 
+class _F32:
+    """codes_f32.c's entry points, from the CPU kernels' library (built on first use)."""
+
+    def __init__(self) -> None:
+        from tandem.kernels.cpu.build import function
+
+        i32, ptr = ctypes.c_int, ctypes.c_void_p
+        self.linear = function(
+            "tandem_codes_linear_f32", [i32, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
+        )
+        self.dequant = function("tandem_codes_dequant_f32", [i32, ptr, ptr, i32, i32, ptr])
+
+
+_f32: _F32 | None = None
+
+
+def _f32_kernel() -> _F32:
+    global _f32
+    if _f32 is None:
+        _f32 = _F32()
+    return _f32
+
+
+def f32_available() -> bool:
+    """True where codes_f32.c runs: the CPU kernels' library builds here."""
+    return _f32_kernel().linear is not None
+
+
+def f32_weights(forms: Forms) -> torch.Tensor:
+    """[rows, cols] float32: the weights codes_f32.c computes with."""
+    assert forms.f32_codes is not None and forms.f32_scales is not None
+    rows, groups = forms.f32_scales.shape[:2]
+    w = torch.empty(rows, groups * GROUP)
+    status = _f32_kernel().dequant(
+        forms.f32_format,
+        forms.f32_codes.data_ptr(),
+        forms.f32_scales.data_ptr(),
+        rows,
+        groups * GROUP,
+        w.data_ptr(),
+    )
+    if status != 0:
+        raise RuntimeError(f"the float32 codes kernel failed (status {status})")
+    return w
+
+
+def f32_linear(x: torch.Tensor, forms: Forms, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a float32 ``x`` of 1..F32_KERNEL_MAX_ROWS rows, W read
+    from ``forms``' codes by codes_f32.c."""
+    assert forms.f32_codes is not None and forms.f32_scales is not None
+    out_features, groups = forms.f32_scales.shape[:2]
+    rows = x.shape[0]
+    # The kernel trusts its shapes.
+    if (
+        x.dim() != 2
+        or not 1 <= rows <= F32_KERNEL_MAX_ROWS
+        or x.shape[1] != groups * GROUP
+        or x.dtype != torch.float32
+    ):
+        raise ValueError(f"f32_linear: x {tuple(x.shape)} {x.dtype} for {out_features} rows")
+    if bias is not None:
+        if bias.shape != (out_features,) or bias.dtype != torch.float32:
+            raise ValueError(f"f32_linear: bias {tuple(bias.shape)} {bias.dtype}")
+        bias = bias.contiguous()
+    x = x.contiguous()
+    y = torch.empty(rows, out_features)
+    status = _f32_kernel().linear(
+        forms.f32_format,
+        x.data_ptr(),
+        rows,
+        x.shape[1],
+        forms.f32_codes.data_ptr(),
+        forms.f32_scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"the float32 codes kernel failed (status {status})")
+    return y
+
+
 def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dtype) -> Packed:
     """The packed codes of ``model``'s projections (its float32 weights loaded, not yet
-    cast) from ``model_dir``'s cache file, or read from ``gguf``, checked and cached."""
+    cast) from ``model_dir``'s cache file, or read from ``gguf``, checked and cached.
+    ``dtype``: bfloat16, or float32 where ``f32_available``."""
     from safetensors.torch import load_file, save_file
 
     from tandem.kernels.cpu.build import cpu_flags
 
     amx = dtype == torch.bfloat16 and amx_available()
+    f32 = dtype == torch.float32
     # torch's packed layout may differ by version and by CPU; the AMX tiles are there
     # only where the kernel runs.
     key = f"{_CACHE_FORMAT}|{torch.__version__}|{cpu_flags()}|amx={amx}"
@@ -332,20 +451,20 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
     if cached.is_file():
         try:
-            packed = _fitting(model, load_file(str(cached)), amx)
+            packed = _fitting(model, load_file(str(cached)), amx, f32)
             wrong = _wrong_tiles(model, packed)
             if wrong:
-                raise ValueError(f"the AMX tiles of {wrong[0]} do not expand to its weights")
+                raise ValueError(f"the codes of {wrong[0]} do not expand to its weights")
             return packed
         except Exception as exc:  # safetensors raises its own error type for a bad file
             log.warning("rebuilding %s, which does not fit the model: %s", cached, exc)
     cfg = model.cfg
     codes = matching_codes(model, read_q4_1(gguf, cfg.num_heads, cfg.num_kv_heads))
     packed = {name: pack(c, dtype, amx) for name, c in codes.items()}
-    head = read_q8_0_head(gguf, cfg.tie_word_embeddings) if amx else None
+    head = read_q8_0_head(gguf, cfg.tie_word_embeddings) if amx or f32 else None
     if head is not None and head.codes.shape[0] % _PACK_ROWS == 0:
         if torch.equal(head.dequantize(), model.lm_head.weight.detach().float()):
-            packed["lm_head"] = pack_q8_0(head)
+            packed["lm_head"] = pack_q8_0(head, dtype)
         else:
             log.warning("the LM head's 8-bit codes do not give its loaded weights: dense only")
     packed = _without_wrong_tiles(model, packed)
@@ -366,16 +485,23 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     return packed
 
 
-def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> Packed:
+def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool, f32: bool) -> Packed:
     """A cache file's forms, each checked to belong to one of ``model``'s projections
-    and to hold the AMX tiles if ``amx`` (ValueError otherwise)."""
+    and to hold the AMX tiles if ``amx``, or only codes_f32.c's form if ``f32``
+    (ValueError otherwise)."""
     packed = {}
     for name in {key.rsplit(".", 1)[0] for key in tensors}:
         linear = model.get_submodule(name)  # AttributeError for a name it does not have
         forms = Forms(*(tensors.get(f"{name}.{part}") for part in Forms._fields))
         rows, cols = linear.out_features, linear.in_features
         tiles = (rows // 16, cols // GROUP, 16)
-        if forms.packed is None:  # an 8-bit head: the AMX kernel's tiles only
+        if f32:  # an 8-bit head's codes, or the projections' 4-bit ones
+            head = name == "lm_head"
+            shapes = {
+                "f32_codes": (rows, cols if head else cols // 2),
+                "f32_scales": (rows, cols // GROUP) if head else (rows, cols // GROUP, 2),
+            }
+        elif forms.packed is None:  # an 8-bit head: the AMX kernel's tiles only
             shapes = {"tiles": (*tiles, GROUP), "tile_scales": tiles}
         else:
             shapes = {
@@ -384,7 +510,8 @@ def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> 
                 "tiles": (*tiles, 16) if amx else None,
                 "tile_scales": (*tiles[:2], 32) if amx else None,
             }
-        for part, shape in shapes.items():
+        for part in Forms._fields:
+            shape = shapes.get(part)
             t = getattr(forms, part)
             if (None if t is None else tuple(t.shape)) != shape:
                 raise ValueError(
@@ -396,32 +523,36 @@ def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool) -> 
 
 
 def _wrong_tiles(model: LlamaModel, packed: Packed) -> list[str]:
-    """The projections whose AMX tiles do not expand to exactly their weights in
-    bfloat16 (the kernel's own expansion, against the loaded weights)."""
-    return [
-        name
-        for name, forms in packed.items()
-        if forms.tiles is not None
-        and not torch.equal(
-            amx_weights(forms), model.get_submodule(name).weight.detach().to(torch.bfloat16)
-        )
-    ]
+    """The projections whose AMX tiles (or codes_f32.c's codes) do not expand to
+    exactly their weights in bfloat16 (float32): the kernel's own expansion, against
+    the loaded weights."""
+    wrong = []
+    for name, forms in packed.items():
+        weight = model.get_submodule(name).weight.detach()
+        if forms.tiles is not None and not torch.equal(
+            amx_weights(forms), weight.to(torch.bfloat16)
+        ):
+            wrong.append(name)
+        elif forms.f32_codes is not None and not torch.equal(f32_weights(forms), weight.float()):
+            wrong.append(name)
+    return wrong
 
 
 def _without_wrong_tiles(model: LlamaModel, packed: Packed) -> Packed:
-    """``packed`` less the AMX tiles that ``_wrong_tiles`` finds (logged): those steps
-    take the other forms, or the dense weights where there is none."""
+    """``packed`` less the AMX tiles and float32 codes that ``_wrong_tiles`` finds
+    (logged): those steps take the other forms, or the dense weights where there is
+    none."""
     wrong = _wrong_tiles(model, packed)
     for name in wrong:
-        forms = packed[name]._replace(tiles=None, tile_scales=None)
+        forms = packed[name]._replace(tiles=None, tile_scales=None, f32_codes=None, f32_scales=None)
         if forms.packed is None:
             del packed[name]
         else:
             packed[name] = forms
     if wrong:
         log.warning(
-            "%d projections' AMX tiles do not expand to their weights (e.g. %s): "
-            "those run without the AMX kernel",
+            "%d projections' codes do not expand to their weights in the kernel that "
+            "reads them (e.g. %s): those run without it",
             len(wrong),
             wrong[0],
         )

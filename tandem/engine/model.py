@@ -54,7 +54,7 @@ class Linear(nn.Linear):
     (``bench/linear_forms.py``). Without a bias, bfloat16 results are bit-identical to
     ``F.linear``; float32 ones equal up to rounding. ``pack`` reorders once the weights
     are final; until then, and on other devices, it is ``F.linear``. ``use_int4`` adds
-    a GGUF's 4-bit codes for steps of a few rows (tandem/engine/gguf_int4.py).
+    a GGUF's codes for steps of a few rows (tandem/engine/gguf_int4.py).
     """
 
     packed: torch.Tensor | None = None
@@ -88,6 +88,10 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         if self.int4 is not None and rows <= self.int4_max_rows:
             codes = self.int4
+            if codes.f32_codes is not None:  # float32: the only form of the codes
+                if rows <= gguf_int4.F32_MAX_ROWS:
+                    return gguf_int4.f32_linear(x, codes, self.bias)
+                return self._dense(x)
             # torch's kernel is the faster below AMX_MIN_ROWS, where it has the codes.
             amx_rows = 1 if codes.packed is None else gguf_int4.AMX_MIN_ROWS
             if codes.tiles is not None and amx_rows <= rows <= gguf_int4.AMX_MAX_ROWS:
@@ -97,6 +101,9 @@ class Linear(nn.Linear):
                     x, codes.packed, gguf_int4.GROUP, codes.scales_and_zeros
                 )
                 return out if self.bias is None else out + self.bias
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return super().forward(x)

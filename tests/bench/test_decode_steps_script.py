@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import model as model_module
@@ -38,6 +39,26 @@ def test_each_variant_turns_its_path_off_and_back_on(decode_steps):
     with variants["no-step-ops"]():
         assert ops.argmax(rows) is None and ops.rope(x[None], x, x) is None
     assert ops.argmax(rows) == [int(rows.argmax())]
+
+
+def test_the_float32_codes_variant_sets_them_aside_and_back(decode_steps):
+    from tandem.engine import gguf_int4
+
+    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_blocks=16))
+    down = engine.model.layers[0].mlp.down_proj
+    rows, cols = down.out_features, down.in_features
+    codes = gguf_int4.Q4_1(
+        torch.zeros(rows, cols, dtype=torch.uint8),
+        torch.ones(rows, cols // gguf_int4.GROUP),
+        torch.zeros(rows, cols // gguf_int4.GROUP),
+    )
+    forms = gguf_int4.pack(codes, torch.float32)
+    down.use_int4(forms, 64)
+    variants = decode_steps._variants(engine)
+    assert "no-head-codes" not in variants  # float32 codes are set aside together
+    with variants["no-f32-codes"]():
+        assert down.int4 is None
+    assert down.int4 is forms
 
 
 def test_a_run_times_every_variant_at_every_batch():

@@ -23,6 +23,9 @@ pytestmark = pytest.mark.skipif(not gguf_int4.available(), reason="torch has no 
 needs_amx = pytest.mark.skipif(
     not gguf_int4.amx_available(), reason="this CPU (or its kernel build) has no AMX"
 )
+needs_f32 = pytest.mark.skipif(
+    not gguf_int4.f32_available(), reason="the CPU kernels' library does not build here"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +52,22 @@ def _random_q8_0(rows: int, cols: int, seed: int = 0) -> Q8_0:
     return Q8_0(codes, (torch.rand(rows, cols // GROUP, generator=gen) * 1e-3).half().float())
 
 
-def _linear_with_codes(codes: Q4_1 | Q8_0, max_rows: int, amx: bool = False, bias=False) -> Linear:
+def _linear_with_codes(
+    codes: Q4_1 | Q8_0,
+    max_rows: int,
+    amx: bool = False,
+    bias=False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Linear:
     rows, cols = codes.codes.shape
     linear = Linear(cols, rows, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(codes.dequantize())
-    linear = linear.to(torch.bfloat16)
+    linear = linear.to(dtype)
     if isinstance(codes, Q8_0):
-        linear.use_int4(gguf_int4.pack_q8_0(codes), max_rows)
+        linear.use_int4(gguf_int4.pack_q8_0(codes, dtype), max_rows)
     else:
-        linear.use_int4(gguf_int4.pack(codes, torch.bfloat16, amx), max_rows)
+        linear.use_int4(gguf_int4.pack(codes, dtype, amx), max_rows)
     return linear
 
 
@@ -157,6 +166,82 @@ def test_steps_of_4_to_64_rows_run_the_amx_kernel_and_others_the_other_forms() -
         assert torch.equal(head(x), expected), rows
 
 
+@needs_f32
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_float32_kernel_computes_with_exactly_the_dense_weights(fmt: str, bias: bool) -> None:
+    codes = _random_codes(48, 96, seed=7) if fmt == "q4_1" else _random_q8_0(48, 96, seed=7)
+    linear = _linear_with_codes(codes, max_rows=16, bias=bias, dtype=torch.float32)
+    if bias:
+        with torch.no_grad():
+            linear.bias.copy_(torch.randn(48))
+    forms = linear.int4
+    assert forms.packed is None and forms.tiles is None  # float32 reads this form only
+    assert torch.equal(gguf_int4.f32_weights(forms), codes.dequantize())
+    gen = torch.Generator().manual_seed(8)
+    # Passes of 4 rows and the 1-3 left over, up to the kernel's 16.
+    for rows in (1, 2, 3, 4, 5, 7, 8, 16):
+        x = torch.randn(rows, 96, generator=gen)
+        y = gguf_int4.f32_linear(x, forms, linear.bias)
+        exact = x.double() @ codes.dequantize().double().t()
+        if bias:
+            exact += linear.bias.double()
+        assert y.shape == (rows, 48)
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+    wide = torch.randn(8, 192, generator=gen)  # a strided x is read as its values
+    assert torch.equal(
+        gguf_int4.f32_linear(wide[:, ::2], forms, None),
+        gguf_int4.f32_linear(wide[:, ::2].contiguous(), forms, None),
+    )
+    # The kernel trusts its shapes: anything it would read past is refused first.
+    for bad in (torch.randn(2, 64), torch.randn(17, 96), torch.randn(2, 96).bfloat16()):
+        with pytest.raises(ValueError, match="f32_linear: x"):
+            gguf_int4.f32_linear(bad, forms, None)
+    with pytest.raises(ValueError, match="f32_linear: bias"):
+        gguf_int4.f32_linear(torch.randn(2, 96), forms, torch.zeros(47))
+
+
+@needs_f32
+def test_float32_steps_of_up_to_8_rows_read_the_codes_and_larger_ones_the_dense_weights() -> None:
+    codes = _random_codes(48, 96, seed=9)
+    linear = _linear_with_codes(codes, max_rows=64, dtype=torch.float32)
+    dense = _linear_with_codes(codes, max_rows=0, dtype=torch.float32)
+    linear.pack()
+    dense.pack()
+    gen = torch.Generator().manual_seed(10)
+    assert gguf_int4.F32_MAX_ROWS == 8
+    for rows in (1, 8, 9, 16):
+        x = torch.randn(rows, 96, generator=gen)
+        expected = gguf_int4.f32_linear(x, linear.int4, None) if rows <= 8 else dense(x)
+        assert torch.equal(linear(x), expected), rows
+    capped = _linear_with_codes(codes, max_rows=2, dtype=torch.float32)  # max_rows caps it
+    x = torch.randn(3, 96, generator=gen)
+    assert torch.equal(capped(x), torch.nn.functional.linear(x, capped.weight))
+    head = _linear_with_codes(_random_q8_0(48, 96, seed=11), max_rows=64, dtype=torch.float32)
+    x = torch.randn(1, 96, generator=gen)
+    assert torch.equal(head(x), gguf_int4.f32_linear(x, head.int4, None))
+
+
+@needs_f32
+def test_float32_codes_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
+    cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random")))
+    model = LlamaModel(cfg, 64)
+    packed = {}
+    for i, layer in enumerate(model.layers):
+        module = layer.mlp.down_proj
+        codes = _random_codes(*module.weight.shape, seed=i)
+        with torch.no_grad():
+            module.weight.copy_(codes.dequantize())
+        packed[f"layers.{i}.mlp.down_proj"] = gguf_int4.pack(codes, torch.float32)
+    packed["layers.0.mlp.down_proj"].f32_codes[0, 0] ^= 0x10  # one weight's code
+    with caplog.at_level(logging.WARNING):
+        checked = gguf_int4._without_wrong_tiles(model, packed)
+    assert "layers.0.mlp.down_proj" not in checked  # float32 has no other form of them
+    others = range(1, cfg.num_layers)
+    assert all(checked[f"layers.{i}.mlp.down_proj"].f32_codes is not None for i in others)
+    assert "1 projections' codes do not expand to their weights in the kernel" in caplog.text
+
+
 @needs_amx
 def test_tiles_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
     cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random")))
@@ -175,7 +260,7 @@ def test_tiles_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
     assert checked["layers.0.mlp.down_proj"].packed is not None  # torch's form stays
     others = range(1, cfg.num_layers)
     assert all(checked[f"layers.{i}.mlp.down_proj"].tiles is not None for i in others)
-    assert "1 projections' AMX tiles do not expand to their weights" in caplog.text
+    assert "1 projections' codes do not expand to their weights in the kernel" in caplog.text
 
 
 def test_codes_that_do_not_give_the_loaded_weights_are_not_used(caplog) -> None:
@@ -246,7 +331,7 @@ def test_int4_projections_err_about_as_much_as_bfloat16_weights(smol) -> None:
 
 
 @pytest.mark.slow
-def test_an_engine_uses_codes_only_in_bfloat16_and_keeps_them_for_the_next_start(
+def test_an_engine_uses_the_codes_of_its_dtype_and_keeps_them_for_the_next_start(
     tmp_path, monkeypatch
 ) -> None:
     def int4_projections(engine: LLMEngine) -> int:
@@ -254,8 +339,13 @@ def test_an_engine_uses_codes_only_in_bfloat16_and_keeps_them_for_the_next_start
 
     model = "smollm2-135m-instruct"
     base = dict(model=model, device="cpu", num_blocks=16)
-    assert int4_projections(LLMEngine(EngineConfig(**base, dtype="float32"))) == 0
     assert int4_projections(LLMEngine(EngineConfig(**base, dtype="bfloat16", int4_max_rows=0))) == 0
+    assert int4_projections(LLMEngine(EngineConfig(**base, dtype="float32", int4_max_rows=0))) == 0
+    if gguf_int4.f32_available():  # float32: the four projections a layer and the head
+        f32 = LLMEngine(EngineConfig(**base, dtype="float32"))
+        assert int4_projections(f32) == 4 * f32.model_config.num_layers + 1
+        codes = [getattr(m, "int4", None) for m in f32.model.modules()]
+        assert all(c.f32_codes is not None for c in codes if c is not None)
     # A model directory of its own, so that the first start builds the cache file.
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -267,7 +357,7 @@ def test_an_engine_uses_codes_only_in_bfloat16_and_keeps_them_for_the_next_start
     # Four projections a layer, and with AMX the 8-bit LM head.
     expected = 4 * engine.model_config.num_layers + gguf_int4.amx_available()
     assert int4_projections(engine) == expected
-    (cached,) = model_dir.glob("int4-*")  # one file, and no partial one left
+    (cached,) = model_dir.glob("int4-bfloat16-*")  # one file, and no partial one left
     assert cached.name.startswith("int4-bfloat16-") and cached.suffix == ".safetensors"
 
     def no_gguf(*args):
@@ -366,7 +456,7 @@ def test_a_cache_file_that_does_not_fit_is_rebuilt_and_one_that_cannot_be_kept_i
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             again = gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16)
-        assert "the AMX tiles of layers.0.mlp.down_proj do not expand to its weights" in caplog.text
+        assert "the codes of layers.0.mlp.down_proj do not expand to its weights" in caplog.text
         assert torch.equal(
             again["layers.0.mlp.down_proj"].tiles, built["layers.0.mlp.down_proj"].tiles
         )

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # GGUF's codes, RMSNorm, and the small steps (RoPE, the KV store, the greedy argmax).
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_decode.c", "gguf_linear.c", "rms_norm.c", "step_ops.c")
+    for name in ("paged_decode.c", "gguf_linear.c", "codes_f32.c", "rms_norm.c", "step_ops.c")
 )
 # Included by the sources: part of what a build depends on.
 HEADERS = (Path(__file__).with_name("bf16.h"),)

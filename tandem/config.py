@@ -71,8 +71,8 @@ class EngineConfig:
     # read the codes as stored (tandem/engine/gguf_int4.py; bench/linear_forms.py
     # measures where that pays). bfloat16: a quarter of the dense weights' bytes, up to
     # 64 rows on a CPU with AMX (and the LM head from its 8-bit codes), up to 8
-    # elsewhere; float32: under a fifth, and the 8-bit head, up to 8 rows; whatever is
-    # set here. Larger steps use the dense weights, so a request's bfloat16 tokens can
+    # elsewhere; float32: under a fifth, and the 8-bit head, up to 16 rows (8 with
+    # AVX-512); whatever is set here. Larger steps use the dense weights, so a request's bfloat16 tokens can
     # depend on how many others share its steps (float32 ones only in the last bits of
     # the sums). 0: never.
     int4_max_rows: int = 64

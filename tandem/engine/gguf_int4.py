@@ -22,7 +22,7 @@ them.
 
 In float32 (a CPU without native bfloat16, where ``dtype: auto`` is float32) a step
 of one row reads 4 bytes a weight from the dense weights. Steps of up to
-``F32_MAX_ROWS`` rows run tandem/kernels/cpu/codes_f32.c instead, which reads the
+``F32_MAX_ROWS`` rows (16, or 8 with AVX-512) run tandem/kernels/cpu/codes_f32.c instead, which reads the
 codes (0.75 bytes a weight for Q4_1, 1.125 for the Q8_0 head) and expands each
 group in registers to exactly the dense float32 weights (checked at load), for any
 x86-64 or Arm CPU.
@@ -63,13 +63,23 @@ _PACK_ROWS = 16  # torch's int4 packing for CPU and the AMX tiles take rows by 1
 # AMX kernel (gguf_linear.c's CODES_MAX_ROWS) holds up to 64.
 TORCH_MAX_ROWS = 8
 AMX_MIN_ROWS, AMX_MAX_ROWS = 4, 64
-# float32 steps of at most this many rows read the codes (codes_f32.c): against the
-# dense weights prepacked for oneDNN, over all 30 layers' projections, 1.6-1.7x
-# faster at 1 to 4 rows, 1.3-1.5x at 6 and 8, 0.9x at 16 (bench/linear_forms.py
-# --dtypes float32, an Intel VM with AVX-512 and an L3 that holds the dense weights:
-# where they stream from memory the codes gain more).
-F32_MAX_ROWS = 8
 F32_KERNEL_MAX_ROWS = 16  # codes_f32.c's CODES_F32_MAX_ROWS
+
+
+def _f32_max_rows() -> int:
+    """float32 steps of at most this many rows read the codes (codes_f32.c). Against
+    the dense weights prepacked for oneDNN, over all 30 layers' projections of the
+    default model (bench/linear_forms.py --dtypes float32, an Intel VM whose L3 holds
+    the dense weights): with oneDNN's AVX-512 kernels 1.6-1.7x faster at 1 to 4 rows,
+    1.5x at 8, 0.9x at 16; with oneDNN and MKL held to AVX2 (ONEDNN_MAX_CPU_ISA,
+    MKL_ENABLE_INSTRUCTIONS) and the kernel built for Haswell, 1.8-2.4x at 1 to 8 rows
+    and 1.3x at 16. Where the weights stream from memory the codes gain more."""
+    from tandem.kernels.cpu.build import cpu_flags
+
+    return 8 if "avx512f" in cpu_flags().split() else F32_KERNEL_MAX_ROWS
+
+
+F32_MAX_ROWS = _f32_max_rows()
 # Bump when what the cache file holds, or how it is made, changes.
 _CACHE_FORMAT = 4
 _BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of two 4-bit codes each
@@ -485,6 +495,19 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     return packed
 
 
+# (part, is the head) -> the dtype that gguf_linear.c and codes_f32.c read it as.
+_KERNEL_DTYPES = {
+    ("tiles", False): torch.uint8,
+    ("tiles", True): torch.int8,
+    ("tile_scales", False): torch.float16,
+    ("tile_scales", True): torch.float16,
+    ("f32_codes", False): torch.uint8,
+    ("f32_codes", True): torch.int8,
+    ("f32_scales", False): torch.float32,
+    ("f32_scales", True): torch.float32,
+}
+
+
 def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool, f32: bool) -> Packed:
     """A cache file's forms, each checked to belong to one of ``model``'s projections
     and to hold the AMX tiles if ``amx``, or only codes_f32.c's form if ``f32``
@@ -518,6 +541,10 @@ def _fitting(model: LlamaModel, tensors: dict[str, torch.Tensor], amx: bool, f32
                     f"{name}: {part} {None if t is None else tuple(t.shape)}, "
                     f"not {shape} for {rows} x {cols}"
                 )
+            # The C kernels read these by their element size: a wrong dtype, past the end.
+            want = _KERNEL_DTYPES.get((part, name == "lm_head"))
+            if t is not None and want is not None and (t.dtype != want or not t.is_contiguous()):
+                raise ValueError(f"{name}: {part} is {t.dtype}, not contiguous {want}")
         packed[name] = forms
     return packed
 

@@ -18,6 +18,7 @@ from tandem.engine.loader import load_state_dict, read_config, resolve_model, sm
 from tandem.engine.model import Linear, LlamaModel
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kernels.cpu.build import cpu_flags
 
 pytestmark = pytest.mark.skipif(not gguf_int4.available(), reason="torch has no int4 CPU matmul")
 needs_amx = pytest.mark.skipif(
@@ -202,15 +203,19 @@ def test_the_float32_kernel_computes_with_exactly_the_dense_weights(fmt: str, bi
 
 
 @needs_f32
-def test_float32_steps_of_up_to_8_rows_read_the_codes_and_larger_ones_the_dense_weights() -> None:
+def test_float32_steps_of_up_to_f32_max_rows_read_the_codes_and_larger_ones_the_dense_weights(
+    monkeypatch,
+) -> None:
     codes = _random_codes(48, 96, seed=9)
     linear = _linear_with_codes(codes, max_rows=64, dtype=torch.float32)
     dense = _linear_with_codes(codes, max_rows=0, dtype=torch.float32)
     linear.pack()
     dense.pack()
     gen = torch.Generator().manual_seed(10)
-    assert gguf_int4.F32_MAX_ROWS == 8
-    for rows in (1, 8, 9, 16):
+    avx512 = "avx512f" in cpu_flags().split()
+    assert gguf_int4.F32_MAX_ROWS == (8 if avx512 else 16)
+    monkeypatch.setattr(gguf_int4, "F32_MAX_ROWS", 8)
+    for rows in (1, 8, 9, 16, 17):
         x = torch.randn(rows, 96, generator=gen)
         expected = gguf_int4.f32_linear(x, linear.int4, None) if rows <= 8 else dense(x)
         assert torch.equal(linear(x), expected), rows
@@ -240,6 +245,26 @@ def test_float32_codes_that_do_not_expand_to_the_weights_are_dropped(caplog) -> 
     others = range(1, cfg.num_layers)
     assert all(checked[f"layers.{i}.mlp.down_proj"].f32_codes is not None for i in others)
     assert "1 projections' codes do not expand to their weights in the kernel" in caplog.text
+
+
+def test_a_cache_file_whose_codes_a_kernel_would_misread_is_refused() -> None:
+    cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random")))
+    model = LlamaModel(cfg, 64)
+    down = model.layers[0].mlp.down_proj
+    forms = gguf_int4.pack(_random_codes(*down.weight.shape), torch.float32)
+    tensors = {
+        "layers.0.mlp.down_proj.f32_codes": forms.f32_codes,
+        "layers.0.mlp.down_proj.f32_scales": forms.f32_scales,
+    }
+    assert gguf_int4._fitting(model, tensors, amx=False, f32=True).keys() == {
+        "layers.0.mlp.down_proj"
+    }
+    # float16 scales would be read as float32: half the bytes, so past their end.
+    half = dict(tensors, **{"layers.0.mlp.down_proj.f32_scales": forms.f32_scales.half()})
+    with pytest.raises(ValueError, match="f32_scales is torch.float16, not contiguous"):
+        gguf_int4._fitting(model, half, amx=False, f32=True)
+    with pytest.raises(ValueError, match="tiles None"):  # a bfloat16 file's parts expected
+        gguf_int4._fitting(model, tensors, amx=True, f32=False)
 
 
 @needs_amx

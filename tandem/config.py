@@ -72,9 +72,9 @@ class EngineConfig:
     # measures where that pays). bfloat16: a quarter of the dense weights' bytes, up to
     # 64 rows on a CPU with AMX (and the LM head from its 8-bit codes), up to 8
     # elsewhere; float32: under a fifth, and the 8-bit head, up to 16 rows (8 with
-    # AVX-512); whatever is set here. Larger steps use the dense weights, so a request's bfloat16 tokens can
-    # depend on how many others share its steps (float32 ones only in the last bits of
-    # the sums). 0: never.
+    # AVX-512); whatever is set here. Larger steps use the dense weights, so a
+    # request's bfloat16 tokens can depend on how many others share its steps
+    # (float32 ones only in the last bits of the sums). 0: never.
     int4_max_rows: int = 64
 
     def __post_init__(self) -> None:

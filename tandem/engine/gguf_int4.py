@@ -70,10 +70,10 @@ def _f32_max_rows() -> int:
     """float32 steps of at most this many rows read the codes (codes_f32.c). Against
     the dense weights prepacked for oneDNN, over all 30 layers' projections of the
     default model (bench/linear_forms.py --dtypes float32, an Intel VM whose L3 holds
-    the dense weights): with oneDNN's AVX-512 kernels 1.6-1.7x faster at 1 to 4 rows,
-    1.5x at 8, 0.9x at 16; with oneDNN and MKL held to AVX2 (ONEDNN_MAX_CPU_ISA,
-    MKL_ENABLE_INSTRUCTIONS) and the kernel built for Haswell, 1.8-2.4x at 1 to 8 rows
-    and 1.3x at 16. Where the weights stream from memory the codes gain more."""
+    the dense weights): with oneDNN's AVX-512 kernels 4.1x faster at 1 row, 2.0x at
+    8, 1.0x at 16; with oneDNN and MKL held to AVX2 (ONEDNN_MAX_CPU_ISA,
+    MKL_ENABLE_INSTRUCTIONS) and the kernel built for Haswell, 4.8x, 2.3x and 1.4x.
+    Where the weights stream from memory the codes gain more."""
     from tandem.kernels.cpu.build import cpu_flags
 
     return 8 if "avx512f" in cpu_flags().split() else F32_KERNEL_MAX_ROWS

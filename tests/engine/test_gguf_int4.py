@@ -227,8 +227,9 @@ def test_float32_steps_of_up_to_f32_max_rows_read_the_codes_and_larger_ones_the_
     assert torch.equal(head(x), gguf_int4.f32_linear(x, head.int4, None))
 
 
-@needs_f32
-def test_float32_codes_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
+def _down_projections_with_codes(dtype: torch.dtype, amx: bool = False):
+    """tiny-random with every layer's down projection set to random codes, and those
+    codes packed for ``dtype``: (its config, the model, the packed forms)."""
     cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random")))
     model = LlamaModel(cfg, 64)
     packed = {}
@@ -237,7 +238,13 @@ def test_float32_codes_that_do_not_expand_to_the_weights_are_dropped(caplog) -> 
         codes = _random_codes(*module.weight.shape, seed=i)
         with torch.no_grad():
             module.weight.copy_(codes.dequantize())
-        packed[f"layers.{i}.mlp.down_proj"] = gguf_int4.pack(codes, torch.float32)
+        packed[f"layers.{i}.mlp.down_proj"] = gguf_int4.pack(codes, dtype, amx)
+    return cfg, model, packed
+
+
+@needs_f32
+def test_float32_codes_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
+    cfg, model, packed = _down_projections_with_codes(torch.float32)
     packed["layers.0.mlp.down_proj"].f32_codes[0, 0] ^= 0x10  # one weight's code
     with caplog.at_level(logging.WARNING):
         checked = gguf_int4._without_wrong_tiles(model, packed)
@@ -269,15 +276,7 @@ def test_a_cache_file_whose_codes_a_kernel_would_misread_is_refused() -> None:
 
 @needs_amx
 def test_tiles_that_do_not_expand_to_the_weights_are_dropped(caplog) -> None:
-    cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random")))
-    model = LlamaModel(cfg, 64)
-    packed = {}
-    for i, layer in enumerate(model.layers):
-        module = layer.mlp.down_proj
-        codes = _random_codes(*module.weight.shape, seed=i)
-        with torch.no_grad():
-            module.weight.copy_(codes.dequantize())
-        packed[f"layers.{i}.mlp.down_proj"] = gguf_int4.pack(codes, torch.bfloat16, amx=True)
+    cfg, model, packed = _down_projections_with_codes(torch.bfloat16, amx=True)
     packed["layers.0.mlp.down_proj"].tiles[0, 0, 0, 0] ^= 0x10  # one weight's code
     with caplog.at_level(logging.WARNING):
         checked = gguf_int4._without_wrong_tiles(model, packed)

@@ -88,44 +88,37 @@ def _prefill_kernel(
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if NEW:
-        # The cached prefix is visible to every row: only the tile across its end masks
-        # (the keys past it). Then the new keys up to the tile's last row, as computed.
-        # Key 0 comes first either way, so m is finite after the first tile.
+        # Only the cached prefix is read through the table, all of it visible to every
+        # row: just the tile across its end masks (the keys past it). The new keys
+        # follow, as computed.
+        keys = prefix
         whole = prefix // BLOCK_N * BLOCK_N
-        for n0 in range(0, whole, BLOCK_N):
-            m, lsum, acc = attend_tile(
-                q, m, lsum, acc, n0, q_pos, prefix, table_ptr, k_ptr, v_ptr, kv_head,
-                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
-            )  # fmt: skip
-        for n0 in range(whole, prefix, BLOCK_N):
-            m, lsum, acc = attend_tile(
-                q, m, lsum, acc, n0, q_pos, prefix, table_ptr, k_ptr, v_ptr, kv_head,
-                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
-            )  # fmt: skip
+        end = prefix
+    else:
+        # Keys below the tile's first position are visible to every row of the tile.
+        keys = context_len
+        whole = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+        end = tl.minimum(prefix + (tile + 1) * BLOCK_M, context_len)
+    for n0 in range(0, whole, BLOCK_N):
+        m, lsum, acc = attend_tile(
+            q, m, lsum, acc, n0, q_pos, keys, table_ptr, k_ptr, v_ptr, kv_head,
+            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
+        )  # fmt: skip
+    for n0 in range(whole, end, BLOCK_N):
+        m, lsum, acc = attend_tile(
+            q, m, lsum, acc, n0, q_pos, keys, table_ptr, k_ptr, v_ptr, kv_head,
+            scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
+        )  # fmt: skip
+    if NEW:
         for j0 in range(0, tl.minimum((tile + 1) * BLOCK_M, query_len), BLOCK_N):
             m, lsum, acc = attend_new_tile(
                 q, m, lsum, acc, j0, rows, query_len, new_k_ptr, new_v_ptr, kv_head,
                 scale_log2, stride_nt, stride_nh, HEAD_DIM, BLOCK_N, BLOCK_D, WIDEN,
             )  # fmt: skip
-    else:
-        # Keys below the tile's first position are visible to every row of the tile.
-        whole = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
-        end = tl.minimum(prefix + (tile + 1) * BLOCK_M, context_len)
-        for n0 in range(0, whole, BLOCK_N):
-            m, lsum, acc = attend_tile(
-                q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
-                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, WIDEN, QUANT,
-            )  # fmt: skip
-        # Key 0 is in the first tile and visible to every row, so m is finite from then on.
-        for n0 in range(whole, end, BLOCK_N):
-            m, lsum, acc = attend_tile(
-                q, m, lsum, acc, n0, q_pos, context_len, table_ptr, k_ptr, v_ptr, kv_head,
-                scale_log2, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, WIDEN, QUANT,
-            )  # fmt: skip
+    # Key 0 is in the first tile read (a cached one, or new key 0) and visible to every
+    # row, so m is finite from then on.
 
     out = acc / lsum[:, None]
     o_off = rows[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :]

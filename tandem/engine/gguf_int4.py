@@ -361,32 +361,22 @@ def amx_linear(x: torch.Tensor, forms: Forms, bias: torch.Tensor | None) -> torc
     return y
 
 
-class _F32:
-    """codes_f32.c's entry points, from the CPU kernels' library (built on first use)."""
-
-    def __init__(self) -> None:
-        from tandem.kernels.cpu.build import function
-
-        i32, ptr = ctypes.c_int, ctypes.c_void_p
-        self.linear = function(
-            "tandem_codes_linear_f32", [i32, ptr, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
-        )
-        self.dequant = function("tandem_codes_dequant_f32", [i32, ptr, ptr, i32, i32, ptr])
+# codes_f32.c's entry points, in the CPU kernels' library (built on first use).
+_F32_LINEAR = ("tandem_codes_linear_f32", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+               ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int])  # fmt: skip
+_F32_DEQUANT = ("tandem_codes_dequant_f32", [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int, ctypes.c_int, ctypes.c_void_p])  # fmt: skip
 
 
-_f32: _F32 | None = None
+def _f32_kernel(entry: tuple[str, list]):
+    from tandem.kernels.cpu.build import function
 
-
-def _f32_kernel() -> _F32:
-    global _f32
-    if _f32 is None:
-        _f32 = _F32()
-    return _f32
+    return function(*entry)
 
 
 def f32_available() -> bool:
     """True where codes_f32.c runs: the CPU kernels' library builds here."""
-    return _f32_kernel().linear is not None
+    return _f32_kernel(_F32_LINEAR) is not None
 
 
 def f32_weights(forms: Forms) -> torch.Tensor:
@@ -394,7 +384,7 @@ def f32_weights(forms: Forms) -> torch.Tensor:
     assert forms.f32_codes is not None and forms.f32_scales is not None
     rows, groups = forms.f32_scales.shape[:2]
     w = torch.empty(rows, groups * GROUP)
-    status = _f32_kernel().dequant(
+    status = _f32_kernel(_F32_DEQUANT)(
         forms.f32_format,
         forms.f32_codes.data_ptr(),
         forms.f32_scales.data_ptr(),
@@ -427,7 +417,7 @@ def f32_linear(x: torch.Tensor, forms: Forms, bias: torch.Tensor | None) -> torc
         bias = bias.contiguous()
     x = x.contiguous()
     y = torch.empty(rows, out_features)
-    status = _f32_kernel().linear(
+    status = _f32_kernel(_F32_LINEAR)(
         forms.f32_format,
         x.data_ptr(),
         rows,

@@ -65,6 +65,11 @@ class PlacementPolicy(abc.ABC):
         """One of ``candidates`` (never empty, in registration order) for a request whose
         tokens so far (prompt, and output of a migrated request) are ``token_ids``."""
 
+    def finished(self, pool: Pool, address: str, token_ids: Sequence[int]) -> None:
+        """A request on ``address`` ended with ``token_ids`` (prompt and every output
+        token): what its worker now holds, for policies that track it."""
+        return None
+
 
 class LeastLoaded(PlacementPolicy):
     name = "least-loaded"
@@ -123,6 +128,9 @@ class PrefixAware(PlacementPolicy):
     cache-aware router does, rather than from the workers' reports of blocks cached
     and evicted: it needs no protocol, costs one hash per 16 prompt tokens, and is
     right exactly when it matters (a prefix placed recently is still cached). A
+    decode worker also caches the tokens it generated, and the router streamed them:
+    a finished request's whole sequence joins its worker's history (``finished``), so
+    that a conversation's next turn, which repeats the reply, follows it there. A
     worker's history is an LRU of chained block hashes (those of the engines' prefix
     cache: ``hash_block`` over 16-token blocks) bounded by the worker's own KV pool
     size, so that what the worker must have evicted is forgotten too. Blocks shared
@@ -141,6 +149,8 @@ class PrefixAware(PlacementPolicy):
         self._history: dict[Pool, dict[str, collections.OrderedDict[int, None]]] = {
             pool: {} for pool in Pool
         }
+        # worker address -> KV blocks it holds, as of its last placement
+        self._capacity: dict[str, int] = {}
 
     def pick(
         self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
@@ -160,8 +170,13 @@ class PrefixAware(PlacementPolicy):
         if choice is None:
             choice = self._fallback.pick(pool, candidates)
         self.cached_tokens = matched[choice.address] * self.block_size
-        self._remember(pool, choice, hashes)
+        self._capacity[choice.address] = choice.kv_blocks_total or _UNKNOWN_POOL_BLOCKS
+        self._remember(pool, choice.address, hashes)
         return choice
+
+    def finished(self, pool: Pool, address: str, token_ids: Sequence[int]) -> None:
+        if address in self._capacity:
+            self._remember(pool, address, self._hashes(token_ids))
 
     def _hashes(self, token_ids: Sequence[int]) -> list[int]:
         """Chained hashes of the full blocks a worker could reuse (not the last token's)."""
@@ -182,13 +197,12 @@ class PrefixAware(PlacementPolicy):
             n += 1
         return n
 
-    def _remember(self, pool: Pool, worker: WorkerLoad, hashes: list[int]) -> None:
-        held = self._history[pool].setdefault(worker.address, collections.OrderedDict())
+    def _remember(self, pool: Pool, address: str, hashes: list[int]) -> None:
+        held = self._history[pool].setdefault(address, collections.OrderedDict())
         for h in hashes:
             held[h] = None
             held.move_to_end(h)
-        capacity = worker.kv_blocks_total or _UNKNOWN_POOL_BLOCKS
-        while len(held) > capacity:
+        while len(held) > self._capacity[address]:
             held.popitem(last=False)
 
 

@@ -508,6 +508,7 @@ class Relay:
             if chunk.finish_reason:
                 # The worker's count includes tokens it held back (a stop string).
                 _set_usage(response, req, chunk.completion_tokens, len(streamed))
+                self.policy.finished(Pool.DECODE, worker.address, [*req.prompt_ids, *streamed])
                 yield response
                 return
             yield response

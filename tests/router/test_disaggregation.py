@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.config import DisaggregationConfig, RouterConfig
 from tandem.errors import ConfigError
 from tandem.router.disaggregation import PrefillRouting
-from tandem.router.placement import WorkerLoad
+from tandem.router.placement import Pool, WorkerLoad
 from tandem.router.server import SERVICE_NAME
 from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
 
@@ -185,5 +185,22 @@ def test_conditional_with_prefix_aware_keeps_a_cached_long_prompt_on_decode(fron
             # the last block, so prefilling there computes <= 16 tokens.
             assert [call.request.prefill_here for call in c.decode[0].calls] == [False, True]
             assert c.router.relay.routing.counts == {"long": 1, "short": 1}
+
+    run(scenario())
+
+
+def test_prefix_aware_learns_the_reply_a_decode_worker_generated(frontend):
+    async def scenario():
+        async with cluster(frontend, placement="prefix-aware") as c:
+            prompt = "a conversation long enough to fill some blocks " * 4
+            chunks = [ch async for ch in c.client.generate(prompt, max_tokens=5)]
+            policy = c.router.relay.policy
+            prompt_ids = frontend.tokenizer.encode(prompt)
+            sequence = [*prompt_ids, *_tokens(chunks)]
+            held = policy._history[Pool.DECODE][c.decode[0].address]
+            # Every full block up to the reply's last token: what the worker cached,
+            # more than the prompt's own.
+            assert list(held) == policy._hashes(sequence)
+            assert len(held) > len(policy._hashes(prompt_ids))
 
     run(scenario())

@@ -123,6 +123,13 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
         "chats whose turns follow each other)",
     )
     d.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="jsonl chats: a line that repeats an earlier line's messages and an assistant "
+        "turn is that chat's next turn, sent once the earlier one is answered, with the "
+        "server's reply in place of the file's (use with --dataset-in-order)",
+    )
+    d.add_argument(
         "--input-len",
         default="128",
         help="synthetic prompt tokens: N, uniform:LO-HI or normal:MEAN,STD (default 128)",
@@ -226,6 +233,7 @@ def load_config(args: argparse.Namespace, **overrides):
         output_len=output,
         file_output_len=file_output,
         in_order=args.dataset_in_order,
+        multi_turn=args.multi_turn,
     )
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:

@@ -292,6 +292,26 @@ def pick(specs: list[RequestSpec], n: int, seed: int, in_order: bool = False) ->
     return [specs[int(order[i % len(specs)])] for i in range(n)]
 
 
+def follow_ups(specs: Sequence[RequestSpec]) -> list[tuple[int, int] | None]:
+    """For each spec, the conversation turn it continues, for sending with real replies
+    (``--multi-turn``): ``(i, p)`` when an earlier spec ``i`` sent exactly the messages
+    before this one's message ``p``, an assistant turn, whose content is then to be
+    the reply that ``i`` got; the latest such ``i``. None for the rest."""
+    sent: dict[tuple[tuple[str, str], ...], int] = {}
+    links: list[tuple[int, int] | None] = []
+    for j, spec in enumerate(specs):
+        messages = spec.messages or ()
+        link = None
+        for p in range(len(messages) - 1, 0, -1):
+            if messages[p][0] == "assistant" and messages[:p] in sent:
+                link = sent[messages[:p]], p
+                break
+        links.append(link)
+        if messages:
+            sent[messages] = j
+    return links
+
+
 def _read(path: str | Path) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")

@@ -45,6 +45,7 @@ class Chunk:
     token_ids: tuple[int, ...]  # one placeholder per event with text: ids are not sent
     usage: Usage | None = None
     finish_reason: str | None = None
+    text: str = ""
 
 
 class OpenAIClient:
@@ -140,7 +141,7 @@ class OpenAIClient:
                             text = (choice.get("delta") or {}).get("content")
                         finish = choice.get("finish_reason") or finish
                         if text:
-                            yield Chunk((0,))
+                            yield Chunk((0,), text=text)
                     if usage:
                         yield Chunk((), Usage(usage["prompt_tokens"],
                                               usage["completion_tokens"]), finish)  # fmt: skip

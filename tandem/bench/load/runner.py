@@ -8,11 +8,19 @@ them go) until ``num_requests`` were sent or ``duration_s`` has passed, and wait
 for the last one. A request's clock starts when it is sent; when a concurrency
 limit holds it back, the wait for a free slot is not part of its latency (as in
 vLLM's benchmark).
+
+Multi-turn chats (``multi_turn``): a file line that repeats an earlier line's
+messages followed by an assistant turn is that conversation's next turn
+(``datasets.follow_ups``). It is sent at its arrival time or once the earlier turn's
+reply has come, whichever is later, with the reply the server gave in place of the
+file's assistant turn, as a user would; the wait is not part of its latency. A
+server that caches what it generated can then serve the whole history from cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import itertools
 import math
@@ -45,6 +53,8 @@ class DatasetConfig:
     # rather than in a seeded random one: a file of multi-turn chats, whose turns follow
     # each other as their users would send them.
     in_order: bool = False
+    # jsonl: send each conversation's turns with the replies the server gave (above).
+    multi_turn: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("synthetic", "jsonl", "sharegpt"):
@@ -54,6 +64,10 @@ class DatasetConfig:
         if self.in_order and self.kind == "synthetic":
             raise InvalidRequestError(
                 "dataset", "--dataset-in-order is for jsonl and sharegpt files"
+            )
+        if self.multi_turn and self.kind != "jsonl":
+            raise InvalidRequestError(
+                "dataset", "--multi-turn is for jsonl files of chats (\"messages\")"
             )
         if (self.kind == "synthetic") != (self.path is None):
             raise InvalidRequestError(
@@ -135,6 +149,9 @@ class LoadResult:
     duration_s: float
     started_at: str  # wall-clock ISO time of the first measured send
     summary: Summary
+    # Every spec as it was last sent (a follow-up turn with the replies it carried),
+    # warm-up first, in the dataset's order.
+    sent: list[RequestSpec] = field(default_factory=list)
 
 
 def run(config: LoadConfig, before_measured: Callable[[], object] | None = None) -> LoadResult:
@@ -157,13 +174,57 @@ async def run_async(
             raise TandemClientError(exc.code, f"cannot reach a router at {config.target}: "
                                     f"{exc.details}") from None  # fmt: skip
         specs = await build_dataset(client, config, model)
-        warmup, measured = specs[: config.num_warmup], specs[config.num_warmup :]
+        turns = _Turns(specs, config.dataset.multi_turn)
+        warmup = range(min(config.num_warmup, len(specs)))
+        for k in warmup:
+            turns.start(k)
         if warmup:
-            await asyncio.gather(*(_send(client, s, RequestRecord(-1, 0.0, s.input_len,
-                                 s.output_len), config) for s in warmup))  # fmt: skip
+            start = time.perf_counter()
+            records = [RequestRecord(-1, 0.0, specs[k].input_len, specs[k].output_len)
+                       for k in warmup]  # fmt: skip
+            await asyncio.gather(*(_send(client, turns, k, rec, config, start)
+                                   for k, rec in zip(warmup, records, strict=True)))  # fmt: skip
         if before_measured is not None:
             await asyncio.to_thread(before_measured)
-        return await _measure(client, config, model, measured)
+        result = await _measure(client, config, model, turns, len(warmup))
+        result.sent = turns.sent
+        return result
+
+
+class _Turns:
+    """The specs being sent, and for multi-turn chats the replies that follow-ups wait
+    for and carry (see the module's docstring)."""
+
+    def __init__(self, specs: list[RequestSpec], multi_turn: bool) -> None:
+        self.specs = specs
+        self.sent = list(specs)
+        self.links = datasets.follow_ups(specs) if multi_turn else [None] * len(specs)
+        self._followed = {link[0] for link in self.links if link is not None}
+        self._replies: list[asyncio.Future[str | None] | None] = [None] * len(specs)
+
+    def start(self, k: int) -> None:
+        """Spec ``k`` is scheduled: a reply that later follow-ups wait for is a new one
+        (a cycled file sends it again). Call in send order."""
+        if k in self._followed:
+            self._replies[k] = asyncio.get_running_loop().create_future()
+
+    async def ready(self, k: int) -> RequestSpec:
+        """Spec ``k`` as it goes out: a follow-up once its earlier turn has its reply."""
+        link = self.links[k]
+        if link is not None:
+            i, p = link
+            reply = await asyncio.shield(self._replies[i])
+            spec = self.specs[k]
+            if reply is None:  # that turn failed: the file's text stands in for its reply
+                reply = spec.messages[p][1]
+            messages = (*self.sent[i].messages, ("assistant", reply), *spec.messages[p + 1 :])
+            self.sent[k] = dataclasses.replace(spec, messages=messages, input_len=None)
+        return self.sent[k]
+
+    def done(self, k: int, reply: str | None) -> None:
+        future = self._replies[k]
+        if future is not None and not future.done():
+            future.set_result(reply)
 
 
 async def build_dataset(
@@ -212,8 +273,9 @@ async def build_dataset(
 
 
 async def _measure(
-    client: AsyncTandemClient, config: LoadConfig, model: ModelInfo, specs: list[RequestSpec]
+    client: AsyncTandemClient, config: LoadConfig, model: ModelInfo, turns: _Turns, first: int
 ) -> LoadResult:
+    """Sends ``turns.specs[first:]`` (cycling), the measured requests."""
     bounded = config.num_requests is not None
     offsets = _from_first(arrivals.schedule(config.request_rate, config.burstiness, config.seed))
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -222,7 +284,8 @@ async def _measure(
     tasks: list[asyncio.Task] = []
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.perf_counter()
-    for i, (spec, offset) in enumerate(zip(itertools.cycle(specs), offsets)):
+    positions = itertools.cycle(range(first, len(turns.specs)))
+    for i, (k, offset) in enumerate(zip(positions, offsets, strict=False)):
         if bounded and i >= config.num_requests:
             break
         if not bounded and offset >= config.duration_s:
@@ -237,9 +300,11 @@ async def _measure(
             if slots is not None:
                 slots.release()
             break
+        spec = turns.specs[k]
         rec = RequestRecord(i, now, spec.input_len, spec.output_len)
         records.append(rec)
-        tasks.append(asyncio.create_task(_send(client, spec, rec, config, slots, bar)))
+        turns.start(k)
+        tasks.append(asyncio.create_task(_send(client, turns, k, rec, config, start, slots, bar)))
     if bar is not None and not bounded:
         bar.total = len(records)
         bar.refresh()
@@ -261,18 +326,29 @@ def _from_first(offsets: Iterator[float]) -> Iterator[float]:
 
 async def _send(
     client: AsyncTandemClient,
-    spec: RequestSpec,
+    turns: _Turns,
+    k: int,
     rec: RequestRecord,
     config: LoadConfig,
+    start: float,
     slots: asyncio.Semaphore | None = None,
     bar=None,
 ) -> None:
+    """Sends spec ``k`` (``start``: the run's clock, for a follow-up's send time)."""
+    texts: list[str] = []
+    if turns.links[k] is not None:
+        spec = await turns.ready(k)
+        rec.send_time = time.perf_counter() - start
+        rec.input_len = None
+    else:
+        spec = turns.specs[k]
     t0 = time.perf_counter()
     try:
         stream = client.generate(**spec.input_kwargs(), max_tokens=spec.output_len,
                                  ignore_eos=True, temperature=config.temperature)  # fmt: skip
         async for chunk in stream:
             rec.chunk_times.append(time.perf_counter() - t0)
+            texts.append(chunk.text)
             rec.chunk_tokens.append(len(chunk.token_ids))
             if chunk.usage is not None:
                 rec.prompt_tokens = chunk.usage.prompt_tokens
@@ -288,6 +364,7 @@ async def _send(
         rec.error = type(exc).__name__
     finally:
         rec.end_time = time.perf_counter() - t0
+        turns.done(k, "".join(texts) if rec.ok else None)
         if slots is not None:
             slots.release()
         if bar is not None:

@@ -1,0 +1,71 @@
+"""Multi-turn chats: each follow-up turn carries the reply its earlier turn got."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tandem.bench.load import datasets
+from tandem.bench.load.datasets import RequestSpec
+from tandem.bench.load.runner import DatasetConfig, LoadConfig, run_async
+from tandem.errors import InvalidRequestError
+from tests.router.conftest import frontend  # noqa: F401 - the fixture
+from tests.router.fakes import cluster
+
+
+def _chat(*messages: tuple[str, str]) -> RequestSpec:
+    return RequestSpec(messages=messages)
+
+
+def test_follow_ups_link_each_turn_to_the_latest_one_it_repeats():
+    s, u1, a1, u2, a2, u3 = (("system", "s"), ("user", "1"), ("assistant", "x"),
+                             ("user", "2"), ("assistant", "y"), ("user", "3"))  # fmt: skip
+    specs = [
+        _chat(s, u1),  # 0
+        _chat(s, ("user", "other")),  # 1: another user
+        _chat(s, u1, a1, u2),  # 2: follows 0, its reply at message 2
+        _chat(s, u1, a1, u2, a2, u3),  # 3: follows 2, not 0
+        _chat(s, u1),  # 4: the file cycled
+        _chat(s, u1, a1, u2),  # 5: follows 4, the latest
+        _chat(u1, a1, u2),  # 6: nothing sent ends before its assistant turn
+        RequestSpec(prompt="plain"),  # 7
+    ]
+    assert datasets.follow_ups(specs) == [None, None, (0, 2), (2, 4), None, (4, 2), None, None]
+
+
+def test_multi_turn_is_for_jsonl_chats():
+    with pytest.raises(InvalidRequestError, match="--multi-turn is for jsonl"):
+        DatasetConfig(multi_turn=True)
+
+
+def test_follow_ups_are_sent_with_the_reply_their_earlier_turn_got(frontend, tmp_path):  # noqa: F811
+    system = ("system", "be brief")
+    turn1 = [system, ("user", "hello")]
+    turn2 = [*turn1, ("assistant", "filler"), ("user", "and then?")]
+    other = [system, ("user", "another user")]
+    lines = [turn1, other, turn2]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in m],
+                                        "output_len": 5}) + "\n" for m in lines))  # fmt: skip
+    dataset = DatasetConfig(kind="jsonl", path=str(path), in_order=True, multi_turn=True)
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            config = LoadConfig(target=c.router.address, num_requests=3, num_warmup=0,
+                                dataset=dataset, progress=False)  # fmt: skip
+            return await run_async(config), [call.request.request for call in c.decode[0].calls]
+
+    result, calls = asyncio.run(scenario())
+    assert result.summary.completed == 3
+    # The fakes answer every request with the same five tokens and their text.
+    reply = "<10><11><12><13><14>"
+    expected = [*turn1, ("assistant", reply), ("user", "and then?")]
+    assert [s.messages for s in result.sent] == [tuple(turn1), tuple(other), tuple(expected)]
+    chat = [{"role": r, "content": c} for r, c in expected]
+    assert list(calls[2].prompt_token_ids) == frontend.tokenizer.encode_chat(chat)
+    # The follow-up left after its earlier turn had ended, and was timed from then.
+    first, _, follow = result.records
+    assert follow.send_time >= first.send_time + first.end_time
+    assert follow.input_len is None and follow.prompt_tokens == len(calls[2].prompt_token_ids)

@@ -11,8 +11,9 @@ Deployments (the same total cores: each worker gets cores / workers torch thread
 - ``colocated``: 2 workers that prefill and decode (``tandem serve --colocated 2``);
 - ``disagg``: 1 prefill + 1 decode worker, every prompt on the prefill pool;
 - ``conditional``: 1 + 1, the router deciding per request (disaggregation.py);
-- the same three with ``-prefix`` (``placement: prefix-aware``), and ``disagg-2x2``
-  / ``disagg-2x2-prefix`` (2 + 2 workers, for prefix placement across two of each);
+- the same three with ``-prefix`` (``placement: prefix-aware``), and ``disagg-2x2``,
+  ``conditional-2x2`` and their ``-prefix`` twins (2 + 2 workers, for prefix
+  placement across two of each);
 - ``conditional-unbounded`` / ``conditional-prefix-unbounded``: the rule without
   its stall budget (``local_max_stall_ms: 0``), to show what the budget
   (``--local-max-stall-ms``, the config's default unless given) changes.
@@ -21,7 +22,9 @@ Workloads (seeded; the same requests for every deployment):
 - ``long-short``: 512-token prompts, 16-token answers (prefill-heavy);
 - ``short-long``: 32-token prompts, 192-token answers (decode-heavy);
 - ``chat``: 4 long system prompts (~400 tokens) shared by many users, each user a
-  conversation whose every turn repeats its history, 32-token answers.
+  conversation of 3 turns whose every turn repeats its history, 32-token answers;
+  sent as users would (``--multi-turn``): a turn goes once the previous one is
+  answered, with the server's reply in the history.
 
 Each (deployment, workload, rate) is one ``tandem bench load`` run (Poisson
 arrivals, --requests measured after 2 warm-up), on requests of its own: the
@@ -30,8 +33,8 @@ earlier one, and every deployment gets the same requests at a given rate.
 Goodput counts requests that meet both SLOs (TTFT, and TPOT, the mean
 inter-token latency of the request). The prefix hit rate and the KV bytes moved
 per request come from the workers' ``Status`` counters before and after the run;
-``ceil`` is the hit rate one unbounded prefix cache would reach on the same chat
-requests (``hit_ceiling``: what placement can hope for); ``local`` is the share of
+``ceil`` is the hit rate one unbounded prefix cache would reach on the chat
+requests as sent (``hit_ceiling``: what placement can hope for); ``local`` is the share of
 requests prefilled on the decode worker. With --out, ``compare.json`` and a plot of SLO
 attainment against rate per workload are written there.
 """
@@ -56,6 +59,8 @@ DEPLOYMENTS = {
     "conditional-prefix": (1, 1, "conditional", "prefix-aware"),
     "disagg-2x2": (2, 2, "always", "least-loaded"),
     "disagg-2x2-prefix": (2, 2, "always", "prefix-aware"),
+    "conditional-2x2": (2, 2, "conditional", "least-loaded"),
+    "conditional-2x2-prefix": (2, 2, "conditional", "prefix-aware"),
     "conditional-unbounded": (1, 1, "conditional", "least-loaded"),
     "conditional-prefix-unbounded": (1, 1, "conditional", "prefix-aware"),
 }
@@ -65,9 +70,9 @@ STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "
 
 def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None:
     """JSONL of chats: ``systems`` long system prompts, users of 3 turns each, every
-    turn carrying the conversation so far (assistant turns are fixed filler text, as
-    the benchmark cannot know the replies in advance), in send order (the load run
-    keeps it: ``in_order``)."""
+    turn carrying the conversation so far, in send order (the load run keeps it:
+    ``in_order``). The assistant turns are filler text that a multi-turn run replaces
+    with the replies it gets."""
     from tandem.bench.load.datasets import WORDS
 
     rng = random.Random(seed)
@@ -92,20 +97,27 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None
             f.write(json.dumps(lines[i]) + "\n")
 
 
-def hit_ceiling(path: Path, tokenizer, block_size: int = 16, warmup: int = 2) -> float:
-    """The prefix hit rate that one prefix cache of unbounded size would reach on a chat
-    file sent in its order: each request's prompt tokens in the full blocks that an
-    earlier prompt began with, over its prompt tokens (the warm-up's requests count as
+def hit_ceiling(sent, tokenizer, block_size: int = 16, warmup: int = 2) -> float:
+    """The prefix hit rate that one prefix cache of unbounded size would reach on the
+    chats of ``sent`` (a load run's ``LoadResult.sent``) in their order: each
+    request's prompt tokens in the full blocks that an earlier prompt began with, or
+    that the turn it follows generated (its decode worker computed the reply, which
+    this prompt repeats), over its prompt tokens (the warm-up's requests count as
     earlier, not as looked up). What placement can hope for: a user's first turn
     finds only the system prompt, and a prompt's last, partial block is not cached."""
+    from tandem.bench.load.datasets import follow_ups
+
     seen: set[int] = set()
     found = looked = 0
-    for i, line in enumerate(path.read_text().splitlines()):
-        ids = tokenizer.encode_chat(json.loads(line)["messages"])
+    prompts = [tokenizer.encode_chat(spec.input_kwargs()["messages"]) for spec in sent]
+    for i, (ids, link) in enumerate(zip(prompts, follow_ups(sent), strict=True)):
         keys, key = [], 0
         for start in range(0, len(ids) - block_size + 1, block_size):
             key = hash((key, tuple(ids[start : start + block_size])))
             keys.append(key)
+        if link is not None:  # the earlier turn's prompt and all but its last output token
+            computed = len(prompts[link[0]]) + sent[link[0]].output_len - 1
+            seen.update(keys[: computed // block_size])
         hit = next((b for b, k in enumerate(keys) if k not in seen), len(keys))
         if i >= warmup:
             found += hit * block_size
@@ -128,7 +140,7 @@ def _dataset(workload: str, tmp: Path, requests: int, seed: int):
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "chat.jsonl"
     chat_dataset(path, requests + 2, seed)  # + the warm-up
-    return DatasetConfig(kind="jsonl", path=str(path), in_order=True), seed
+    return DatasetConfig(kind="jsonl", path=str(path), in_order=True, multi_turn=True), seed
 
 
 def _status_totals(cluster) -> dict[str, float]:
@@ -152,8 +164,9 @@ def _status_totals(cluster) -> dict[str, float]:
     return totals
 
 
-def run_point(cluster, dataset, rate: float, args) -> dict:
-    """``dataset``: (DatasetConfig, seed), from ``_dataset``."""
+def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
+    """``dataset``: (DatasetConfig, seed), from ``_dataset``; with ``tokenizer``, the
+    run's chats' ``hit_ceiling`` too (else nan)."""
     from tandem.bench.load.metrics import SLO
     from tandem.bench.load.runner import LoadConfig, run
 
@@ -184,6 +197,7 @@ def run_point(cluster, dataset, rate: float, args) -> dict:
         else math.nan,
         kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
         local=d["prefilled_here"] / served,
+        hit_ceiling=math.nan if tokenizer is None else hit_ceiling(result.sent, tokenizer),
     )
 
 
@@ -288,14 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             for w in workloads
             for i, rate in enumerate(rates)
         }
-        # What a chat run's hit rate is to be read against (nan for the synthetic ones).
-        ceilings = dict.fromkeys(datasets, math.nan)
+        # What a chat run's hit rate is to be read against.
+        tokenizer = None
         if "chat" in workloads:
             tokenizer = Tokenizer.from_pretrained(resolve_model(args.model))
-            for rate in rates:
-                ceilings["chat", rate] = hit_ceiling(
-                    Path(datasets["chat", rate][0].path), tokenizer
-                )
         for dep in deployments:
             cfg = _cluster_config(dep, args)
             print(f"{dep}: {cfg.num_prefill} prefill + {cfg.num_decode} decode workers, "
@@ -303,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
             with LocalCluster(cfg) as cluster:
                 for w in workloads:
                     for rate in rates:
-                        point = run_point(cluster, datasets[w, rate], rate, args)
-                        rows.append(dict(deployment=dep, workload=w, **point,
-                                         hit_ceiling=ceilings[w, rate]))  # fmt: skip
+                        point = run_point(cluster, datasets[w, rate], rate, args,
+                                          tokenizer if w == "chat" else None)  # fmt: skip
+                        rows.append(dict(deployment=dep, workload=w, **point))
                         print(f"  {w} at {rate:g}/s: goodput {point['goodput']:.3f}/s, "
                               f"TTFT p50 {point['ttft_p50']:.0f} ms", file=sys.stderr)  # fmt: skip
     rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), r["rate"]))

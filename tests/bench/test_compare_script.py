@@ -39,27 +39,37 @@ def test_chat_turns_repeat_their_history_in_order(compare, tmp_path):
     assert (tmp_path / "again.jsonl").read_text() == path.read_text()  # seeded
 
 
-def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_began_with(compare, tmp_path):
+def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_with(compare):
+    from tandem.bench.load.datasets import RequestSpec
+
     class Chars:  # one token per character of the messages' contents
         @staticmethod
         def encode_chat(messages):
             return [ord(c) for m in messages for c in m["content"]]
 
-    lines = [
-        {"messages": [{"role": "system", "content": "a" * 8}]},  # warm-up
-        {"messages": [{"role": "system", "content": "a" * 8 + "b" * 7}]},  # 2 blocks of 4
-        {"messages": [{"role": "system", "content": "c" * 5}]},  # nothing
+    def chat(*contents, output_len=4):
+        roles = ["user", "assistant", "user"]
+        return RequestSpec(messages=tuple(zip(roles, contents, strict=False)),
+                           output_len=output_len)  # fmt: skip
+
+    sent = [
+        chat("a" * 8),  # warm-up
+        chat("a" * 8 + "b" * 7),  # 2 blocks of 4 (8 of 15 tokens)
+        chat("c" * 5),  # nothing (0 of 5)
+        # Follows the line before: its prompt (5) and 3 of its 4 output tokens were
+        # computed, the first 2 blocks; the third holds the new user turn.
+        chat("c" * 5, "r" * 4, "d" * 3, output_len=4),
     ]
-    path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert compare.hit_ceiling(path, Chars, block_size=4, warmup=1) == 8 / (15 + 5)
+    assert compare.hit_ceiling(sent, Chars, block_size=4, warmup=1) == (8 + 8) / (15 + 5 + 12)
     # On the benchmark's own chats: a user's later turns find its earlier ones.
+    path = compare.Path(compare.tempfile.mkdtemp()) / "chat.jsonl"
     compare.chat_dataset(path, requests=26, seed=0)
+    from tandem.bench.load.datasets import load_jsonl
     from tandem.engine.loader import resolve_model
     from tandem.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(resolve_model("tiny-random"))
-    assert 0.5 < compare.hit_ceiling(path, tokenizer) < 1
+    assert 0.5 < compare.hit_ceiling(load_jsonl(path, 32), tokenizer) < 1
 
 
 def test_unknown_names_are_refused(compare, capsys):

@@ -27,15 +27,16 @@ Workloads (seeded; the same requests for every deployment):
   answered, with the server's reply in the history.
 
 Each (deployment, workload, rate) is one ``tandem bench load`` run (Poisson
-arrivals, --requests measured after 2 warm-up), on requests of its own: the
-seed is --seed plus the rate's index, so no run finds its prompts cached by an
-earlier one, and every deployment gets the same requests at a given rate.
-Goodput counts requests that meet both SLOs (TTFT, and TPOT, the mean
-inter-token latency of the request). The prefix hit rate and the KV bytes moved
-per request come from the workers' ``Status`` counters before and after the run;
-``ceil`` is the hit rate one unbounded prefix cache would reach on the chat
-requests as sent (``hit_ceiling``: what placement can hope for); ``local`` is the share of
-requests prefilled on the decode worker. With --out, ``compare.json`` and a plot of SLO
+arrivals, --requests measured after a warm-up: 2 requests, or the chat's first turn
+of each system prompt), on requests of its own: the seed is --seed plus the rate's
+index, so no run finds its prompts cached by an earlier one, and every deployment
+gets the same requests at a given rate. Goodput counts requests that meet both SLOs
+(TTFT, and TPOT, the mean inter-token latency of the request). The prefix hit rate
+and the KV bytes moved per request come from the workers' ``Status`` counters after
+the warm-up and after the run; ``ceil`` is the hit rate one unbounded prefix cache
+would reach on the chat requests as sent (``hit_ceiling``: what placement can hope
+for); ``local`` is the share of requests prefilled on the decode worker. With
+--out, ``compare.json`` and a plot of SLO
 attainment against rate per workload are written there.
 """
 
@@ -65,6 +66,9 @@ DEPLOYMENTS = {
     "conditional-prefix-unbounded": (1, 1, "conditional", "prefix-aware"),
 }
 WORKLOADS = ("long-short", "short-long", "chat")
+# Warm-up requests of the synthetic workloads; the chat's are one per system prompt.
+WARMUP = 2
+CHAT_SYSTEMS = 4
 STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "prefilled_here")
 
 
@@ -72,7 +76,9 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None
     """JSONL of chats: ``systems`` long system prompts, users of 3 turns each, every
     turn carrying the conversation so far, in send order (the load run keeps it:
     ``in_order``). The assistant turns are filler text that a multi-turn run replaces
-    with the replies it gets."""
+    with the replies it gets. The first ``systems`` lines, one user's first turn per
+    system prompt, are the warm-up (``systems`` + ``requests`` lines in all): a
+    service in its steady state has its system prompts cached."""
     from tandem.bench.load.datasets import WORDS
 
     rng = random.Random(seed)
@@ -81,6 +87,9 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
     prompts = [f"You are assistant {i}. " + words(330) for i in range(systems)]
+    warmup = [{"messages": [{"role": "system", "content": p},
+                            {"role": "user", "content": f"warm-up user {i}: " + words(20)}],
+               "output_len": 32} for i, p in enumerate(prompts)]  # fmt: skip
     lines, user = [], 0
     while len(lines) < requests:
         system = prompts[user % systems]
@@ -93,11 +102,11 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None
     # Interleave users a little, keeping each user's turns in order.
     order = sorted(range(len(lines)), key=lambda i: (i // 3 // 2, i % 3, i // 3))
     with path.open("w") as f:
-        for i in order[:requests]:
-            f.write(json.dumps(lines[i]) + "\n")
+        for line in [*warmup, *(lines[i] for i in order[:requests])]:
+            f.write(json.dumps(line) + "\n")
 
 
-def hit_ceiling(sent, tokenizer, block_size: int = 16, warmup: int = 2) -> float:
+def hit_ceiling(sent, tokenizer, warmup: int, block_size: int = 16) -> float:
     """The prefix hit rate that one prefix cache of unbounded size would reach on the
     chats of ``sent`` (a load run's ``LoadResult.sent``) in their order: each
     request's prompt tokens in the full blocks that an earlier prompt began with, or
@@ -127,20 +136,21 @@ def hit_ceiling(sent, tokenizer, block_size: int = 16, warmup: int = 2) -> float
 
 
 def _dataset(workload: str, tmp: Path, requests: int, seed: int):
-    """(the DatasetConfig, the seed its run must use)."""
+    """(the DatasetConfig, the seed its run must use, its warm-up requests)."""
     from tandem.bench.load.datasets import LengthDist
     from tandem.bench.load.runner import DatasetConfig
 
     if workload == "long-short":
         lengths = LengthDist("fixed", 512), LengthDist("fixed", 16)
-        return DatasetConfig(input_len=lengths[0], output_len=lengths[1]), seed
+        return DatasetConfig(input_len=lengths[0], output_len=lengths[1]), seed, WARMUP
     if workload == "short-long":
         lengths = LengthDist("fixed", 32), LengthDist("fixed", 192)
-        return DatasetConfig(input_len=lengths[0], output_len=lengths[1]), seed
+        return DatasetConfig(input_len=lengths[0], output_len=lengths[1]), seed, WARMUP
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "chat.jsonl"
-    chat_dataset(path, requests + 2, seed)  # + the warm-up
-    return DatasetConfig(kind="jsonl", path=str(path), in_order=True, multi_turn=True), seed
+    chat_dataset(path, requests, seed, CHAT_SYSTEMS)
+    dataset = DatasetConfig(kind="jsonl", path=str(path), in_order=True, multi_turn=True)
+    return dataset, seed, CHAT_SYSTEMS
 
 
 def _status_totals(cluster) -> dict[str, float]:
@@ -165,18 +175,19 @@ def _status_totals(cluster) -> dict[str, float]:
 
 
 def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
-    """``dataset``: (DatasetConfig, seed), from ``_dataset``; with ``tokenizer``, the
-    run's chats' ``hit_ceiling`` too (else nan)."""
+    """``dataset``: (DatasetConfig, seed, warm-up), from ``_dataset``; with
+    ``tokenizer``, the run's chats' ``hit_ceiling`` too (else nan). The workers'
+    counters are read after the warm-up and after the run."""
     from tandem.bench.load.metrics import SLO
     from tandem.bench.load.runner import LoadConfig, run
 
-    dataset, seed = dataset
-    before = _status_totals(cluster)
+    dataset, seed, warmup = dataset
+    before: dict[str, float] = {}
     result = run(LoadConfig(
         target=cluster.address, request_rate=rate, num_requests=args.requests, seed=seed,
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), dataset=dataset,
-        progress=False, timeout_s=args.timeout,
-    ))  # fmt: skip
+        progress=False, timeout_s=args.timeout, num_warmup=warmup,
+    ), before_measured=lambda: before.update(_status_totals(cluster)))  # fmt: skip
     after = _status_totals(cluster)
     d = {k: after[k] - before[k] for k in after}
     s = result.summary
@@ -197,7 +208,7 @@ def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
         else math.nan,
         kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
         local=d["prefilled_here"] / served,
-        hit_ceiling=math.nan if tokenizer is None else hit_ceiling(result.sent, tokenizer),
+        hit_ceiling=math.nan if tokenizer is None else hit_ceiling(result.sent, tokenizer, warmup),
     )
 
 

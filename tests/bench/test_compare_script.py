@@ -23,9 +23,10 @@ def test_chat_turns_repeat_their_history_in_order(compare, tmp_path):
     path = tmp_path / "chat.jsonl"
     compare.chat_dataset(path, requests=24, seed=3)
     chats = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
-    assert len(chats) == 24
-    systems = {c[0]["content"] for c in chats}
-    assert len(systems) == 4 and all(len(s.split()) > 300 for s in systems)
+    assert len(chats) == 4 + 24  # the warm-up first: one first turn per system prompt
+    systems = [c[0]["content"] for c in chats]
+    assert len(set(systems[:4])) == 4 and all(len(s.split()) > 300 for s in systems)
+    assert set(systems) == set(systems[:4])
     seen: dict[str, list] = {}  # user -> its last turn's messages
     for chat in chats:
         user = chat[1]["content"].split(":")[0]
@@ -60,16 +61,16 @@ def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_wit
         # computed, the first 2 blocks; the third holds the new user turn.
         chat("c" * 5, "r" * 4, "d" * 3, output_len=4),
     ]
-    assert compare.hit_ceiling(sent, Chars, block_size=4, warmup=1) == (8 + 8) / (15 + 5 + 12)
+    assert compare.hit_ceiling(sent, Chars, warmup=1, block_size=4) == (8 + 8) / (15 + 5 + 12)
     # On the benchmark's own chats: a user's later turns find its earlier ones.
     path = compare.Path(compare.tempfile.mkdtemp()) / "chat.jsonl"
-    compare.chat_dataset(path, requests=26, seed=0)
+    compare.chat_dataset(path, requests=24, seed=0)
     from tandem.bench.load.datasets import load_jsonl
     from tandem.engine.loader import resolve_model
     from tandem.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(resolve_model("tiny-random"))
-    assert 0.5 < compare.hit_ceiling(load_jsonl(path, 32), tokenizer) < 1
+    assert 0.5 < compare.hit_ceiling(load_jsonl(path, 32), tokenizer, warmup=4) < 1
 
 
 def test_unknown_names_are_refused(compare, capsys):

@@ -6,7 +6,10 @@ scraped. With ``--out`` the texts are saved as ``server-metrics/{before,after}/
 <process>.prom``; either way one comparison is printed under the report's table:
 what the router counted during the run against what the client measured (requests,
 output tokens, TTFT and ITL percentiles from the router's histogram buckets,
-which are bucket-resolution estimates, as Prometheus' ``histogram_quantile`` is).
+which are bucket-resolution estimates, as Prometheus' ``histogram_quantile`` is),
+then a line per decode worker (the sequences its steps held) and one per worker
+whose prefix cache was looked up during the run (its hit rate: prompt tokens found
+cached over prompt tokens looked up).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def write(before: dict[str, str], after: dict[str, str], out: str | Path) -> lis
 def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> str:
     """The router's counts over the run and the client's same figures, a line each;
     then a line per decode worker: how many sequences its steps held (what its KV
-    memory and ``reserve_output_tokens`` let it run at once) and how many it preempted."""
+    memory and ``reserve_output_tokens`` let it run at once) and how many it preempted;
+    then each worker's prefix hit rate over the run."""
     b, a = parse(before["router"]), parse(after["router"])
 
     def moved(name: str, **labels: str) -> float:
@@ -62,7 +66,8 @@ def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> s
     ours = (f"client: {c.completed} ok, {c.failed} failed, {c.output_tokens} output tokens; "
             f"TTFT p50 {c.ttft_ms.median:.0f} ms p99 {c.ttft_ms.p99:.0f} ms, "
             f"ITL p50 {c.itl_ms.median:.0f} ms p99 {c.itl_ms.p99:.0f} ms")  # fmt: skip
-    return "\n".join([server, ours, *_decode_lines(before, after)])
+    workers = [*_decode_lines(before, after), *_prefix_lines(before, after)]
+    return "\n".join([server, ours, *workers])
 
 
 def _decode_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
@@ -82,6 +87,22 @@ def _decode_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
             f"decode {name}: {mean:.1f} sequences a step on average, p99 "
             f"{'-' if p99 is None else f'{p99:.0f}'} (histogram), {preempted:.0f} preempted"
         )
+    return lines
+
+
+def _prefix_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    looked_up, found = (f"tandem_worker_prefix_cache_{kind}_tokens_total"
+                        for kind in ("query", "hit"))  # fmt: skip
+    lines = []
+    for name in sorted(set(after) - {"router"}):
+        a, b = parse(after[name]), parse(before.get(name, ""))
+        looked = total(a, looked_up) - total(b, looked_up)
+        if looked <= 0:  # no prompt reached its cache during the run
+            continue
+        hit = total(a, found) - total(b, found)
+        role = next((x.labels.get("role", "worker") for x in a if x.name == looked_up), "worker")
+        lines.append(f"prefix cache, {role} {name}: {hit / looked:.1%} hit ({hit:.0f} of "
+                     f"{looked:.0f} prompt tokens looked up)")  # fmt: skip
     return lines
 
 

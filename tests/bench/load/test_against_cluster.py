@@ -64,6 +64,13 @@ def test_a_short_load_writes_consistent_outputs(cluster, tmp_path, capsys):
     # Each decode worker's steps: how many sequences they held, and what was preempted.
     assert re.search(r"^decode decode-\S+: \d+\.\d sequences a step on average, p99 \d+ "
                      r"\(histogram\), 0 preempted$", table, re.M), table  # fmt: skip
+    # Each worker whose prefix cache was looked up: its hit rate over the run (the
+    # prefill worker looks up every prompt).
+    hits = re.findall(r"^prefix cache, (\w+) \S+: (\d+\.\d)% hit \((\d+) of (\d+) prompt "
+                      r"tokens looked up\)$", table, re.M)  # fmt: skip
+    assert "prefill" in {role for role, *_ in hits}, table
+    for _, pct, hit, looked in hits:
+        assert 0 <= int(hit) <= int(looked) and abs(float(pct) - 100 * int(hit) / int(looked)) < 0.1
     for when in ("before", "after"):
         saved = sorted(p.name for p in (out / "server-metrics" / when).iterdir())
         assert len(saved) == 3 and "router.prom" in saved, saved  # and both workers

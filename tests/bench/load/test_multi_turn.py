@@ -69,3 +69,25 @@ def test_follow_ups_are_sent_with_the_reply_their_earlier_turn_got(frontend, tmp
     first, _, follow = result.records
     assert follow.send_time >= first.send_time + first.end_time
     assert follow.input_len is None and follow.prompt_tokens == len(calls[2].prompt_token_ids)
+
+
+def test_a_follow_up_of_a_failed_turn_carries_the_files_text_and_cycles_wait_anew():
+    from tandem.bench.load.runner import _Turns
+
+    first = _chat(("user", "1"))
+    second = _chat(("user", "1"), ("assistant", "filler"), ("user", "2"))
+
+    async def scenario():
+        turns = _Turns([first, second], multi_turn=True)
+        turns.start(0)
+        turns.done(0, None)  # the first turn failed
+        turns.start(1)
+        assert (await turns.ready(1)).messages == second.messages
+        turns.start(0)  # the file cycled: the next send of 1 waits for this reply
+        waiting = asyncio.ensure_future(turns.ready(1))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        turns.done(0, "a real reply")
+        assert (await waiting).messages[1] == ("assistant", "a real reply")
+
+    asyncio.run(scenario())

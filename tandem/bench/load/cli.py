@@ -125,9 +125,11 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--multi-turn",
         action="store_true",
-        help="jsonl chats: a line that repeats an earlier line's messages and an assistant "
-        "turn is that chat's next turn, sent once the earlier one is answered, with the "
-        "server's reply in place of the file's (use with --dataset-in-order)",
+        help="send chats turn by turn, each turn once the one before it is answered, with "
+        "the server's reply in place of the file's: a jsonl line that repeats an earlier "
+        "line's messages and an assistant turn is that chat's next turn (use with "
+        "--dataset-in-order); sharegpt: every human turn of a conversation, not only the "
+        "first",
     )
     d.add_argument(
         "--input-len",

@@ -14,7 +14,9 @@ Three sources:
 - **sharegpt**: a JSON list of ``{"conversations": [{"from": "human", "value": ...},
   {"from": "gpt", "value": ...}, ...]}`` (``role``/``content`` keys also accepted):
   the first human turn is the prompt (sent as a chat message) and the token count of
-  the reply that follows it is the output length, as vLLM's benchmark does.
+  the reply that follows it is the output length, as vLLM's benchmark does. With
+  ``--multi-turn``, every human turn of a conversation is a request carrying the
+  turns before it (``sharegpt_chats``), sent as the runner sends follow-ups.
 
 Output lengths are enforced with ``max_tokens`` and ``ignore_eos``, so a request
 generates exactly ``output_len`` tokens unless it fails. Everything random comes
@@ -29,10 +31,13 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from tandem.errors import InvalidRequestError
+
+T = TypeVar("T")
 
 # Counts the tokens of a plain-text prompt (``prompt=``) or a chat (``messages=``)
 # exactly as the server would; the runner binds it to the Tokenize RPC.
@@ -239,23 +244,43 @@ def load_jsonl(path: str | Path, default_output_len: int) -> list[RequestSpec]:
 
 def load_sharegpt(path: str | Path) -> list[tuple[str, str]]:
     """(first human turn, the reply to it) of every conversation that has both."""
+    return [chat[0] for chat in load_sharegpt_chats(path)]
+
+
+def load_sharegpt_chats(path: str | Path) -> list[list[tuple[str, str]]]:
+    """Every conversation's (human turn, reply) pairs, from its first human turn that
+    has a reply, for as long as human turns and replies alternate; conversations
+    without such a pair are left out."""
     try:
         data = json.loads(_read(path))
     except json.JSONDecodeError as exc:
         raise InvalidRequestError("dataset", f"{path}: not JSON ({exc.msg})") from None
     if not isinstance(data, list):
         raise InvalidRequestError("dataset", f"{path}: expected a JSON list of conversations")
-    pairs = []
+    chats = []
     for conv in data:
         turns = conv.get("conversations") or conv.get("messages") or []
         texts = [(t.get("from", t.get("role")), t.get("value", t.get("content"))) for t in turns]
-        for (who, text), (who2, reply) in zip(texts, texts[1:], strict=False):
-            if who in ("human", "user") and who2 in ("gpt", "assistant") and text and reply:
-                pairs.append((text, reply))
+        pairs = [_pair(a, b) for a, b in zip(texts, texts[1:], strict=False)]
+        start = next((i for i, pair in enumerate(pairs) if pair), None)
+        if start is None:
+            continue
+        chat = []
+        for pair in pairs[start::2]:
+            if pair is None:
                 break
-    if not pairs:
+            chat.append(pair)
+        chats.append(chat)
+    if not chats:
         raise InvalidRequestError("dataset", f"{path} holds no human turn followed by a reply")
-    return pairs
+    return chats
+
+
+def _pair(turn: tuple, next_turn: tuple) -> tuple[str, str] | None:
+    """(human text, reply) when ``turn`` is a human's and ``next_turn`` replies to it."""
+    (who, text), (who2, reply) = turn, next_turn
+    ok = who in ("human", "user") and who2 in ("gpt", "assistant") and text and reply
+    return (text, reply) if ok else None
 
 
 async def sharegpt(
@@ -278,6 +303,35 @@ async def sharegpt(
     return specs
 
 
+async def sharegpt_chats(
+    chats: list[list[tuple[str, str]]], n: int, context_length: int, count: TokenCounter
+) -> list[RequestSpec]:
+    """Each conversation's turns in order, turn k a chat of the human turns and replies
+    before it and its own human turn (the file's replies stand in for the server's,
+    which a multi-turn run puts in their place), with the reply's token count as its
+    output length; chats in the given order until ``n`` turns are had. A conversation
+    ends before its first turn that is too short (as ``sharegpt``) or does not fit
+    the context length."""
+    specs: list[RequestSpec] = []
+    for chat in chats:
+        if len(specs) >= n:
+            break
+        turns = [tuple(x for h, r in chat[:k] for x in (("user", h), ("assistant", r)))
+                 + (("user", chat[k][0]),) for k in range(len(chat))]  # fmt: skip
+        inputs = await _gather_limited([count(messages=[{"role": r, "content": c} for r, c in t])
+                                        for t in turns])  # fmt: skip
+        outputs = await _gather_limited([count(prompt=reply) for _, reply in chat])
+        for t, i, o in zip(turns, inputs, outputs, strict=True):
+            if i < MIN_SHAREGPT_TOKENS or o < MIN_SHAREGPT_TOKENS or i + o > context_length:
+                break
+            specs.append(RequestSpec(messages=t, input_len=i, output_len=o))
+    if not specs:
+        raise InvalidRequestError("dataset", "no conversation fits: every first turn is under "
+                                  f"{MIN_SHAREGPT_TOKENS} tokens or over the context length "
+                                  f"{context_length}")  # fmt: skip
+    return specs
+
+
 async def count_inputs(specs: list[RequestSpec], count: TokenCounter) -> list[RequestSpec]:
     """The same specs with ``input_len`` filled in by the server's tokenizer."""
     counts = await _gather_limited([count(**s.input_kwargs()) for s in specs])
@@ -285,9 +339,9 @@ async def count_inputs(specs: list[RequestSpec], count: TokenCounter) -> list[Re
             for s, c in zip(specs, counts, strict=True)]  # fmt: skip
 
 
-def pick(specs: list[RequestSpec], n: int, seed: int, in_order: bool = False) -> list[RequestSpec]:
-    """``n`` specs in a seeded random order, or in their own (``in_order``), cycling
-    when the file holds fewer."""
+def pick(specs: list[T], n: int, seed: int, in_order: bool = False) -> list[T]:
+    """``n`` specs (or chats) in a seeded random order, or in their own (``in_order``),
+    cycling when the file holds fewer."""
     order = range(len(specs)) if in_order else np.random.default_rng(seed).permutation(len(specs))
     return [specs[int(order[i % len(specs)])] for i in range(n)]
 

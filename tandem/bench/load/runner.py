@@ -9,12 +9,14 @@ for the last one. A request's clock starts when it is sent; when a concurrency
 limit holds it back, the wait for a free slot is not part of its latency (as in
 vLLM's benchmark).
 
-Multi-turn chats (``multi_turn``): a file line that repeats an earlier line's
+Multi-turn chats (``multi_turn``): a request that repeats an earlier request's
 messages followed by an assistant turn is that conversation's next turn
-(``datasets.follow_ups``). It is sent at its arrival time or once the earlier turn's
-reply has come, whichever is later, with the reply the server gave in place of the
-file's assistant turn, as a user would; the wait is not part of its latency. A
-server that caches what it generated can then serve the whole history from cache.
+(``datasets.follow_ups``: a jsonl file's lines, or a ShareGPT conversation's human
+turns, whose turns take consecutive arrival slots). It is sent at its arrival time
+or once the earlier turn's reply has come, whichever is later, with the reply the
+server gave in place of the file's assistant turn, as a user would; the wait is
+not part of its latency. A server that caches what it generated can then serve the
+whole history from cache.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class DatasetConfig:
     # rather than in a seeded random one: a file of multi-turn chats, whose turns follow
     # each other as their users would send them.
     in_order: bool = False
-    # jsonl: send each conversation's turns with the replies the server gave (above).
+    # jsonl, sharegpt: send each conversation's turns with the replies the server gave
+    # (above); sharegpt: every human turn, not only the first.
     multi_turn: bool = False
 
     def __post_init__(self) -> None:
@@ -65,10 +68,8 @@ class DatasetConfig:
             raise InvalidRequestError(
                 "dataset", "--dataset-in-order is for jsonl and sharegpt files"
             )
-        if self.multi_turn and self.kind != "jsonl":
-            raise InvalidRequestError(
-                "dataset", "--multi-turn is for jsonl files of chats (\"messages\")"
-            )
+        if self.multi_turn and self.kind == "synthetic":
+            raise InvalidRequestError("dataset", "--multi-turn is for jsonl and sharegpt files")
         if (self.kind == "synthetic") != (self.path is None):
             raise InvalidRequestError(
                 "dataset", f"--dataset {self.kind} needs --dataset-path"
@@ -255,6 +256,13 @@ async def build_dataset(
         default = ds.file_output_len or int(ds.output_len.a)
         loaded = datasets.pick(datasets.load_jsonl(ds.path, default), n, config.seed, ds.in_order)
         specs = await datasets.count_inputs(loaded, count)
+    elif ds.multi_turn:
+        chats = datasets.load_sharegpt_chats(ds.path)
+        chats = datasets.pick(chats, len(chats), config.seed, ds.in_order)  # whole chats
+        specs = await datasets.sharegpt_chats(chats, n, model.context_length, count)
+        if ds.file_output_len:
+            specs = [dataclasses.replace(s, output_len=ds.file_output_len) for s in specs]
+        specs = datasets.pick(specs, n, config.seed, in_order=True)  # turns stay in order
     else:
         pairs = datasets.load_sharegpt(ds.path)
         specs = await datasets.sharegpt(pairs, model.context_length, count)

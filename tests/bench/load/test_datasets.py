@@ -141,6 +141,43 @@ def test_sharegpt_takes_the_first_human_turn_and_its_reply_length(tmp_path):
     assert len(tight) == 1  # 10 + 11 tokens no longer fit
 
 
+def test_sharegpt_chats_are_every_human_turn_with_the_history_before_it(tmp_path):
+    def turn(who, text):
+        return {"from": who, "value": text}
+
+    data = [
+        {"conversations": [turn("system", "be kind"), turn("human", "one two three four"),
+                           turn("gpt", "five six seven eight"), turn("human", "nine ten eleven"),
+                           turn("gpt", "twelve thirteen fourteen"), turn("human", "dangling")]},
+        {"conversations": [turn("human", "alpha beta gamma delta"), turn("gpt", "a b c d e"),
+                           turn("gpt", "out of turn"), turn("human", "never sent"),
+                           turn("gpt", "x")]},
+        {"conversations": [turn("human", "no reply")]},
+    ]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    chats = datasets.load_sharegpt_chats(path)
+    assert chats == [
+        [("one two three four", "five six seven eight"),
+         ("nine ten eleven", "twelve thirteen fourteen")],
+        [("alpha beta gamma delta", "a b c d e")],  # alternation broken after one pair
+    ]  # fmt: skip
+    assert datasets.load_sharegpt(path) == [chat[0] for chat in chats]
+    specs = run(datasets.sharegpt_chats(chats, 10, context_length=4096, count=words_counter))
+    assert [s.messages for s in specs] == [
+        (("user", "one two three four"),),
+        (("user", "one two three four"), ("assistant", "five six seven eight"),
+         ("user", "nine ten eleven")),
+        (("user", "alpha beta gamma delta"),),
+    ]  # fmt: skip
+    assert [(s.input_len, s.output_len) for s in specs] == [(5, 5), (12, 4), (5, 6)]
+    assert datasets.follow_ups(specs) == [None, (0, 1), None]
+    # Enough turns after the first chat; a turn that does not fit ends its chat.
+    assert len(run(datasets.sharegpt_chats(chats, 2, 4096, words_counter))) == 2
+    tight = run(datasets.sharegpt_chats(chats, 10, context_length=12, count=words_counter))
+    assert [len(s.messages) for s in tight] == [1, 1]
+
+
 def test_pick_is_seeded_and_cycles():
     specs = [RequestSpec(prompt=str(i)) for i in range(3)]
     picked = datasets.pick(specs, 7, seed=1)

@@ -35,8 +35,8 @@ def test_follow_ups_link_each_turn_to_the_latest_one_it_repeats():
     assert datasets.follow_ups(specs) == [None, None, (0, 2), (2, 4), None, (4, 2), None, None]
 
 
-def test_multi_turn_is_for_jsonl_chats():
-    with pytest.raises(InvalidRequestError, match="--multi-turn is for jsonl"):
+def test_multi_turn_is_for_files_of_chats():
+    with pytest.raises(InvalidRequestError, match="--multi-turn is for jsonl and sharegpt"):
         DatasetConfig(multi_turn=True)
 
 
@@ -91,3 +91,32 @@ def test_a_follow_up_of_a_failed_turn_carries_the_files_text_and_cycles_wait_ane
         assert (await waiting).messages[1] == ("assistant", "a real reply")
 
     asyncio.run(scenario())
+
+
+def test_a_sharegpt_conversation_is_replayed_turn_by_turn_with_the_servers_replies(
+    frontend, tmp_path  # noqa: F811
+):
+    def turn(who, text):
+        return {"from": who, "value": text}
+
+    conversation = [turn("human", "tell me about caches please"),
+                    turn("gpt", "a stand-in reply of the file"),
+                    turn("human", "and about their eviction policy?"),
+                    turn("gpt", "another stand-in reply here")]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": conversation}]))
+    dataset = DatasetConfig(kind="sharegpt", path=str(path), multi_turn=True,
+                            file_output_len=5)  # fmt: skip
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            config = LoadConfig(target=c.router.address, num_requests=2, num_warmup=0,
+                                dataset=dataset, progress=False)  # fmt: skip
+            return await run_async(config), [call.request.request for call in c.decode[0].calls]
+
+    result, calls = asyncio.run(scenario())
+    assert result.summary.completed == 2
+    expected = [{"role": "user", "content": "tell me about caches please"},
+                {"role": "assistant", "content": "<10><11><12><13><14>"},
+                {"role": "user", "content": "and about their eviction policy?"}]  # fmt: skip
+    assert list(calls[1].prompt_token_ids) == frontend.tokenizer.encode_chat(expected)

@@ -72,7 +72,7 @@ CHAT_SYSTEMS = 4
 STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "prefilled_here")
 
 
-def chat_dataset(path: Path, requests: int, seed: int, systems: int = 4) -> None:
+def chat_dataset(path: Path, requests: int, seed: int, systems: int = CHAT_SYSTEMS) -> None:
     """JSONL of chats: ``systems`` long system prompts, users of 3 turns each, every
     turn carrying the conversation so far, in send order (the load run keeps it:
     ``in_order``). The assistant turns are filler text that a multi-turn run replaces

@@ -19,6 +19,19 @@ def _chat(*messages: tuple[str, str]) -> RequestSpec:
     return RequestSpec(messages=messages)
 
 
+def _run_against_fakes(frontend, dataset: DatasetConfig, num_requests: int):  # noqa: F811
+    """The run's result, and the requests the decode worker got, in arrival order: a
+    router with scripted workers, which answer every request with five tokens."""
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            config = LoadConfig(target=c.router.address, num_requests=num_requests,
+                                num_warmup=0, dataset=dataset, progress=False)  # fmt: skip
+            return await run_async(config), [call.request.request for call in c.decode[0].calls]
+
+    return asyncio.run(scenario())
+
+
 def test_follow_ups_link_each_turn_to_the_latest_one_it_repeats():
     s, u1, a1, u2, a2, u3 = (("system", "s"), ("user", "1"), ("assistant", "x"),
                              ("user", "2"), ("assistant", "y"), ("user", "3"))  # fmt: skip
@@ -50,14 +63,7 @@ def test_follow_ups_are_sent_with_the_reply_their_earlier_turn_got(frontend, tmp
     path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in m],
                                         "output_len": 5}) + "\n" for m in lines))  # fmt: skip
     dataset = DatasetConfig(kind="jsonl", path=str(path), in_order=True, multi_turn=True)
-
-    async def scenario():
-        async with cluster(frontend) as c:
-            config = LoadConfig(target=c.router.address, num_requests=3, num_warmup=0,
-                                dataset=dataset, progress=False)  # fmt: skip
-            return await run_async(config), [call.request.request for call in c.decode[0].calls]
-
-    result, calls = asyncio.run(scenario())
+    result, calls = _run_against_fakes(frontend, dataset, 3)
     assert result.summary.completed == 3
     # The fakes answer every request with the same five tokens and their text.
     reply = "<10><11><12><13><14>"
@@ -107,14 +113,7 @@ def test_a_sharegpt_conversation_is_replayed_turn_by_turn_with_the_servers_repli
     path.write_text(json.dumps([{"conversations": conversation}]))
     dataset = DatasetConfig(kind="sharegpt", path=str(path), multi_turn=True,
                             file_output_len=5)  # fmt: skip
-
-    async def scenario():
-        async with cluster(frontend) as c:
-            config = LoadConfig(target=c.router.address, num_requests=2, num_warmup=0,
-                                dataset=dataset, progress=False)  # fmt: skip
-            return await run_async(config), [call.request.request for call in c.decode[0].calls]
-
-    result, calls = asyncio.run(scenario())
+    result, calls = _run_against_fakes(frontend, dataset, 2)
     assert result.summary.completed == 2
     expected = [{"role": "user", "content": "tell me about caches please"},
                 {"role": "assistant", "content": "<10><11><12><13><14>"},

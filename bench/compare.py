@@ -106,14 +106,18 @@ def chat_dataset(path: Path, requests: int, seed: int, systems: int = CHAT_SYSTE
             f.write(json.dumps(line) + "\n")
 
 
-def hit_ceiling(sent, tokenizer, warmup: int, block_size: int = 16) -> float:
+def hit_ceiling(
+    sent, tokenizer, warmup: int, failed: frozenset[int] = frozenset(), block_size: int = 16
+) -> float:
     """The prefix hit rate that one prefix cache of unbounded size would reach on the
     chats of ``sent`` (a load run's ``LoadResult.sent``) in their order: each
     request's prompt tokens in the full blocks that an earlier prompt began with, or
     that the turn it follows generated (its decode worker computed the reply, which
-    this prompt repeats), over its prompt tokens (the warm-up's requests count as
-    earlier, not as looked up). What placement can hope for: a user's first turn
-    finds only the system prompt, and a prompt's last, partial block is not cached."""
+    this prompt repeats, re-encoded to the same tokens; not for a turn in ``failed``,
+    whose follow-up carried the file's text), over its prompt tokens (the warm-up's
+    requests count as earlier, not as looked up). What placement can hope for: a
+    user's first turn finds only the system prompt, and a prompt's last, partial block
+    is not cached."""
     from tandem.bench.load.datasets import follow_ups
 
     seen: set[int] = set()
@@ -124,7 +128,7 @@ def hit_ceiling(sent, tokenizer, warmup: int, block_size: int = 16) -> float:
         for start in range(0, len(ids) - block_size + 1, block_size):
             key = hash((key, tuple(ids[start : start + block_size])))
             keys.append(key)
-        if link is not None:  # the earlier turn's prompt and all but its last output token
+        if link is not None and link[0] not in failed:  # its prompt, all but its last output
             computed = len(prompts[link[0]]) + sent[link[0]].output_len - 1
             seen.update(keys[: computed // block_size])
         hit = next((b for b, k in enumerate(keys) if k not in seen), len(keys))
@@ -208,7 +212,9 @@ def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
         else math.nan,
         kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
         local=d["prefilled_here"] / served,
-        hit_ceiling=math.nan if tokenizer is None else hit_ceiling(result.sent, tokenizer, warmup),
+        hit_ceiling=math.nan if tokenizer is None else hit_ceiling(
+            result.sent, tokenizer, warmup, frozenset(warmup + r.index for r in result.records
+                                                      if not r.ok)),  # fmt: skip
     )
 
 

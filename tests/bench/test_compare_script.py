@@ -40,7 +40,9 @@ def test_chat_turns_repeat_their_history_in_order(compare, tmp_path):
     assert (tmp_path / "again.jsonl").read_text() == path.read_text()  # seeded
 
 
-def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_with(compare):
+def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_with(
+    compare, tmp_path
+):
     from tandem.bench.load.datasets import RequestSpec
 
     class Chars:  # one token per character of the messages' contents
@@ -62,8 +64,11 @@ def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_wit
         chat("c" * 5, "r" * 4, "d" * 3, output_len=4),
     ]
     assert compare.hit_ceiling(sent, Chars, warmup=1, block_size=4) == (8 + 8) / (15 + 5 + 12)
+    # Had the line before failed, its follow-up carried filler: only its prompt counts.
+    failed = compare.hit_ceiling(sent, Chars, warmup=1, failed=frozenset({2}), block_size=4)
+    assert failed == (8 + 4) / (15 + 5 + 12)
     # On the benchmark's own chats: a user's later turns find its earlier ones.
-    path = compare.Path(compare.tempfile.mkdtemp()) / "chat.jsonl"
+    path = tmp_path / "chat.jsonl"
     compare.chat_dataset(path, requests=24, seed=0)
     from tandem.bench.load.datasets import load_jsonl
     from tandem.engine.loader import resolve_model

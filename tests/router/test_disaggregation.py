@@ -201,6 +201,7 @@ def test_prefix_aware_learns_the_reply_a_decode_worker_generated(frontend):
             # Every full block up to the reply's last token: what the worker cached,
             # more than the prompt's own.
             assert list(held) == policy._hashes(sequence)
+            assert len(held) == (len(sequence) - 1) // 16  # all but the last token computed
             assert len(held) > len(policy._hashes(prompt_ids))
 
     run(scenario())

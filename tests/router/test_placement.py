@@ -179,12 +179,12 @@ def test_prefix_aware_follows_a_conversation_to_the_worker_that_generated_its_re
     turn1 = _prompt(1, 4, tail=5)
     policy.pick(Pool.DECODE, ws[:1], turn1)  # both hold the prompt's 4 blocks
     policy.pick(Pool.DECODE, ws[1:], turn1)
-    reply = list(range(2000, 2040))
+    reply = list(range(2000, 2043))  # 69 + 43 tokens: 7 full blocks, the last not computed
     policy.finished(Pool.DECODE, "b", turn1 + reply)  # b generated the reply
     # The next turn repeats the first and its reply: its full blocks up to the
     # reply's last token are b's.
     turn2 = turn1 + reply + [9] * 40
     assert policy.pick(Pool.DECODE, ws, turn2).address == "b"
-    assert policy.cached_tokens == 16 * ((len(turn1) + len(reply) - 1) // 16)
+    assert policy.cached_tokens == 16 * 6
     policy.finished(Pool.DECODE, "gone", turn2)  # a worker never placed on: ignored
     assert "gone" not in policy._history[Pool.DECODE]

@@ -127,7 +127,7 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send chats turn by turn, each turn once the one before it is answered, with "
         "the server's reply in place of the file's: a jsonl line that repeats an earlier "
-        "line's messages and an assistant turn is that chat's next turn (use with "
+        "line's messages and an assistant turn is that chat's next turn (needs "
         "--dataset-in-order); sharegpt: every human turn of a conversation, not only the "
         "first",
     )

@@ -70,6 +70,11 @@ class DatasetConfig:
             )
         if self.multi_turn and self.kind == "synthetic":
             raise InvalidRequestError("dataset", "--multi-turn is for jsonl and sharegpt files")
+        if self.multi_turn and self.kind == "jsonl" and not self.in_order:
+            raise InvalidRequestError(
+                "dataset", "--multi-turn with a jsonl file needs --dataset-in-order: its lines "
+                "are turns, which a random order would send before the turns they follow"
+            )
         if (self.kind == "synthetic") != (self.path is None):
             raise InvalidRequestError(
                 "dataset", f"--dataset {self.kind} needs --dataset-path"
@@ -80,7 +85,7 @@ class DatasetConfig:
         if self.kind == "synthetic":
             return (f"synthetic, input {self.input_len.describe()}, "
                     f"output {self.output_len.describe()} tokens")  # fmt: skip
-        return f"{self.kind} {self.path}"
+        return f"{self.kind} {self.path}" + (", multi-turn" if self.multi_turn else "")
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,8 @@ class LoadResult:
     duration_s: float
     started_at: str  # wall-clock ISO time of the first measured send
     summary: Summary
-    # Every spec as it was last sent (a follow-up turn with the replies it carried),
-    # warm-up first, in the dataset's order.
+    # Every spec as it was last sent (a follow-up turn with the replies it carried;
+    # one never sent as in the dataset), warm-up first, in the dataset's order.
     sent: list[RequestSpec] = field(default_factory=list)
 
 
@@ -176,20 +181,28 @@ async def run_async(
                                     f"{exc.details}") from None  # fmt: skip
         specs = await build_dataset(client, config, model)
         turns = _Turns(specs, config.dataset.multi_turn)
-        warmup = range(min(config.num_warmup, len(specs)))
-        for k in warmup:
-            turns.start(k)
+        warmup = [turns.start(k) for k in range(min(config.num_warmup, len(specs)))]
         if warmup:
             start = time.perf_counter()
-            records = [RequestRecord(-1, 0.0, specs[k].input_len, specs[k].output_len)
-                       for k in warmup]  # fmt: skip
-            await asyncio.gather(*(_send(client, turns, k, rec, config, start)
-                                   for k, rec in zip(warmup, records, strict=True)))  # fmt: skip
+            await asyncio.gather(*(_send(client, turns, turn, RequestRecord(
+                -1, 0.0, specs[turn.k].input_len, specs[turn.k].output_len), config, start)
+                for turn in warmup))  # fmt: skip
         if before_measured is not None:
             await asyncio.to_thread(before_measured)
         result = await _measure(client, config, model, turns, len(warmup))
         result.sent = turns.sent
         return result
+
+
+@dataclass(eq=False)
+class _Turn:
+    """One send of spec ``k``: the send of the turn it follows, bound when it is
+    scheduled, and the reply that later turns wait for (when some do)."""
+
+    k: int
+    after: _Turn | None = None
+    reply: asyncio.Future[str | None] | None = None
+    spec: RequestSpec | None = None  # as sent, once ``_Turns.ready`` has it
 
 
 class _Turns:
@@ -201,31 +214,41 @@ class _Turns:
         self.sent = list(specs)
         self.links = datasets.follow_ups(specs) if multi_turn else [None] * len(specs)
         self._followed = {link[0] for link in self.links if link is not None}
-        self._replies: list[asyncio.Future[str | None] | None] = [None] * len(specs)
+        self._latest: dict[int, _Turn] = {}  # the last send of each spec that is followed
 
-    def start(self, k: int) -> None:
-        """Spec ``k`` is scheduled: a reply that later follow-ups wait for is a new one
-        (a cycled file sends it again). Call in send order."""
-        if k in self._followed:
-            self._replies[k] = asyncio.get_running_loop().create_future()
+    def waits(self, k: int) -> bool:
+        """Whether spec ``k`` is a follow-up: it waits for a reply, then for its slot."""
+        return self.links[k] is not None
 
-    async def ready(self, k: int) -> RequestSpec:
-        """Spec ``k`` as it goes out: a follow-up once its earlier turn has its reply."""
+    def start(self, k: int) -> _Turn:
+        """Spec ``k`` is scheduled (call in send order): a send bound to the latest send
+        of the turn it follows (a cycled file sends each again)."""
         link = self.links[k]
-        if link is not None:
-            i, p = link
-            reply = await asyncio.shield(self._replies[i])
-            spec = self.specs[k]
+        turn = _Turn(k, None if link is None else self._latest.get(link[0]))
+        if k in self._followed:
+            turn.reply = asyncio.get_running_loop().create_future()
+            self._latest[k] = turn
+        return turn
+
+    async def ready(self, turn: _Turn) -> RequestSpec:
+        """``turn``'s spec as it goes out: a follow-up once its earlier turn has its reply."""
+        spec = self.specs[turn.k]
+        if turn.after is not None:
+            assert turn.after.reply is not None
+            reply = await asyncio.shield(turn.after.reply)
+            p = self.links[turn.k][1]
             if reply is None:  # that turn failed: the file's text stands in for its reply
                 reply = spec.messages[p][1]
-            messages = (*self.sent[i].messages, ("assistant", reply), *spec.messages[p + 1 :])
-            self.sent[k] = dataclasses.replace(spec, messages=messages, input_len=None)
-        return self.sent[k]
+            history = turn.after.spec.messages  # set before its reply was
+            messages = (*history, ("assistant", reply), *spec.messages[p + 1 :])
+            spec = dataclasses.replace(spec, messages=messages, input_len=None)
+        turn.spec = self.sent[turn.k] = spec
+        return spec
 
-    def done(self, k: int, reply: str | None) -> None:
-        future = self._replies[k]
-        if future is not None and not future.done():
-            future.set_result(reply)
+    @staticmethod
+    def done(turn: _Turn, reply: str | None) -> None:
+        if turn.reply is not None and not turn.reply.done():
+            turn.reply.set_result(reply)
 
 
 async def build_dataset(
@@ -301,18 +324,20 @@ async def _measure(
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        if slots is not None:
+        slot = slots is not None and not turns.waits(k)  # a follow-up takes its own
+        if slot:
             await slots.acquire()
         now = time.perf_counter() - start
         if not bounded and now >= config.duration_s:
-            if slots is not None:
+            if slot:
                 slots.release()
             break
         spec = turns.specs[k]
         rec = RequestRecord(i, now, spec.input_len, spec.output_len)
         records.append(rec)
-        turns.start(k)
-        tasks.append(asyncio.create_task(_send(client, turns, k, rec, config, start, slots, bar)))
+        turn = turns.start(k)
+        tasks.append(asyncio.create_task(_send(client, turns, turn, rec, config, start, slots,
+                                               bar)))  # fmt: skip
     if bar is not None and not bounded:
         bar.total = len(records)
         bar.refresh()
@@ -335,23 +360,29 @@ def _from_first(offsets: Iterator[float]) -> Iterator[float]:
 async def _send(
     client: AsyncTandemClient,
     turns: _Turns,
-    k: int,
+    turn: _Turn,
     rec: RequestRecord,
     config: LoadConfig,
     start: float,
     slots: asyncio.Semaphore | None = None,
     bar=None,
 ) -> None:
-    """Sends spec ``k`` (``start``: the run's clock, for a follow-up's send time)."""
+    """Sends ``turn``. The caller took its concurrency slot, but for a follow-up, which
+    first waits for the reply it carries and then for a slot; neither wait is part of
+    its latency (``start``: the run's clock, for its send time)."""
     texts: list[str] = []
-    if turns.links[k] is not None:
-        spec = await turns.ready(k)
-        rec.send_time = time.perf_counter() - start
-        rec.input_len = None
-    else:
-        spec = turns.specs[k]
+    follow_up = turns.waits(turn.k)
+    held = slots is not None and not follow_up
     t0 = time.perf_counter()
     try:
+        spec = await turns.ready(turn)
+        if follow_up:
+            if slots is not None:
+                await slots.acquire()
+                held = True
+            rec.send_time = time.perf_counter() - start
+            rec.input_len = spec.input_len
+            t0 = time.perf_counter()
         stream = client.generate(**spec.input_kwargs(), max_tokens=spec.output_len,
                                  ignore_eos=True, temperature=config.temperature)  # fmt: skip
         async for chunk in stream:
@@ -372,8 +403,8 @@ async def _send(
         rec.error = type(exc).__name__
     finally:
         rec.end_time = time.perf_counter() - t0
-        turns.done(k, "".join(texts) if rec.ok else None)
-        if slots is not None:
+        turns.done(turn, "".join(texts) if rec.ok else None)
+        if held:
             slots.release()
         if bar is not None:
             bar.update(1)

@@ -48,9 +48,13 @@ def test_follow_ups_link_each_turn_to_the_latest_one_it_repeats():
     assert datasets.follow_ups(specs) == [None, None, (0, 2), (2, 4), None, (4, 2), None, None]
 
 
-def test_multi_turn_is_for_files_of_chats():
+def test_multi_turn_is_for_files_of_chats_in_their_order():
     with pytest.raises(InvalidRequestError, match="--multi-turn is for jsonl and sharegpt"):
         DatasetConfig(multi_turn=True)
+    with pytest.raises(InvalidRequestError, match="needs --dataset-in-order"):
+        DatasetConfig(kind="jsonl", path="chats.jsonl", multi_turn=True)
+    sharegpt = DatasetConfig(kind="sharegpt", path="x.json", multi_turn=True)  # whole chats
+    assert sharegpt.describe() == "sharegpt x.json, multi-turn"
 
 
 def test_follow_ups_are_sent_with_the_reply_their_earlier_turn_got(frontend, tmp_path):  # noqa: F811
@@ -77,7 +81,7 @@ def test_follow_ups_are_sent_with_the_reply_their_earlier_turn_got(frontend, tmp
     assert follow.input_len is None and follow.prompt_tokens == len(calls[2].prompt_token_ids)
 
 
-def test_a_follow_up_of_a_failed_turn_carries_the_files_text_and_cycles_wait_anew():
+def test_each_send_of_a_follow_up_waits_for_the_send_of_its_turn_scheduled_before_it():
     from tandem.bench.load.runner import _Turns
 
     first = _chat(("user", "1"))
@@ -85,16 +89,22 @@ def test_a_follow_up_of_a_failed_turn_carries_the_files_text_and_cycles_wait_ane
 
     async def scenario():
         turns = _Turns([first, second], multi_turn=True)
-        turns.start(0)
-        turns.done(0, None)  # the first turn failed
-        turns.start(1)
-        assert (await turns.ready(1)).messages == second.messages
-        turns.start(0)  # the file cycled: the next send of 1 waits for this reply
-        waiting = asyncio.ensure_future(turns.ready(1))
+        a = turns.start(0)
+        assert (await turns.ready(a)).messages == first.messages
+        f1 = turns.start(1)
+        b = turns.start(0)  # the file cycled while the first send of 0 is in flight
+        await turns.ready(b)
+        f2 = turns.start(1)
+        waiting = [asyncio.ensure_future(turns.ready(f)) for f in (f1, f2)]
         await asyncio.sleep(0)
-        assert not waiting.done()
-        turns.done(0, "a real reply")
-        assert (await waiting).messages[1] == ("assistant", "a real reply")
+        assert not any(w.done() for w in waiting)
+        turns.done(a, "first reply")  # the first send's reply: only f1 goes
+        sent = await asyncio.wait_for(waiting[0], 10)
+        assert sent.messages[1] == ("assistant", "first reply") and not waiting[1].done()
+        turns.done(b, None)  # the second send failed: the file's text stands in
+        assert (await waiting[1]).messages == second.messages
+        # A follow-up whose turn was never sent goes as the file has it.
+        assert (await turns.ready(_Turns([first, second], True).start(1))) == second
 
     asyncio.run(scenario())
 
@@ -119,3 +129,86 @@ def test_a_sharegpt_conversation_is_replayed_turn_by_turn_with_the_servers_repli
                 {"role": "assistant", "content": "<10><11><12><13><14>"},
                 {"role": "user", "content": "and about their eviction policy?"}]  # fmt: skip
     assert list(calls[1].prompt_token_ids) == frontend.tokenizer.encode_chat(expected)
+
+
+class _Timed:
+    """A client whose replies take ``delay`` seconds (the first one ``first_delay``),
+    counting the requests in flight."""
+
+    def __init__(self, delay: float, first_delay: float | None = None) -> None:
+        self.delay, self.first_delay = delay, first_delay
+        self.sent = self.in_flight = self.most_in_flight = 0
+
+    def __call__(self, *args, **kwargs):  # stands in for the client class
+        return self
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def model_info(self, timeout=None):
+        from tandem.client.types import ModelInfo
+
+        return ModelInfo("fake", 4096, 100)
+
+    async def tokenize(self, **kwargs):
+        return [1] * 10
+
+    async def generate(self, **kwargs):
+        from tandem.client.types import GenerateChunk, Usage
+
+        self.sent += 1
+        delay = self.first_delay if self.sent == 1 and self.first_delay else self.delay
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self.in_flight -= 1
+        yield GenerateChunk("r", "reply", (1,), "length", Usage(10, 1))
+
+
+def _conversations(path, chats: int, turns: int) -> DatasetConfig:
+    with path.open("w") as f:
+        for c in range(chats):  # each chat's turns on consecutive lines
+            history: list[dict] = []
+            for t in range(turns):
+                history = [*history, {"role": "user", "content": f"chat {c} turn {t}"}]
+                f.write(json.dumps({"messages": history, "output_len": 1}) + "\n")
+                history = [*history, {"role": "assistant", "content": "filler"}]
+    return DatasetConfig(kind="jsonl", path=str(path), in_order=True, multi_turn=True)
+
+
+def test_follow_ups_waiting_for_replies_hold_no_concurrency_slot(tmp_path, monkeypatch):
+    from tandem.bench.load import runner
+
+    client = _Timed(delay=0.05)
+    monkeypatch.setattr(runner, "AsyncTandemClient", client)
+    dataset = _conversations(tmp_path / "chats.jsonl", chats=10, turns=4)
+    config = LoadConfig(target="fake", num_requests=40, max_concurrency=4, num_warmup=0,
+                        dataset=dataset, progress=False)  # fmt: skip
+    result = asyncio.run(run_async(config))
+    assert result.summary.completed == 40
+    # Four chats' turns in flight at once, not one chat's turn and its waiting follow-ups.
+    assert client.most_in_flight == 4
+
+
+def test_a_cycled_duration_run_ends_though_a_turn_is_in_flight_when_it_comes_round(
+    tmp_path, monkeypatch
+):
+    from tandem.bench.load import runner
+
+    client = _Timed(delay=0.005, first_delay=0.5)  # chat 0's first turn is slow
+    monkeypatch.setattr(runner, "AsyncTandemClient", client)
+    monkeypatch.setattr(runner, "DURATION_POOL", 4)
+    dataset = _conversations(tmp_path / "chats.jsonl", chats=2, turns=2)
+    config = LoadConfig(target="fake", num_requests=None, duration_s=1.0, max_concurrency=3,
+                        num_warmup=0, dataset=dataset, progress=False)  # fmt: skip
+
+    async def bounded():
+        return await asyncio.wait_for(run_async(config), 30)
+
+    result = asyncio.run(bounded())
+    assert result.summary.completed == len(result.records) > 4  # the file went round

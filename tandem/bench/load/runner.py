@@ -239,7 +239,8 @@ class _Turns:
             p = self.links[turn.k][1]
             if reply is None:  # that turn failed: the file's text stands in for its reply
                 reply = spec.messages[p][1]
-            history = turn.after.spec.messages  # set before its reply was
+            # As sent (set before its reply), or as in the file if it never got that far.
+            history = (turn.after.spec or self.specs[turn.after.k]).messages
             messages = (*history, ("assistant", reply), *spec.messages[p + 1 :])
             spec = dataclasses.replace(spec, messages=messages, input_len=None)
         turn.spec = self.sent[turn.k] = spec

@@ -7,6 +7,7 @@ scraped. With ``--out`` the texts are saved as ``server-metrics/{before,after}/
 what the router counted during the run against what the client measured (requests,
 output tokens, TTFT and ITL percentiles from the router's histogram buckets,
 which are bucket-resolution estimates, as Prometheus' ``histogram_quantile`` is),
+where the router had prompts prefilled and why (the disaggregation rule's counts),
 then a line per decode worker (the sequences its steps held) and one per worker
 whose prefix cache was looked up during the run (its hit rate: prompt tokens found
 cached over prompt tokens looked up).
@@ -67,7 +68,26 @@ def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> s
             f"TTFT p50 {c.ttft_ms.median:.0f} ms p99 {c.ttft_ms.p99:.0f} ms, "
             f"ITL p50 {c.itl_ms.median:.0f} ms p99 {c.itl_ms.p99:.0f} ms")  # fmt: skip
     workers = [*_decode_lines(before, after), *_prefix_lines(before, after)]
-    return "\n".join([server, ours, *workers])
+    return "\n".join([server, ours, *_decisions(a, b), *workers])
+
+
+def _decisions(a: list, b: list) -> list[str]:
+    """"prefilled: on the decode worker 12 (short 10, ...); on the prefill pool 4 (...)"
+    over the run, or nothing when the router decided nothing."""
+    name = "tandem_router_prefill_decisions_total"
+    moved: dict[str, dict[str, float]] = {}
+    for x in a:
+        if x.name == name:
+            n = x.value - total(b, name, **x.labels)
+            if n > 0:
+                where = moved.setdefault(x.labels["where"].replace("_", " "), {})
+                where[x.labels["reason"].replace("_", " ")] = n
+    if not moved:
+        return []
+    parts = [f"on the {where} {sum(reasons.values()):.0f} (" + ", ".join(
+        f"{reason} {n:.0f}" for reason, n in sorted(reasons.items(), key=lambda r: -r[1])) + ")"
+        for where, reasons in sorted(moved.items())]  # fmt: skip
+    return ["prefilled: " + "; ".join(parts)]
 
 
 def _decode_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:

@@ -64,6 +64,8 @@ def test_a_short_load_writes_consistent_outputs(cluster, tmp_path, capsys):
     # Each decode worker's steps: how many sequences they held, and what was preempted.
     assert re.search(r"^decode decode-\S+: \d+\.\d sequences a step on average, p99 \d+ "
                      r"\(histogram\), 0 preempted$", table, re.M), table  # fmt: skip
+    # Where the router had the run's prompts prefilled, and why.
+    assert re.search(r"^prefilled: on the prefill pool 12 \(always 12\)$", table, re.M), table
     # Each worker whose prefix cache was looked up: its hit rate over the run (the
     # prefill worker looks up every prompt).
     hits = re.findall(r"^prefix cache, (\w+) \S+: (\d+\.\d)% hit \((\d+) of (\d+) prompt "

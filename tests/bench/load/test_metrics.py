@@ -109,3 +109,26 @@ def test_failures_spread_over_a_healthy_run_are_no_burst():
     for i in range(60):  # every sixth request fails, evenly
         records.append(_ended(i, i * 0.2, 0.5, "RESOURCE_EXHAUSTED" if i % 6 == 0 else None))
     assert summarize(records, 13.0, SLO()).bursts == []
+
+
+def test_the_server_side_report_says_where_the_runs_prompts_were_prefilled_and_why():
+    from tandem.bench.load.server_metrics import _decisions
+    from tandem.metrics.scrape import parse
+
+    name = "tandem_router_prefill_decisions_total"
+
+    def text(**counts):  # where__reason=count
+        lines = []
+        for key, n in counts.items():
+            where, reason = key.split("__")
+            lines.append(f'{name}{{where="{where}",reason="{reason}"}} {n}\n')
+        return "".join(lines)
+
+    before = parse(text(decode_worker__short=3, prefill_pool__long=1))
+    after = parse(text(decode_worker__short=13, decode_worker__prefill_busy=4,
+                       prefill_pool__long=3, prefill_pool__decode_busy=1))  # fmt: skip
+    assert _decisions(after, before) == [
+        "prefilled: on the decode worker 14 (short 10, prefill busy 4); "
+        "on the prefill pool 3 (long 2, decode busy 1)"
+    ]
+    assert _decisions(before, before) == []  # nothing decided during the run: no line

@@ -16,7 +16,10 @@ Deployments (the same total cores: each worker gets cores / workers torch thread
   placement across two of each);
 - ``conditional-unbounded`` / ``conditional-prefix-unbounded``: the rule without
   its stall budget (``local_max_stall_ms: 0``), to show what the budget
-  (``--local-max-stall-ms``, the config's default unless given) changes.
+  (``--local-max-stall-ms``, the config's default unless given) changes;
+- any of them with ``+KEY=VALUE`` appended (repeatable) for a setting of the
+  router's ``disaggregation`` section, so that thresholds of the conditional rule
+  run side by side: ``conditional-2x2+local_max_stall_ms=0+prefill_queue_max=1``.
 
 Workloads (seeded; the same requests for every deployment):
 - ``long-short``: 512-token prompts, 16-token answers (prefill-heavy);
@@ -43,6 +46,7 @@ attainment against rate per workload are written there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -218,16 +222,45 @@ def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
     )
 
 
-def _cluster_config(name: str, args):
+def parse_deployment(spec: str) -> tuple[str, dict[str, float]]:
+    """``NAME[+KEY=VALUE...]`` -> (a DEPLOYMENTS name, disaggregation settings); raises
+    ValueError naming what is wrong."""
+    from tandem.config import DisaggregationConfig
+    from tandem.errors import ConfigError
+
+    name, *settings = spec.split("+")
+    if name not in DEPLOYMENTS:
+        raise ValueError(f"{name!r} is not one of {', '.join(DEPLOYMENTS)}")
+    numeric = {f.name for f in dataclasses.fields(DisaggregationConfig) if f.name != "mode"}
+    overrides: dict[str, float] = {}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        if key not in numeric:
+            raise ValueError(
+                f"{spec!r}: {key!r} is not a disaggregation setting ({', '.join(sorted(numeric))})"
+            )
+        try:
+            overrides[key] = int(value) if value.isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {key} must be a number, got {value!r}") from None
+    try:
+        DisaggregationConfig(**overrides)
+    except ConfigError as exc:
+        raise ValueError(f"{spec!r}: {exc}") from None
+    return name, overrides
+
+
+def _cluster_config(spec: str, args):
     from tandem.config import DisaggregationConfig, EngineConfig, RouterConfig
     from tandem.deploy.local import ClusterConfig
 
+    name, overrides = parse_deployment(spec)
     prefill, decode, mode, placement = DEPLOYMENTS[name]
-    disaggregation = DisaggregationConfig(mode=mode)
     if name.endswith("-unbounded"):
-        disaggregation = DisaggregationConfig(mode=mode, local_max_stall_ms=0)
+        overrides = {"local_max_stall_ms": 0, **overrides}
     elif args.local_max_stall_ms is not None:
-        disaggregation = DisaggregationConfig(mode=mode, local_max_stall_ms=args.local_max_stall_ms)
+        overrides = {"local_max_stall_ms": args.local_max_stall_ms, **overrides}
+    disaggregation = DisaggregationConfig(mode=mode, **overrides)
     return ClusterConfig(
         num_prefill=prefill,
         num_decode=decode,
@@ -238,13 +271,14 @@ def _cluster_config(name: str, args):
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'workload':<11} {'deployment':<28} {'rate':>5} {'goodput':>8} {'SLO%':>5} "
+    width = max([28, *(len(r["deployment"]) for r in rows)])
+    head = (f"{'workload':<11} {'deployment':<{width}} {'rate':>5} {'goodput':>8} {'SLO%':>5} "
             f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'hit':>5} {'ceil':>5} "
             f"{'KV MiB/req':>10} {'local':>6} {'fail':>4}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['workload']:<11} {r['deployment']:<28} {r['rate']:>5g} {r['goodput']:>8.3f} "
+            f"{r['workload']:<11} {r['deployment']:<{width}} {r['rate']:>5g} {r['goodput']:>8.3f} "
             f"{100 * r['slo_attainment']:>5.0f} {r['ttft_p50']:>9.0f} {r['ttft_p99']:>7.0f} "
             f"{r['itl_p50']:>8.0f} {r['itl_p99']:>7.0f} {_pct(r['hit_rate']):>5} "
             f"{_pct(r['hit_ceiling']):>5} "
@@ -302,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         if w not in WORKLOADS:
             p.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
     for d in deployments:
-        if d not in DEPLOYMENTS:
-            p.error(f"--deployments: {d!r} is not one of {', '.join(DEPLOYMENTS)}")
+        try:
+            parse_deployment(d)
+        except ValueError as exc:
+            p.error(f"--deployments: {exc}")
     rates = [float(r) for r in args.rates.split(",")]
 
     from tandem.deploy.local import LocalCluster

@@ -100,6 +100,32 @@ def test_the_unbounded_deployments_turn_the_stall_budget_off(compare):
     assert budget("conditional") == DisaggregationConfig().local_max_stall_ms
 
 
+def test_a_deployment_takes_settings_of_the_conditional_rule(compare, capsys):
+    import argparse
+
+    args = argparse.Namespace(model="tiny-random", threads=1, local_max_stall_ms=80.0)
+    spec = "conditional-2x2+prefill_queue_max=1+local_max_stall_ms=0"
+    assert compare.parse_deployment(spec) == (
+        "conditional-2x2", {"prefill_queue_max": 1, "local_max_stall_ms": 0}
+    )
+    config = compare._cluster_config(spec, args)
+    rule = config.router.disaggregation
+    assert (config.num_prefill, config.num_decode, rule.mode) == (2, 2, "conditional")
+    # Its own settings win over --local-max-stall-ms and the -unbounded suffix.
+    assert (rule.prefill_queue_max, rule.local_max_stall_ms) == (1, 0)
+    assert compare._cluster_config("conditional-unbounded+local_max_stall_ms=50", args) \
+        .router.disaggregation.local_max_stall_ms == 50  # fmt: skip
+    for bad, message in [
+        ("conditional+mode=always", "'mode' is not a disaggregation setting"),
+        ("conditional+local_max_tokens=many", "local_max_tokens must be a number"),
+        ("conditional+local_max_tokens=-1", "local_max_tokens must be >= 0"),
+        ("bogus+local_max_tokens=1", "'bogus' is not one of colocated"),
+    ]:
+        with pytest.raises(SystemExit):
+            compare.main(["--deployments", f"colocated,{bad}"])
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_run_on_the_tiny_model_prints_the_table_and_writes_the_plot(tmp_path):
     out = tmp_path / "out"

@@ -120,8 +120,8 @@ def hit_ceiling(
     this prompt repeats, re-encoded to the same tokens; not for a turn in ``failed``,
     whose follow-up carried the file's text), over its prompt tokens (the warm-up's
     requests count as earlier, not as looked up). What placement can hope for: a
-    user's first turn finds only the system prompt, and a prompt's last, partial block
-    is not cached."""
+    user's first turn finds only the system prompt, and a prompt's last block is not
+    cached when partial, nor hit when whole (its last token is always computed)."""
     from tandem.bench.load.datasets import follow_ups
 
     seen: set[int] = set()
@@ -135,7 +135,10 @@ def hit_ceiling(
         if link is not None and link[0] not in failed:  # its prompt, all but its last output
             computed = len(prompts[link[0]]) + sent[link[0]].output_len - 1
             seen.update(keys[: computed // block_size])
-        hit = next((b for b, k in enumerate(keys) if k not in seen), len(keys))
+        # The worker computes a prompt's last token whatever it holds (a prompt of whole
+        # blocks can hit all but the last).
+        usable = keys[: (len(ids) - 1) // block_size]
+        hit = next((b for b, k in enumerate(usable) if k not in seen), len(usable))
         if i >= warmup:
             found += hit * block_size
             looked += len(ids)

@@ -199,7 +199,10 @@ class PrefixAware(PlacementPolicy):
 
     def _remember(self, pool: Pool, address: str, hashes: list[int]) -> None:
         held = self._history[pool].setdefault(address, collections.OrderedDict())
-        for h in hashes:
+        # Tail first, so that a sequence's first block is its most recently used: the
+        # worker evicts a freed sequence's last blocks first (KvCache.free), and a
+        # prefix whose first block is gone matches nothing.
+        for h in reversed(hashes):
             held[h] = None
             held.move_to_end(h)
         while len(held) > self._capacity[address]:

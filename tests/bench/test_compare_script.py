@@ -67,6 +67,10 @@ def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_wit
     # Had the line before failed, its follow-up carried filler: only its prompt counts.
     failed = compare.hit_ceiling(sent, Chars, warmup=1, failed=frozenset({2}), block_size=4)
     assert failed == (8 + 4) / (15 + 5 + 12)
+    # A prompt of whole blocks, all seen before, hits all but its last: the worker
+    # computes the last token whatever it holds.
+    again = [chat("a" * 8), chat("a" * 8)]
+    assert compare.hit_ceiling(again, Chars, warmup=1, block_size=4) == 4 / 8
     # On the benchmark's own chats: a user's later turns find its earlier ones.
     path = tmp_path / "chat.jsonl"
     compare.chat_dataset(path, requests=24, seed=0)

@@ -154,6 +154,18 @@ def test_prefix_aware_forgets_what_the_worker_cannot_hold():
         _prompt(1, 4, tail=1))) == 0  # fmt: skip
 
 
+def test_prefix_aware_forgets_a_sequence_tail_first_as_the_worker_evicts():
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=10)]
+    first, second = _prompt(1, 6, tail=1), _prompt(2, 6, tail=1)
+    policy.pick(Pool.PREFILL, ws, first)
+    policy.pick(Pool.PREFILL, ws, second)  # 12 blocks in 10: two of the first go
+    # The worker frees a sequence's last blocks first and keeps its beginning.
+    held = policy._history[Pool.PREFILL]["a"]
+    assert policy._matched(held, policy._hashes(first)) == 4
+    assert policy._matched(held, policy._hashes(second)) == 6
+
+
 def test_prefix_aware_hashes_as_the_engine_does():
     from tandem.engine.block_manager import hash_block
 

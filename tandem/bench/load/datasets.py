@@ -228,9 +228,11 @@ def load_jsonl(path: str | Path, default_output_len: int) -> list[RequestSpec]:
         elif isinstance(obj.get("messages"), list) and obj["messages"]:
             try:
                 messages = tuple((m["role"], m["content"]) for m in obj["messages"])
+                if not all(isinstance(x, str) for m in messages for x in m):
+                    raise TypeError
             except (KeyError, TypeError):
                 raise InvalidRequestError(
-                    "dataset", f'{where}: each message needs "role" and "content"'
+                    "dataset", f'{where}: each message needs "role" and "content" strings'
                 ) from None
             specs.append(RequestSpec(messages=messages, output_len=output_len))
         else:
@@ -304,14 +306,19 @@ async def sharegpt(
 
 
 async def sharegpt_chats(
-    chats: list[list[tuple[str, str]]], n: int, context_length: int, count: TokenCounter
+    chats: list[list[tuple[str, str]]],
+    n: int,
+    context_length: int,
+    count: TokenCounter,
+    output_len: int | None = None,
 ) -> list[RequestSpec]:
     """Each conversation's turns in order, turn k a chat of the human turns and replies
     before it and its own human turn (the file's replies stand in for the server's,
     which a multi-turn run puts in their place), with the reply's token count as its
-    output length; chats in the given order until ``n`` turns are had. A conversation
-    ends before its first turn that is too short (as ``sharegpt``) or does not fit
-    the context length."""
+    output length, or ``output_len`` for every turn; chats in the given order until
+    ``n`` turns are had. A conversation ends before its first turn that is too short
+    (as ``sharegpt``) or does not fit the context length, with each earlier reply
+    counted at the length the server will give it."""
     specs: list[RequestSpec] = []
     for chat in chats:
         if len(specs) >= n:
@@ -321,10 +328,15 @@ async def sharegpt_chats(
         inputs = await _gather_limited([count(messages=[{"role": r, "content": c} for r, c in t])
                                         for t in turns])  # fmt: skip
         outputs = await _gather_limited([count(prompt=reply) for _, reply in chat])
+        longer = 0  # what the server's replies so far add to the file's
         for t, i, o in zip(turns, inputs, outputs, strict=True):
-            if i < MIN_SHAREGPT_TOKENS or o < MIN_SHAREGPT_TOKENS or i + o > context_length:
+            if i < MIN_SHAREGPT_TOKENS or o < MIN_SHAREGPT_TOKENS:
                 break
-            specs.append(RequestSpec(messages=t, input_len=i, output_len=o))
+            sent = output_len or o
+            if i + longer + sent > context_length:
+                break
+            specs.append(RequestSpec(messages=t, input_len=i + longer, output_len=sent))
+            longer += sent - o
     if not specs:
         raise InvalidRequestError("dataset", "no conversation fits: every first turn is under "
                                   f"{MIN_SHAREGPT_TOKENS} tokens or over the context length "

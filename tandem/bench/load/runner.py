@@ -215,6 +215,7 @@ class _Turns:
         self.links = datasets.follow_ups(specs) if multi_turn else [None] * len(specs)
         self._followed = {link[0] for link in self.links if link is not None}
         self._latest: dict[int, _Turn] = {}  # the last send of each spec that is followed
+        self.multi_turn = any(link is not None for link in self.links)
 
     def waits(self, k: int) -> bool:
         """Whether spec ``k`` is a follow-up: it waits for a reply, then for its slot."""
@@ -283,9 +284,8 @@ async def build_dataset(
     elif ds.multi_turn:
         chats = datasets.load_sharegpt_chats(ds.path)
         chats = datasets.pick(chats, len(chats), config.seed, ds.in_order)  # whole chats
-        specs = await datasets.sharegpt_chats(chats, n, model.context_length, count)
-        if ds.file_output_len:
-            specs = [dataclasses.replace(s, output_len=ds.file_output_len) for s in specs]
+        specs = await datasets.sharegpt_chats(chats, n, model.context_length, count,
+                                              ds.file_output_len)  # fmt: skip
         specs = datasets.pick(specs, n, config.seed, in_order=True)  # turns stay in order
     else:
         pairs = datasets.load_sharegpt(ds.path)
@@ -317,6 +317,10 @@ async def _measure(
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.perf_counter()
     positions = itertools.cycle(range(first, len(turns.specs)))
+    # Multi-turn: the last send of each spec. A cycled file sends a spec again only
+    # once its last send is done, so at most one send of each waits for a reply
+    # (else a follow-up-only cycle at an unlimited rate is scheduled without end).
+    last: dict[int, asyncio.Task] = {}
     for i, (k, offset) in enumerate(zip(positions, offsets, strict=False)):
         if bounded and i >= config.num_requests:
             break
@@ -325,6 +329,8 @@ async def _measure(
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        if k in last and not last[k].done():
+            await asyncio.wait([last[k]])
         slot = slots is not None and not turns.waits(k)  # a follow-up takes its own
         if slot:
             await slots.acquire()
@@ -339,6 +345,8 @@ async def _measure(
         turn = turns.start(k)
         tasks.append(asyncio.create_task(_send(client, turns, turn, rec, config, start, slots,
                                                bar)))  # fmt: skip
+        if turns.multi_turn:
+            last[k] = tasks[-1]
     if bar is not None and not bounded:
         bar.total = len(records)
         bar.refresh()
@@ -404,7 +412,9 @@ async def _send(
         rec.error = type(exc).__name__
     finally:
         rec.end_time = time.perf_counter() - t0
-        turns.done(turn, "".join(texts) if rec.ok else None)
+        # A reply with no text (all special tokens, say) is not one a user would send
+        # on: the follow-up carries the file's text, as after a failure.
+        turns.done(turn, ("".join(texts) or None) if rec.ok else None)
         if held:
             slots.release()
         if bar is not None:

@@ -106,7 +106,9 @@ def test_jsonl_prompts_chats_and_output_lengths(tmp_path):
     [("not json", "prompts.jsonl:1: not JSON"),
      ('{"prompt": ""}', 'prompts.jsonl:1: needs a non-empty "prompt"'),
      ('{"prompt": "x", "output_len": 0}', "output_len must be an integer >= 1, got 0"),
-     ('{"messages": [{"content": "x"}]}', 'each message needs "role" and "content"')],
+     ('{"messages": [{"content": "x"}]}', 'each message needs "role" and "content"'),
+     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}',
+      'each message needs "role" and "content" strings')],
 )  # fmt: skip
 def test_bad_jsonl_lines_are_named(tmp_path, line, message):
     path = tmp_path / "prompts.jsonl"
@@ -176,6 +178,13 @@ def test_sharegpt_chats_are_every_human_turn_with_the_history_before_it(tmp_path
     assert len(run(datasets.sharegpt_chats(chats, 2, 4096, words_counter))) == 2
     tight = run(datasets.sharegpt_chats(chats, 10, context_length=12, count=words_counter))
     assert [len(s.messages) for s in tight] == [1, 1]
+    # --output-len: every reply that long, and a later turn's history longer by the
+    # server's replies than by the file's (5 tokens more after the first turn).
+    fixed = run(datasets.sharegpt_chats(chats, 10, 4096, words_counter, output_len=10))
+    assert [(s.input_len, s.output_len) for s in fixed] == [(5, 10), (17, 10), (5, 10)]
+    # 17 + 10 no longer fit in 26, though the file's 12 + 10 would.
+    fits = run(datasets.sharegpt_chats(chats, 10, 26, words_counter, output_len=10))
+    assert [len(s.messages) for s in fits] == [1, 1]
 
 
 def test_pick_is_seeded_and_cycles():

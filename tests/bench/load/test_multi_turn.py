@@ -212,3 +212,47 @@ def test_a_cycled_duration_run_ends_though_a_turn_is_in_flight_when_it_comes_rou
 
     result = asyncio.run(bounded())
     assert result.summary.completed == len(result.records) > 4  # the file went round
+
+
+def test_a_duration_run_of_follow_ups_only_at_an_unlimited_rate_stays_bounded(
+    tmp_path, monkeypatch
+):
+    from tandem.bench.load import runner
+
+    client = _Timed(delay=0.01)
+    monkeypatch.setattr(runner, "AsyncTandemClient", client)
+    monkeypatch.setattr(runner, "DURATION_POOL", 8)
+    # One long chat: after the warm-up's first turns, every measured request follows
+    # another, so none waits for a concurrency slot before it is scheduled.
+    dataset = _conversations(tmp_path / "chats.jsonl", chats=1, turns=40)
+    config = LoadConfig(target="fake", num_requests=None, duration_s=0.3, max_concurrency=2,
+                        num_warmup=2, dataset=dataset, progress=False)  # fmt: skip
+
+    async def bounded():
+        return await asyncio.wait_for(run_async(config), 30)
+
+    result = asyncio.run(bounded())
+    # Each spec is sent again only once its last send is done: a few rounds of the
+    # chain of replies fit in 0.3 s, not thousands of scheduled sends.
+    assert result.summary.completed == len(result.records)
+    assert 6 <= len(result.records) < 200, len(result.records)
+
+
+def test_a_reply_without_text_is_not_carried_by_its_follow_up(tmp_path, monkeypatch):
+    from tandem.bench.load import runner
+    from tandem.client.types import GenerateChunk, Usage
+
+    class Silent(_Timed):  # every reply's tokens decode to no text
+        messages: list = []
+
+        async def generate(self, **kwargs):
+            self.messages.append(kwargs["messages"])
+            yield GenerateChunk("r", "", (1,), "length", Usage(10, 1))
+
+    monkeypatch.setattr(runner, "AsyncTandemClient", Silent(delay=0))
+    dataset = _conversations(tmp_path / "chats.jsonl", chats=1, turns=2)
+    config = LoadConfig(target="fake", num_requests=2, num_warmup=0, dataset=dataset,
+                        progress=False)  # fmt: skip
+    assert asyncio.run(run_async(config)).summary.completed == 2
+    # The follow-up carries the file's text for the reply, not an empty assistant turn.
+    assert Silent.messages[1][1] == {"role": "assistant", "content": "filler"}

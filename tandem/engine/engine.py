@@ -319,7 +319,7 @@ class LLMEngine:
         prefix cache holds are shared, not filled by the transfer. Returns (the
         sequence's blocks, how many of the first are already cached): the sender skips
         those."""
-        seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix)
+        seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix, transfer=True)
         if reuse_prefix:
             self.kv.count_admission(seq)
         seq.status = Status.RESERVED
@@ -350,6 +350,7 @@ class LLMEngine:
         request_id: str,
         output_ids: Seq[int],
         match_prefix: bool = False,
+        transfer: bool = False,
     ) -> Sequence:
         """A sequence with blocks for its tokens so far and ``reserve_output_tokens`` more
         (at least one, at most up to max_tokens; all of max_tokens when None), not yet
@@ -366,7 +367,8 @@ class LLMEngine:
         seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
         if match_prefix:
             self.kv.match_prefix(seq)
-            self.kv.slide(seq)
+            if not transfer:  # a transfer fills the blocks after the cached ones: slid in admit
+                self.kv.slide(seq)
         if not self.kv.ensure(seq, total):
             need = self.kv.blocks_for(total) - len(seq.block_table)
             self.kv.free(seq)  # the shared prefix blocks, if any

@@ -257,3 +257,35 @@ def test_a_decode_worker_with_a_kv_window_slides_the_arrived_kv(tiny_engine):
     for engine in (prefill, decode):
         engine.kv.pool.check_integrity()
         assert engine.kv.pool.num_used == 0
+
+
+def test_a_decode_worker_with_a_kv_window_reuses_its_cached_prefix_in_place(tiny_engine):
+    # The second request finds the first's prompt in the decode side's prefix cache:
+    # the sender skips those blocks, so the rest must land where they belong, which
+    # holds only if the reservation keeps the whole prompt until the KV has arrived.
+    window = dict(block_size=4, kv_sink_tokens=4, kv_window_tokens=8)
+    prefill = make_engine(block_size=4)
+    decode = make_engine(num_blocks=48, **window)
+    prompt = tiny_engine.tokenizer.encode("hello there, general kenobi, you are a bold one")
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = _colocated(make_engine(**window), prompt, params)[0]
+    for rid in ("first", "second"):
+        prefill.add_request(prompt, params, rid, prefill_only=True)
+        outs = []
+        while not outs:
+            outs = prefill.step()
+        (first,) = outs
+        dst, skip = decode.reserve_for_transfer(prompt, params, rid)
+        src = first.held_block_ids
+        assert len(dst) >= len(src) and (skip > 0) == (rid == "second")
+        decode.kv.tensor[:, :, dst[skip : len(src)]] = prefill.kv.tensor[:, :, src[skip:]]
+        prefill.release(rid)
+        out = decode.admit(rid, first.token_ids[0])
+        tokens = list(first.token_ids)
+        while not out.finished:
+            for out in decode.step():
+                tokens += out.token_ids
+        assert tokens == expected, rid
+    for engine in (prefill, decode):
+        engine.kv.pool.check_integrity()
+        assert engine.kv.pool.num_used == 0

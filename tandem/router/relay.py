@@ -323,12 +323,17 @@ class Relay:
         self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
     ) -> tuple[tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination] | None,
                RouterError | None]:  # fmt: skip
-        """Up to two decode workers; (opened, None) or (None, the last error). Where the
-        prompt is prefilled is decided for the worker picked (disaggregation.py)."""
+        """Decode workers in turn, up to two that are full; (opened, None) or (None, the
+        error: a full worker's if one was, so that the caller waits for room). A worker
+        found dead is marked down and does not count: a crashed host's workers must not
+        use up the tries while a live one is free. Where the prompt is prefilled is
+        decided for the worker picked (disaggregation.py)."""
         tried: list[Worker] = []
         error: RouterError | None = None
+        full: RouterError | None = None
+        full_tries = 0
         tokens = [*worker_req.prompt_token_ids, *worker_req.output_token_ids]
-        for _ in range(2):
+        while full_tries < 2:
             candidates = self.registry.placeable(Pool.DECODE, exclude=tried)
             if not candidates:
                 break
@@ -350,6 +355,8 @@ class Relay:
                 if exc.code() in _RETRY_OPEN:
                     log.info("request %s: %s", worker_req.request_id, error.message)
                     self.metrics.retried(Pool.DECODE.value)
+                    if exc.code() is Code.RESOURCE_EXHAUSTED:
+                        full, full_tries = error, full_tries + 1
                     continue
                 raise error from None
             except BaseException:
@@ -370,7 +377,7 @@ class Relay:
                 )
             self.registry.reserved(worker, len(first.destination.block_ids))
             return (worker, stream, first.destination), None
-        return None, error
+        return None, full or error
 
     async def _renew_lease(self, decode: Worker, destination: worker_pb2.KvDestination) -> None:
         """While the prefill runs (or waits in a busy prefill worker's queue), keep the

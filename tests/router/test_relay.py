@@ -130,6 +130,35 @@ def test_decode_without_room_is_retried_once_on_another_worker(frontend):
     run(scenario())
 
 
+def test_decode_workers_found_dead_do_not_use_up_the_tries(frontend):
+    # A crashed host's workers, not yet marked down, come first (most free blocks).
+    async def scenario():
+        dead = [FakeDecode(open_error=grpc.StatusCode.UNAVAILABLE, kv_blocks_free=5000)
+                for _ in range(2)]  # fmt: skip
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED, kv_blocks_free=4000)
+        async with cluster(frontend, decode=[*dead, full, FakeDecode()]) as c:
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14) and len(c.decode[3].calls) == 1
+            assert [len(w.calls) for w in (*dead, full)] == [1, 1, 1]
+            assert not any(w in c.router.registry.placeable(Pool.DECODE) for w in dead)
+
+    run(scenario())
+
+
+def test_a_full_worker_then_a_dead_one_means_waiting_for_room(frontend):
+    async def scenario():
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED, kv_blocks_free=5000)
+        dead = FakeDecode(open_error=grpc.StatusCode.UNAVAILABLE, kv_blocks_free=4000)
+        async with cluster(frontend, decode=[full, dead], queue_timeout_s=5) as c:
+            request = asyncio.ensure_future(c.client.complete("hello"))
+            await wait_until(lambda: c.router.relay.capacity.waiting, what="waiting for room")
+            full.open_error = None  # a slot frees up
+            c.router.relay.capacity.notify()
+            assert (await request).token_ids == (10, 11, 12, 13, 14)
+
+    run(scenario())
+
+
 def test_no_decode_room_within_the_queue_timeout_is_resource_exhausted(frontend):
     async def scenario():
         ws = [FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED) for _ in range(3)]
@@ -234,6 +263,24 @@ def test_without_migrations_a_dying_decode_worker_is_unavailable(frontend):
             with pytest.raises(Unavailable, match="decode worker 127.0.0.1:"):
                 await anext(stream)
             assert c.decode[1].calls == []
+
+    run(scenario())
+
+
+def test_a_migration_passes_over_the_dead_host_s_other_workers(frontend):
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=9000)
+        dead = [FakeDecode(open_error=grpc.StatusCode.UNAVAILABLE, kv_blocks_free=5000)
+                for _ in range(2)]  # fmt: skip
+        good = FakeDecode(kv_blocks_free=100)
+        async with cluster(frontend, decode=[dying, *dead, good]) as c:
+            stream = c.client.generate("hello")
+            assert (await anext(stream)).token_ids == (10,)
+            assert (await anext(stream)).token_ids == (11,)
+            await dying.stop()
+            rest = [chunk async for chunk in stream]
+            assert [t for chunk in rest for t in chunk.token_ids] == [12, 13, 14]
+            assert len(good.calls) == 1 and c.router.relay.migrations == 1
 
     run(scenario())
 

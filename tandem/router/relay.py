@@ -229,11 +229,12 @@ class Relay:
         here = not destination.address  # the decode worker prefills: no KV to ship
         renewing = None if here else asyncio.ensure_future(self._renew_lease(decode, destination))
         shipped: asyncio.Future[None] | None = None
+        doubtful = False
         try:
             if not here:
                 prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
                 try:
-                    worker, call, result = await self._prefill(prefill, deadline)
+                    worker, call, result, doubtful = await self._prefill(prefill, deadline)
                 except RouterError as exc:
                     raise await self._lost_or(exc, deadline) from None
                 # The rest of the call: the KV's way to the decode worker, then its end.
@@ -247,6 +248,15 @@ class Relay:
                 yield first
                 if result.finish_reason:
                     return
+            if shipped is not None and doubtful:
+                # A worker that went away may have shipped its KV and its own first
+                # token before it did: then the decode worker continues from that token,
+                # not from the one the client has (they differ when sampling is not
+                # seeded), and refuses this transfer. Only this prefill's ack says that
+                # the decode worker continues from what the client has.
+                await asyncio.wait((shipped,))
+                if shipped.exception() is not None:
+                    raise await self._lost_or(shipped.exception(), deadline)
             responses = self._relay_decode(req, decode, stream, streamed, shipped, deadline)
             async with aclosing(responses):
                 async for response in responses:
@@ -396,11 +406,14 @@ class Relay:
 
     async def _prefill(
         self, request: worker_pb2.PrefillRequest, deadline: float | None
-    ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.PrefillResponse]:
-        """The prefill worker, its still open call and the call's first response (the
-        first token). The worker stays acquired until ``_shipped`` ends the call."""
+    ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.PrefillResponse, bool]:
+        """The prefill worker, its still open call, the call's first response (the first
+        token), and whether an earlier worker tried may have shipped its KV before it
+        failed (it went away rather than refusing at its door). The worker stays
+        acquired until ``_shipped`` ends the call."""
         tried: list[Worker] = []
         error: RouterError | None = None
+        doubtful = False
         tokens = [*request.request.prompt_token_ids, *request.request.output_token_ids]
         while True:
             candidates = self.registry.placeable(Pool.PREFILL, exclude=tried)
@@ -416,6 +429,7 @@ class Relay:
             except grpc.aio.AioRpcError as exc:
                 self.registry.release(worker)
                 error = self._prefill_failed(worker, request, exc)
+                doubtful = doubtful or exc.code() is not Code.RESOURCE_EXHAUSTED
                 # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
                     log.info("request %s: %s", request.request.request_id, error.message)
@@ -432,7 +446,7 @@ class Relay:
                 raise RouterError(
                     Code.INTERNAL, f"prefill worker {worker.address} ended Prefill with no token"
                 )
-            return worker, call, first
+            return worker, call, first, doubtful
 
     async def _shipped(
         self,

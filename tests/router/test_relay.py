@@ -317,6 +317,34 @@ def test_a_prefill_worker_that_is_gone_is_replaced_once(frontend):
     run(scenario())
 
 
+def test_a_prefill_retried_after_a_worker_went_away_is_relayed_only_once_its_kv_landed(
+    frontend,
+):
+    # The first prefill worker shipped its KV and its own first token, then went away
+    # before the router had that token; the decode worker holds that KV and refuses the
+    # second worker's, whose first token the client has. The request moves on from the
+    # client's token rather than mixing it with a stream that follows the other.
+    class RefusedOnce(FakePrefill):
+        async def Prefill(self, request, context):
+            self.kv_error = grpc.StatusCode.ABORTED if not self.calls else None
+            async for response in super().Prefill(request, context):
+                yield response
+
+    async def scenario():
+        gone = FakePrefill(error=grpc.StatusCode.UNAVAILABLE)
+        second = RefusedOnce(first_token=20, kv_delay_s=0.3)  # refused after decode began
+        async with cluster(frontend, [gone, second], placement="round-robin") as c:
+            done = await c.client.complete("hello")
+            # Not 20 then the first decode call's 11, 12, ...: the second attempt
+            # continues after 20 (its prefill gives 21, its decode worker the rest).
+            assert done.token_ids == (20, 21, 12, 13, 14)
+            _, moved = c.decode[0].calls
+            assert list(moved.request.request.output_token_ids) == [20]
+            assert c.router.relay.migrations == 1
+
+    run(scenario())
+
+
 def test_prefill_workers_that_keep_failing_are_tried_a_bounded_number_of_times(frontend):
     async def scenario():
         # They fail every Prefill as a dead worker does, yet answer Status: each is

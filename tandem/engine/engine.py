@@ -427,6 +427,15 @@ class LLMEngine:
         self.scheduler.finish(req.seq)
         return True
 
+    def abort_scheduled(self) -> list[str]:
+        """Abort every request but the KV that a transfer may still move: a prefill
+        side's held KV (being read) and a decode side's reservations (being written),
+        which their owners, the KV sender and receiver, end. Returns the ids."""
+        ids = [rid for rid, r in self._requests.items() if r.seq.status is not Status.RESERVED]
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
     def abort_all(self) -> list[str]:
         """Abort every request, held KV included; returns their ids."""
         ids = [*self._requests, *self._held]

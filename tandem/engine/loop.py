@@ -168,7 +168,9 @@ class EngineLoop:
             self._subscribers.pop(out.request_id, None)
 
     def _fail_all(self) -> None:
-        for request_id in self.engine.abort_all():
+        # Not the KV of transfers in flight: freed now, its blocks would go to other
+        # requests while a transfer still reads or writes them.
+        for request_id in self.engine.abort_scheduled():
             self._deliver(
                 RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR)
             )

@@ -81,6 +81,42 @@ def test_a_failing_step_fails_its_requests_and_frees_blocks(tiny_engine, monkeyp
     assert tiny_engine.kv.pool.num_used == 0
 
 
+def test_a_failing_step_leaves_the_kv_of_transfers_in_flight_to_their_owners(
+    tiny_engine, monkeypatch
+):
+    loop = EngineLoop(tiny_engine)
+    loop.start()
+    try:
+
+        def boom():
+            raise RuntimeError("model exploded")
+
+        def transfers(e):  # KV being read (held after a prefill) and being written (reserved)
+            e.add_request([5, 6, 7] * 10, PARAMS, "held", prefill_only=True)
+            while not e.step():
+                pass
+            e.reserve([8, 9] * 20, PARAMS, "reserved")
+            return e.kv.pool.num_used
+
+        async def main():
+            transfer_blocks = await loop.call(transfers)
+            q = loop.subscribe("r")
+            await loop.call(lambda e: monkeypatch.setattr(e, "step", boom))
+            await loop.call(lambda e: e.add_request([5, 6, 7], PARAMS, "r"))
+            return transfer_blocks, await asyncio.wait_for(q.get(), 10)
+
+        transfer_blocks, out = asyncio.run(main())
+        assert out.finished and out.finish_reason is FinishReason.ERROR
+        # The failed request's blocks are back; the transfers' are still theirs.
+        assert loop.submit(lambda e: e.kv.pool.num_used).result(5) == transfer_blocks > 0
+        assert loop.submit(lambda e: (e.release("held"), e.abort("reserved"))).result(5) == (
+            True, True)  # fmt: skip
+        assert loop.submit(lambda e: e.kv.pool.num_used).result(5) == 0
+    finally:
+        loop.stop()
+        monkeypatch.undo()
+
+
 def test_wake_runs_the_hooks_of_an_idle_loop_without_waiting_for_its_poll(tiny_engine):
     ran = threading.Event()
     loop = EngineLoop(tiny_engine, poll_interval_s=3600)

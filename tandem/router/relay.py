@@ -173,12 +173,12 @@ class Relay:
             raise RouterError(
                 Code.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
             )
-        if self.routing.needs_prefill_pool and not await self._any_placeable(
-            Pool.PREFILL, deadline
-        ):
-            raise self._none_available(Pool.PREFILL)
-        self._active.add(req.request_id)
+        self._active.add(req.request_id)  # before any wait: a twin arriving meanwhile is refused
         try:
+            if self.routing.needs_prefill_pool and not await self._any_placeable(
+                Pool.PREFILL, deadline
+            ):
+                raise self._none_available(Pool.PREFILL)
             # aclosing: a stream closed early must run the inner finally (cancel, release) now.
             async with aclosing(self._run(req, deadline, arrived)) as responses:
                 async for response in responses:

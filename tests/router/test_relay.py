@@ -500,6 +500,26 @@ def test_a_request_id_in_flight_is_refused(frontend):
     run(scenario())
 
 
+def test_a_request_id_is_in_flight_while_it_waits_for_a_prefill_worker(frontend):
+    async def scenario():
+        async with cluster(frontend, status_interval_s=60) as c:
+            (prefill,) = c.router.registry.workers(Pool.PREFILL)
+            await wait_until(lambda: prefill.worker_id, what="the first poll round")
+            await asyncio.sleep(0.5)  # the start's other poll done too
+            c.router.registry.mark_down(prefill, "scripted")  # back at the next poll, in 60 s
+            first = asyncio.create_task(
+                c.client.complete("hello", request_id="same", timeout=1.5)
+            )  # it waits for a prefill worker until its deadline
+            await asyncio.sleep(0.2)
+            with pytest.raises(TandemClientError) as info:
+                await c.client.complete("hello", request_id="same")
+            assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
+            with pytest.raises((Unavailable, DeadlineExceeded)):  # whichever ends it first
+                await first
+
+    run(scenario())
+
+
 def test_completion_tokens_are_counted_when_the_worker_leaves_them_out(frontend):
     async def scenario():
         decode = FakeDecode(chunks=[([11, 12], 0), ([13], STOP)], report_completion_tokens=False)

@@ -349,6 +349,12 @@ class RouterConfig:
     # A request whose decode or prefill worker dies mid-stream continues on another
     # worker (prompt + tokens already streamed re-prefilled) at most this many times.
     max_migrations: int = 2
+    # A prefill worker that gives no first token this long after the call (its queue
+    # and the prompt's compute) loses the attempt: the call is cancelled and the
+    # request moves on as after a death (a migration). The router renews the decode
+    # worker's lease while the call is open, so without this bound a hung prefill
+    # engine would hold the reservation as long as the client waits. 0: no bound.
+    prefill_timeout_s: float = 300.0
     status_interval_s: float = 0.5  # how often workers' Status is polled
     # A worker is taken out of placement at once when its connection fails (refused,
     # reset, keepalive); a worker whose connection is up but whose Status has gone
@@ -421,6 +427,8 @@ class RouterConfig:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
         if self.queue_timeout_s < 0:
             raise ConfigError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
+        if self.prefill_timeout_s < 0:
+            raise ConfigError(f"prefill_timeout_s must be >= 0, got {self.prefill_timeout_s}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_model_len is not None and self.max_model_len < 2:

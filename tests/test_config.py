@@ -104,3 +104,12 @@ def test_router_intervals_must_be_positive(field):
 
     with pytest.raises(ConfigError, match=field):
         RouterConfig(**{field: 0})
+
+
+@pytest.mark.parametrize("field", ["queue_timeout_s", "prefill_timeout_s"])
+def test_router_timeouts_must_not_be_negative(field):
+    from tandem.config import RouterConfig
+
+    with pytest.raises(ConfigError, match=f"{field} must be >= 0, got -1"):
+        RouterConfig(**{field: -1})
+    assert getattr(RouterConfig(**{field: 0}), field) == 0  # 0: no bound

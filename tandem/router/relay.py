@@ -19,7 +19,13 @@ An *attempt* is one decode reservation plus one prefill:
    (UNAVAILABLE, RESOURCE_EXHAUSTED) is replaced by one other. That is safe even
    if the first one got some KV out before it failed: a decode worker takes a
    reservation's KV from one sender only and answers any other "another
-   sender", so the retry then fails (ABORTED) instead of delivering twice.
+   sender", so the retry then fails (ABORTED) instead of delivering twice; and
+   after a worker that went away the decode stream is relayed only once the
+   retry's KV has landed, so the client never gets a first token that the decode
+   worker does not continue from. A prefill worker that gives no first token
+   within ``prefill_timeout_s`` loses the attempt (a hung engine must not hold
+   the reservation, whose lease the router renews, for as long as the client
+   waits).
 3. Relay the decode stream's chunks in order. Until its first chunk (which
    comes once the KV has arrived), the end of the Prefill call is watched too:
    a transfer that fails there (ABORTED) or a prefill worker that dies with the
@@ -147,6 +153,7 @@ class Relay:
         policy: PlacementPolicy,
         max_migrations: int = 2,
         queue_timeout_s: float = 120.0,
+        prefill_timeout_s: float = 300.0,
         routing: PrefillRouting | None = None,
         metrics: RouterMetrics | None = None,
     ) -> None:
@@ -156,6 +163,7 @@ class Relay:
         self.routing = routing or PrefillRouting(DisaggregationConfig())
         self.max_migrations = max_migrations
         self.queue_timeout_s = queue_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
         self.capacity = DecodeCapacity()
         self.migrations = 0  # attempts started after a lost one, since start
         self._active: set[str] = set()  # request ids in flight
@@ -425,7 +433,16 @@ class Relay:
             self.registry.acquire(worker)
             call = worker.stub.Prefill(request, timeout=timeout)
             try:
-                first = await call.read()
+                first = await asyncio.wait_for(call.read(), self.prefill_timeout_s or None)
+            except asyncio.TimeoutError:
+                call.cancel()
+                self.registry.release(worker)
+                # Not marked down: a busy worker is not a dead one. The attempt is lost,
+                # and its reservation with it.
+                raise RouterError.unavailable(
+                    f"prefill worker {worker.address} gave no first token within "
+                    f"prefill_timeout_s={self.prefill_timeout_s:g} s"
+                ) from None
             except grpc.aio.AioRpcError as exc:
                 self.registry.release(worker)
                 error = self._prefill_failed(worker, request, exc)

@@ -69,6 +69,7 @@ class Router:
             make_policy(config.placement, config.prefix_imbalance_max),
             max_migrations=config.max_migrations,
             queue_timeout_s=config.queue_timeout_s,
+            prefill_timeout_s=config.prefill_timeout_s,
             routing=PrefillRouting(config.disaggregation),
             metrics=self.metrics,
         )

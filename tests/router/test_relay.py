@@ -345,6 +345,26 @@ def test_a_prefill_retried_after_a_worker_went_away_is_relayed_only_once_its_kv_
     run(scenario())
 
 
+def test_a_prefill_worker_that_gives_no_first_token_in_time_loses_the_attempt(frontend):
+    async def scenario():
+        hung = FakePrefill(hang=True)  # its engine stuck: Status still answers
+        async with cluster(frontend, [hung, FakePrefill()], placement="round-robin",
+                           prefill_timeout_s=0.3) as c:  # fmt: skip
+            start = time.monotonic()
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert time.monotonic() - start >= 0.3
+            # The hung call and its decode reservation were given up, then the request moved.
+            assert hung.calls[0].cancelled_at is not None
+            _, moved = c.decode[0].calls
+            assert moved.request.request.request_id.endswith("/1")
+            assert c.router.relay.migrations == 1
+            placeable = [w.address for w in c.router.registry.placeable(Pool.PREFILL)]
+            assert hung.address in placeable  # busy is not dead
+
+    run(scenario())
+
+
 def test_prefill_workers_that_keep_failing_are_tried_a_bounded_number_of_times(frontend):
     async def scenario():
         # They fail every Prefill as a dead worker does, yet answer Status: each is

@@ -22,7 +22,10 @@ thread, see tandem/engine/loop.py):
                                      output_token_ids) on the last; the engine frees the
                                      blocks the moment it ends
     client cancel / deadline / error the stream's clean-up, on the engine thread:
-                                     receiver.release (no more writes), engine.abort (free)
+                                     receiver.release (no more writes), engine.abort (free);
+                                     a read still running into the blocks is not waited
+                                     for there: they are freed at a later poll, once it
+                                     has ended (admission.py)
 
 server.py   DecodeServer: engine + KV receiver + gRPC server
 __main__    ``python -m tandem.decode_worker``

@@ -43,10 +43,18 @@ def _resolve(w: _Waiting, result: RequestOutput | Exception) -> None:
 
 
 class KvAdmission:
+    """A request whose KV is not to be admitted (failed, or its stream over) gives its
+    blocks back only once no read runs into them. Such a read (a slow or stalled
+    peer, up to the transport's read timeout) is not waited for on the engine thread,
+    where it would stall every stream of this worker: the request is parked in
+    ``_draining``, its reservation failed so that no new read starts, and each poll
+    tries again."""
+
     def __init__(self, receiver: KVReceiver, lease_s: float) -> None:
         self.receiver = receiver
         self.lease_s = lease_s
         self._waiting: dict[str, _Waiting] = {}
+        self._draining: set[str] = set()
 
     @property
     def num_waiting(self) -> int:
@@ -71,9 +79,12 @@ class KvAdmission:
         return dataclasses.replace(dest, skip_blocks=cached)
 
     def poll(self, engine: LLMEngine) -> None:
-        """The EngineLoop hook: admit what arrived, fail what cannot arrive."""
+        """The EngineLoop hook: admit what arrived, fail what cannot arrive, free what
+        has drained."""
+        for rid in list(self._draining):
+            self._free(engine, rid)
         for rid in list(self._waiting):
-            status = self.receiver.poll(rid)
+            status = self.receiver.poll(rid, drain=False)
             if status.state is TransferState.DONE:
                 w = self._waiting.pop(rid)
                 self.receiver.release(rid)
@@ -87,18 +98,28 @@ class KvAdmission:
                 _resolve(w, out)
             elif status.state is TransferState.FAILED:
                 w = self._waiting.pop(rid)
-                self.receiver.release(rid)  # drained: nothing more is written
-                engine.abort(rid)
+                self._free(engine, rid)
                 detail = f": {status.detail}" if status.detail else ""
                 _resolve(w, TransferError(status.reason, f"{status.reason}{detail}"))
 
     def end(self, engine: LLMEngine, rid: str) -> None:
         """The stream is over, whatever the reason: stop writes, then free the blocks."""
         self._waiting.pop(rid, None)
-        self.receiver.release(rid)
-        engine.abort(rid)
+        self._free(engine, rid)
+
+    def _free(self, engine: LLMEngine, rid: str) -> None:
+        """The blocks back to the engine once no read runs into them; else parked."""
+        if self.receiver.release(rid, wait=False):
+            self._draining.discard(rid)
+            engine.abort(rid)
+        elif rid not in self._draining:
+            log.info("KV of %s: a read still runs into its blocks; freed once it ends", rid)
+            self._draining.add(rid)
 
     def end_all(self, engine: LLMEngine) -> None:
-        for rid in list(self._waiting):
-            self.end(engine, rid)
+        """Shutting down: waits for reads in flight, then frees everything."""
+        for rid in [*self._waiting, *self._draining]:
+            self.receiver.release(rid)
+        self._waiting.clear()
+        self._draining.clear()
         engine.abort_all()

@@ -248,7 +248,10 @@ class KVReceiver(abc.ABC):
         """Reserve already-allocated blocks for a request; WAITING until data arrives."""
 
     @abc.abstractmethod
-    def poll(self, request_id: str) -> TransferStatus: ...
+    def poll(self, request_id: str, drain: bool = True) -> TransferStatus:
+        """Where the request's KV stands. A FAILED one is drained first (a read already
+        running into its blocks finishes), unless ``drain`` is False: then the caller
+        frees the blocks only after ``release`` says it may."""
 
     @abc.abstractmethod
     def renew(self, request_id: str, lease_s: float) -> bool:
@@ -260,8 +263,11 @@ class KVReceiver(abc.ABC):
         """Fail a live request; on return nothing more is written into its blocks."""
 
     @abc.abstractmethod
-    def release(self, request_id: str) -> None:
-        """Forget a request (aborting it if still live); the caller owns its blocks again."""
+    def release(self, request_id: str, wait: bool = True) -> bool:
+        """Forget a request (aborting it if still live); the caller owns its blocks again.
+        With ``wait`` False, a read still running into its blocks (a slow or stalled
+        peer) is not waited for: False, and the request is kept, failed, until a later
+        call finds the read done. True otherwise."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

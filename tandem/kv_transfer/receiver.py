@@ -164,14 +164,14 @@ class ReceiverCore:
             )
         return Destination(self.address, request_id, tuple(block_ids))
 
-    def poll(self, request_id: str) -> TransferStatus:
+    def poll(self, request_id: str, drain: bool = True) -> TransferStatus:
         with self._lock:
             res = self._table.get(request_id)
             if res is None:
                 raise KeyError(f"request {request_id!r} is not expected")
             self._expire_locked(res)
             failed = res.state is TransferState.FAILED
-        if failed:
+        if failed and drain:
             # Whatever failed it (lease, checksum, abort), a copy that was already running
             # finishes before the caller learns, so it may free the blocks at once.
             self._drain(res)
@@ -194,11 +194,24 @@ class ReceiverCore:
             self._fail_locked(res, reason)
         self._drain(res)
 
-    def release(self, request_id: str) -> None:
-        """Forget a request (aborting it first if still live); its late data is discarded."""
-        self.abort(request_id)
+    def release(self, request_id: str, wait: bool = True) -> bool:
+        """Forget a request (aborting it first if still live); its late data is discarded.
+        See KVReceiver.release for ``wait``."""
         with self._lock:
-            self._table.pop(request_id, None)
+            res = self._table.get(request_id)
+            if res is None:
+                return True
+            self._fail_locked(res, "aborted")
+        if wait:
+            self._drain(res)
+        elif res.write_lock.acquire(blocking=False):  # no read is running into the blocks
+            res.write_lock.release()
+        else:
+            return False
+        with self._lock:
+            if self._table.get(request_id) is res:
+                del self._table[request_id]
+        return True
 
     def sweep(self) -> list[str]:
         """Expire every lease past its deadline; returns the ids it failed."""
@@ -451,8 +464,8 @@ class CoreReceiver(KVReceiver):
     def expect(self, request_id: str, block_ids: Sequence[int], lease_s: float) -> Destination:
         return self.core.expect(request_id, block_ids, lease_s)
 
-    def poll(self, request_id: str) -> TransferStatus:
-        return self.core.poll(request_id)
+    def poll(self, request_id: str, drain: bool = True) -> TransferStatus:
+        return self.core.poll(request_id, drain)
 
     def renew(self, request_id: str, lease_s: float) -> bool:
         return self.core.renew(request_id, lease_s)
@@ -460,8 +473,8 @@ class CoreReceiver(KVReceiver):
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    def release(self, request_id: str) -> None:
-        self.core.release(request_id)
+    def release(self, request_id: str, wait: bool = True) -> bool:
+        return self.core.release(request_id, wait)
 
     def notify(self, callback: Callable[[], None]) -> None:
         self.core.on_end = callback

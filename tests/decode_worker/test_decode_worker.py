@@ -14,6 +14,7 @@ from tandem.config import DecodeConfig
 from tandem.engine.sampling_params import SamplingParams
 from tests.workers import (
     TIMEOUT,
+    drive,
     engine_config,
     prefill,
     request,
@@ -257,3 +258,31 @@ def test_an_arrived_transfer_wakes_an_idle_worker_that_would_poll_in_an_hour(pai
     finally:
         loop.poll_interval_s = 0.1
         loop.wake()
+
+
+def test_a_read_still_running_into_a_cancelled_request_s_blocks_stalls_no_stream(pair):
+    # A KV read from a slow or stalled peer (up to the transport's read timeout) holds
+    # the reservation's write lock; the cancel's clean-up must not wait for it on the
+    # engine thread, where every request of the worker would wait with it.
+    import threading
+
+    decode = pair.decode
+    stream, _ = _open(decode, request([5] * 30, PARAMS, rid="A"))
+    read = decode.server.receiver.core._table["A"].write_lock  # a read in flight into A
+    read.acquire()
+    try:
+        stream.cancel()
+        # The engine thread handled the cancel and published its numbers again.
+        wait_until(lambda: decode.status().queue_depth == 0, timeout=10, what="cancel handled")
+        assert decode.used_blocks() == 5  # A's blocks are still the read's
+        served: list = []
+        other = threading.Thread(
+            target=lambda: served.append(drive(pair, request([9] * 20, PARAMS, rid="B"))),
+            daemon=True,
+        )
+        other.start()
+        other.join(20)
+        assert served and len(served[0].tokens) == PARAMS.max_tokens  # the engine went on
+    finally:
+        read.release()
+    wait_until(lambda: decode.used_blocks() == 0, what="A's blocks back once the read ended")

@@ -94,6 +94,32 @@ def test_abort_returns_only_once_a_read_in_flight_has_landed() -> None:
     assert core.poll("r").reason == "aborted"
 
 
+def test_a_release_that_does_not_wait_leaves_a_read_in_flight_to_finish() -> None:
+    src, dst, core, src_ids, dst_ids, header = _setup()
+    started, go = threading.Event(), threading.Event()
+    copy = _copy(src, dst, src_ids, dst_ids)
+
+    def stalled() -> None:  # a peer that answers late
+        started.set()
+        assert go.wait(5)
+        copy()
+
+    reader = threading.Thread(target=core.deliver, args=(header,), kwargs={"fill": stalled})
+    reader.start()
+    assert started.wait(5)
+    begun = time.monotonic()
+    assert core.release("r", wait=False) is False  # not waited for: the blocks stay its
+    assert time.monotonic() - begun < 0.5
+    assert core.poll("r", drain=False).state is TransferState.FAILED  # no new read starts
+    assert core.release("r", wait=False) is False
+    go.set()
+    reader.join(5)
+    assert core.release("r", wait=False) is True  # the read is over: the caller may free
+    with pytest.raises(KeyError):
+        core.poll("r")
+    assert core.release("r", wait=False) is True  # an unknown request: nothing to wait for
+
+
 def test_no_read_is_posted_for_a_request_that_is_gone() -> None:
     *_, core, _, _, header = _setup()
     core.release("r")

@@ -135,10 +135,17 @@ class DecodeCapacity:
         else:
             self._waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            # Not asyncio.wait_for: before Python 3.12 it returns a future that is done
+            # when the cancel comes, and a client that left would go on to reserve.
+            async with asyncio.timeout(timeout):
+                await fut
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # woken, but leaving: wake the next
+                self.notify()
+            raise
         finally:
             if not fut.done():
                 fut.cancel()

@@ -566,3 +566,20 @@ def test_the_router_renews_the_decode_lease_while_prefill_is_slow(frontend, slow
             assert len(decode.renewals) == count  # no renewal once the prefill call ended
 
     run(scenario())
+
+
+def test_a_waiter_cancelled_as_it_is_woken_leaves_and_passes_the_wake_up_on():
+    from tandem.router.relay import DecodeCapacity
+
+    async def scenario():
+        capacity = DecodeCapacity()
+        first = asyncio.ensure_future(capacity.wait(10))
+        second = asyncio.ensure_future(capacity.wait(10))
+        await asyncio.sleep(0)  # both waiting, in order
+        capacity.notify()  # room for the first ...
+        first.cancel()  # ... whose client leaves in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await first  # it does not go on to reserve
+        assert await asyncio.wait_for(second, 5) is True  # the room went to the next
+
+    run(scenario())

@@ -253,7 +253,7 @@ class Relay:
                 except RouterError as exc:
                     raise await self._lost_or(exc, deadline) from None
                 # The rest of the call: the KV's way to the decode worker, then its end.
-                shipped = asyncio.ensure_future(self._shipped(worker, call, prefill, renewing))
+                shipped = self._start_shipped(worker, call, prefill, renewing)
                 streamed.append(result.first_token_id)
                 first = _response(req, [result.first_token_id], result.text, result.finish_reason,
                                   [result.first_logprob] if result.HasField("first_logprob")
@@ -425,7 +425,7 @@ class Relay:
         """The prefill worker, its still open call, the call's first response (the first
         token), and whether an earlier worker tried may have shipped its KV before it
         failed (it went away rather than refusing at its door). The worker stays
-        acquired until ``_shipped`` ends the call."""
+        acquired until ``_start_shipped``'s task ends the call."""
         tried: list[Worker] = []
         error: RouterError | None = None
         doubtful = False
@@ -472,26 +472,42 @@ class Relay:
                 )
             return worker, call, first, doubtful
 
-    async def _shipped(
+    def _start_shipped(
         self,
         worker: Worker,
         call: grpc.aio.UnaryStreamCall,
         request: worker_pb2.PrefillRequest,
         renewing: asyncio.Future[None],
+    ) -> asyncio.Future[None]:
+        """``_shipped`` as a task. Its clean-up is the task's done callback, which runs
+        even for a task cancelled before its first step (a finally in it would not):
+        the lease stops being renewed, the call is cancelled if still open, and the
+        prefill worker released."""
+
+        def end(_: asyncio.Future[None]) -> None:
+            renewing.cancel()  # the KV is there or never will be: nothing to keep alive
+            if not call.done():
+                call.cancel()
+            self.registry.release(worker)
+
+        shipped = asyncio.ensure_future(self._shipped(worker, call, request))
+        shipped.add_done_callback(end)
+        return shipped
+
+    async def _shipped(
+        self,
+        worker: Worker,
+        call: grpc.aio.UnaryStreamCall,
+        request: worker_pb2.PrefillRequest,
     ) -> None:
         """Wait for the Prefill call's end: the decode side has the KV (or the first token
-        ended the request). Raises the RouterError of a call that fails; cancelled, it
-        cancels the call."""
+        ended the request). Raises the RouterError of a call that fails. Run it with
+        ``_start_shipped``, whose done callback ends the call."""
         try:
             while await call.read() is not grpc.aio.EOF:  # the KV's outcome: not needed here
                 pass
         except grpc.aio.AioRpcError as exc:
             raise self._prefill_failed(worker, request, exc) from None
-        finally:
-            renewing.cancel()  # the KV is there or never will be: nothing to keep alive
-            if not call.done():
-                call.cancel()
-            self.registry.release(worker)
 
     def _prefill_failed(
         self, worker: Worker, request: worker_pb2.PrefillRequest, exc: grpc.aio.AioRpcError

@@ -583,3 +583,23 @@ def test_a_waiter_cancelled_as_it_is_woken_leaves_and_passes_the_wake_up_on():
         assert await asyncio.wait_for(second, 5) is True  # the room went to the next
 
     run(scenario())
+
+
+def test_a_first_token_that_ends_the_request_releases_the_prefill_worker_whoever_reads(
+    frontend,
+):
+    # A consumer that reads the router's stream without yielding to the event loop in
+    # between (unlike the gRPC and HTTP servers) cancels the KV-watching task before
+    # it has run a step: its clean-up must run all the same.
+    from tandem._proto.tandem.v1 import tandem_pb2
+
+    async def scenario():
+        async with cluster(frontend, [FakePrefill(finish_reason=STOP)],
+                           [FakeDecode(hang=True, chunks=[])]) as c:  # fmt: skip
+            request = tandem_pb2.GenerateRequest(prompt="hello")
+            out = [r async for r in c.router.gateway.generate(request, None, 10.0)]
+            assert len(out) == 1 and out[0].finish_reason == STOP
+            (prefill,) = c.router.registry.workers(Pool.PREFILL)
+            await wait_until(lambda: prefill.inflight == 0, what="the prefill worker released")
+
+    run(scenario())

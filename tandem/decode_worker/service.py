@@ -68,12 +68,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             try:
                 dest = await loop.call(lambda e: admission.reserve(e, req, admitted))
-            except OutOfBlocksError as exc:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {server.worker_id}: {exc}"
-                )
-            except InvalidRequestError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except (OutOfBlocksError, InvalidRequestError) as exc:
+                await self._refuse(context, exc)
             yield worker_pb2.DecodeResponse(
                 destination=worker_pb2.KvDestination(
                     address=dest.address,
@@ -103,6 +99,16 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             loop.submit(lambda e: admission.end(e, rid))
             self._active.discard(rid)
 
+    async def _refuse(self, context, exc: OutOfBlocksError | InvalidRequestError) -> None:
+        """A reservation the engine refused. Its request id still known there, though no
+        handler has it, is an earlier request's whose blocks wait for a KV read still
+        running into them (admission.py): busy for now, as when the blocks are short."""
+        if isinstance(exc, OutOfBlocksError) or exc.field == "request_id":
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.server.worker_id}: {exc}"
+            )
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     async def _prefill_here(self, req, context) -> AsyncIterator[worker_pb2.DecodeResponse]:
         """The request runs here from its prefill on: no KV to wait for, no lease. The
         first chunk carries the first token, sampled here."""
@@ -110,17 +116,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         loop, rid = server.loop, req.request_id
         self._active.add(rid)
         outputs = loop.subscribe(rid)
+        registered = False  # the engine's request with this id is this handler's
         try:
             try:
                 blocks = await loop.call(
                     lambda e: e.prefill_here(req.prompt_ids, req.params, rid, req.output_ids)
                 )
-            except OutOfBlocksError as exc:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {server.worker_id}: {exc}"
-                )
-            except InvalidRequestError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except (OutOfBlocksError, InvalidRequestError) as exc:
+                await self._refuse(context, exc)
+            registered = True
             server.prefilled_here += 1
             yield worker_pb2.DecodeResponse(
                 destination=worker_pb2.KvDestination(request_id=rid, block_ids=blocks)
@@ -134,7 +138,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     return
         finally:
             loop.unsubscribe(rid)
-            loop.submit(lambda e: e.abort(rid))
+            if registered:
+                loop.submit(lambda e: e.abort(rid))
             self._active.discard(rid)
 
     def _count(self, out: RequestOutput) -> None:

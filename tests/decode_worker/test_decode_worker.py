@@ -286,3 +286,31 @@ def test_a_read_still_running_into_a_cancelled_request_s_blocks_stalls_no_stream
     finally:
         read.release()
     wait_until(lambda: decode.used_blocks() == 0, what="A's blocks back once the read ended")
+
+
+@pytest.mark.parametrize("prefill_here", [False, True])
+def test_the_id_of_a_request_whose_blocks_wait_for_a_read_is_busy_not_freed(pair, prefill_here):
+    # A client's retry under the same id, while the first try's blocks still wait for
+    # a read into them: not the other request's blocks freed, not a request refused as
+    # invalid, but busy for now (the router tries elsewhere or waits for room).
+    decode = pair.decode
+    req = request([5] * 30, PARAMS, rid="A")
+    stream, _ = _open(decode, req)
+    read = decode.server.receiver.core._table["A"].write_lock  # a read in flight into A
+    read.acquire()
+    try:
+        stream.cancel()
+        wait_until(lambda: decode.status().queue_depth == 0, timeout=10, what="cancel handled")
+        again = decode.stub.Decode(
+            worker_pb2.DecodeRequest(request=req, prefill_here=prefill_here), timeout=TIMEOUT
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            next(again)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "already running" in info.value.details()
+        time.sleep(0.2)  # the refused handler's clean-up has run
+        assert decode.used_blocks() == 5  # still the read's
+    finally:
+        read.release()
+    wait_until(lambda: decode.used_blocks() == 0, what="A's blocks back once the read ended")
+    assert [c.token_ids for c in drive(pair, req).chunks]  # and the id serves again

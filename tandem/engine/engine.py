@@ -427,6 +427,11 @@ class LLMEngine:
         self.scheduler.finish(req.seq)
         return True
 
+    @property
+    def held_ids(self) -> frozenset[str]:
+        """Prefill side: the requests whose KV is held for a transfer."""
+        return frozenset(self._held)
+
     def abort_scheduled(self) -> list[str]:
         """Abort every request but the KV that a transfer may still move: a prefill
         side's held KV (being read) and a decode side's reservations (being written),

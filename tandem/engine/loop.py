@@ -116,12 +116,13 @@ class EngineLoop:
                 continue
             stepped = True
             started = time.perf_counter()
+            held = self.engine.held_ids
             try:
                 outputs = self.engine.step()
                 self.last_step_seconds = time.perf_counter() - started
             except Exception:
                 log.exception("engine step failed; aborting its requests")
-                self._fail_all()
+                self._fail_all(held)
                 continue
             for hook in self._step_hooks:
                 try:
@@ -167,10 +168,13 @@ class EngineLoop:
         except RuntimeError:  # the subscriber's event loop is gone
             self._subscribers.pop(out.request_id, None)
 
-    def _fail_all(self) -> None:
-        # Not the KV of transfers in flight: freed now, its blocks would go to other
-        # requests while a transfer still reads or writes them.
-        for request_id in self.engine.abort_scheduled():
+    def _fail_all(self, held_before: frozenset[str]) -> None:
+        """After a failed step: its requests end with ERROR. Not the KV of transfers in
+        flight: freed now, its blocks would go to other requests while a transfer still
+        reads or writes them. A prefill that the step finished and held before it failed
+        is told too (its output was lost with the step); its owner frees it."""
+        failed = [*self.engine.abort_scheduled(), *(self.engine.held_ids - held_before)]
+        for request_id in failed:
             self._deliver(
                 RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR)
             )

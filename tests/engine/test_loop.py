@@ -117,6 +117,41 @@ def test_a_failing_step_leaves_the_kv_of_transfers_in_flight_to_their_owners(
         monkeypatch.undo()
 
 
+def test_a_prefill_held_by_a_step_that_then_failed_is_told(tiny_engine, monkeypatch):
+    # The step held X's prompt for its transfer, then failed on Y: X's output went
+    # with the step, so X's owner must hear of it (it frees the held KV).
+    real = tiny_engine._postprocess
+
+    def post(req, token, logprob=None):
+        if req.seq.request_id == "Y":
+            raise RuntimeError("detokenizer exploded")
+        return real(req, token, logprob)
+
+    loop = EngineLoop(tiny_engine)
+    loop.start()
+    try:
+
+        async def main():
+            told = loop.subscribe("X"), loop.subscribe("Y")
+
+            def add(e):
+                monkeypatch.setattr(e, "_postprocess", post)
+                e.add_request([5, 6, 7] * 10, PARAMS, "X", prefill_only=True)
+                e.add_request([8, 9] * 10, PARAMS, "Y")
+
+            await loop.call(add)
+            return [await asyncio.wait_for(q.get(), 10) for q in told]
+
+        for out in asyncio.run(main()):
+            assert out.finished and out.finish_reason is FinishReason.ERROR
+        assert loop.submit(lambda e: e.held_ids).result(5) == {"X"}  # its owner frees it
+        assert loop.submit(lambda e: e.release("X")).result(5)
+        assert loop.submit(lambda e: e.kv.pool.num_used).result(5) == 0
+    finally:
+        loop.stop()
+        monkeypatch.undo()
+
+
 def test_wake_runs_the_hooks_of_an_idle_loop_without_waiting_for_its_poll(tiny_engine):
     ran = threading.Event()
     loop = EngineLoop(tiny_engine, poll_interval_s=3600)

@@ -350,10 +350,11 @@ class RouterConfig:
     # worker (prompt + tokens already streamed re-prefilled) at most this many times.
     max_migrations: int = 2
     # A prefill worker that gives no first token this long after the call (its queue
-    # and the prompt's compute) loses the attempt: the call is cancelled and the
-    # request moves on as after a death (a migration). The router renews the decode
-    # worker's lease while the call is open, so without this bound a hung prefill
-    # engine would hold the reservation as long as the client waits. 0: no bound.
+    # and the prompt's compute): the call is cancelled and the request ends
+    # RESOURCE_EXHAUSTED (overload; the worker is not taken for dead). The router
+    # renews the decode worker's lease while the call is open, so without this bound a
+    # hung prefill engine would hold the reservation as long as the client waits.
+    # 0: no bound.
     prefill_timeout_s: float = 300.0
     status_interval_s: float = 0.5  # how often workers' Status is polled
     # A worker is taken out of placement at once when its connection fails (refused,

@@ -23,9 +23,9 @@ An *attempt* is one decode reservation plus one prefill:
    after a worker that went away the decode stream is relayed only once the
    retry's KV has landed, so the client never gets a first token that the decode
    worker does not continue from. A prefill worker that gives no first token
-   within ``prefill_timeout_s`` loses the attempt (a hung engine must not hold
-   the reservation, whose lease the router renews, for as long as the client
-   waits).
+   within ``prefill_timeout_s`` ends the request RESOURCE_EXHAUSTED (a hung engine
+   must not hold the reservation, whose lease the router renews, for as long as
+   the client waits; a queue that long is overload).
 3. Relay the decode stream's chunks in order. Until its first chunk (which
    comes once the KV has arrived), the end of the Prefill call is watched too:
    a transfer that fails there (ABORTED) or a prefill worker that dies with the
@@ -137,13 +137,10 @@ class DecodeCapacity:
         try:
             # Not asyncio.wait_for: before Python 3.12 it returns a future that is done
             # when the cancel comes, and a client that left would go on to reserve.
-            async with asyncio.timeout(timeout):
-                await fut
-            return True
-        except TimeoutError:
-            return False
+            await asyncio.wait((fut,), timeout=timeout)
+            return fut.done()  # woken, even in the turn that the timeout came
         except BaseException:
-            if fut.done() and not fut.cancelled():  # woken, but leaving: wake the next
+            if fut.done():  # woken, but leaving: the room goes to the next
                 self.notify()
             raise
         finally:
@@ -440,15 +437,16 @@ class Relay:
             self.registry.acquire(worker)
             call = worker.stub.Prefill(request, timeout=timeout)
             try:
-                first = await asyncio.wait_for(call.read(), self.prefill_timeout_s or None)
+                first = await _read_within(call, self.prefill_timeout_s or None)
             except asyncio.TimeoutError:
                 call.cancel()
                 self.registry.release(worker)
-                # Not marked down: a busy worker is not a dead one. The attempt is lost,
-                # and its reservation with it.
-                raise RouterError.unavailable(
+                # Busy or stalled, it is not taken for dead, and no other attempt is
+                # made: overload is RESOURCE_EXHAUSTED; the reservation goes back.
+                raise RouterError.overloaded(
                     f"prefill worker {worker.address} gave no first token within "
-                    f"prefill_timeout_s={self.prefill_timeout_s:g} s"
+                    f"prefill_timeout_s={self.prefill_timeout_s:g} s; retry later",
+                    reason="prefill_timeout",
                 ) from None
             except grpc.aio.AioRpcError as exc:
                 self.registry.release(worker)
@@ -604,6 +602,25 @@ class Relay:
         total = len(self.registry.workers(pool))
         why = f"all {total} registered are down" if total else "none is registered"
         return RouterError.unavailable(f"no {pool.value} worker is available ({why})")
+
+
+async def _read_within(call: grpc.aio.UnaryStreamCall, timeout: float | None):
+    """``call.read()``, or asyncio.TimeoutError after ``timeout`` seconds (None: no
+    bound). Not asyncio.wait_for, which before Python 3.12 can return a message that
+    came in the turn that a cancel did, and lose the cancel."""
+    if timeout is None:
+        return await call.read()
+    read = asyncio.ensure_future(call.read())
+    read.add_done_callback(_retrieved)  # an error of a read given up on is moot
+    try:
+        await asyncio.wait((read,), timeout=timeout)
+    except BaseException:
+        read.cancel()
+        raise
+    if not read.done():
+        read.cancel()
+        raise asyncio.TimeoutError
+    return read.result()
 
 
 def _response(

@@ -11,7 +11,7 @@ import grpc
 
 from tandem import logs
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.engine.engine import RequestOutput
+from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.sequence import FinishReason
 from tandem.errors import InvalidRequestError, OutOfBlocksError
 from tandem.kv_transfer import TransferError
@@ -102,10 +102,17 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def _refuse(self, context, exc: OutOfBlocksError | InvalidRequestError) -> None:
         """A reservation the engine refused. Its request id still known there, though no
         handler has it, is an earlier request's whose blocks wait for a KV read still
-        running into them (admission.py): busy for now, as when the blocks are short."""
-        if isinstance(exc, OutOfBlocksError) or exc.field == "request_id":
+        running into them (admission.py): ALREADY_EXISTS, for a retry later. Not
+        RESOURCE_EXHAUSTED: the router would queue it for room, ahead of the rest."""
+        if isinstance(exc, OutOfBlocksError):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.server.worker_id}: {exc}"
+            )
+        if exc.field == "request_id":
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"decode worker {self.server.worker_id}: {exc} (the KV of an earlier request "
+                f"with this id is still being released); retry later",
             )
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -116,15 +123,21 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         loop, rid = server.loop, req.request_id
         self._active.add(rid)
         outputs = loop.subscribe(rid)
-        registered = False  # the engine's request with this id is this handler's
+        # Whether the engine's request with this id is this handler's: set on the engine
+        # thread, so the abort queued behind it in ``finally`` sees it even when this
+        # handler was cancelled before it heard back.
+        owned: list[bool] = []
+
+        def start(e: LLMEngine) -> list[int]:
+            blocks = e.prefill_here(req.prompt_ids, req.params, rid, req.output_ids)
+            owned.append(True)
+            return blocks
+
         try:
             try:
-                blocks = await loop.call(
-                    lambda e: e.prefill_here(req.prompt_ids, req.params, rid, req.output_ids)
-                )
+                blocks = await loop.call(start)
             except (OutOfBlocksError, InvalidRequestError) as exc:
                 await self._refuse(context, exc)
-            registered = True
             server.prefilled_here += 1
             yield worker_pb2.DecodeResponse(
                 destination=worker_pb2.KvDestination(request_id=rid, block_ids=blocks)
@@ -138,8 +151,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     return
         finally:
             loop.unsubscribe(rid)
-            if registered:
-                loop.submit(lambda e: e.abort(rid))
+            loop.submit(lambda e: owned and e.abort(rid))
             self._active.discard(rid)
 
     def _count(self, out: RequestOutput) -> None:

@@ -289,10 +289,10 @@ def test_a_read_still_running_into_a_cancelled_request_s_blocks_stalls_no_stream
 
 
 @pytest.mark.parametrize("prefill_here", [False, True])
-def test_the_id_of_a_request_whose_blocks_wait_for_a_read_is_busy_not_freed(pair, prefill_here):
+def test_the_id_of_a_request_whose_blocks_wait_for_a_read_is_taken_not_freed(pair, prefill_here):
     # A client's retry under the same id, while the first try's blocks still wait for
     # a read into them: not the other request's blocks freed, not a request refused as
-    # invalid, but busy for now (the router tries elsewhere or waits for room).
+    # invalid, nor one queued for room (ahead of every other), but "retry later".
     decode = pair.decode
     req = request([5] * 30, PARAMS, rid="A")
     stream, _ = _open(decode, req)
@@ -306,11 +306,49 @@ def test_the_id_of_a_request_whose_blocks_wait_for_a_read_is_busy_not_freed(pair
         )
         with pytest.raises(grpc.RpcError) as info:
             next(again)
-        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "already running" in info.value.details()
+        assert info.value.code() is grpc.StatusCode.ALREADY_EXISTS
+        assert "still being released); retry later" in info.value.details()
         time.sleep(0.2)  # the refused handler's clean-up has run
         assert decode.used_blocks() == 5  # still the read's
     finally:
         read.release()
     wait_until(lambda: decode.used_blocks() == 0, what="A's blocks back once the read ended")
     assert [c.token_ids for c in drive(pair, req).chunks]  # and the id serves again
+
+
+def test_a_prefill_here_cancelled_before_its_handler_heard_back_is_aborted():
+    # The engine ran prefill_here, but the handler was cancelled before it heard back
+    # (the engine thread was still in its hooks): the request must not decode on with
+    # nobody reading, holding its blocks.
+    import threading
+    from types import SimpleNamespace
+
+    from tandem.decode_worker.service import DecodeService
+    from tandem.engine.loop import EngineLoop
+    from tests.conftest import make_engine
+
+    engine = make_engine()
+    loop = EngineLoop(engine)
+    in_hook = threading.Event()
+    loop.add_hook(lambda e: (in_hook.set(), time.sleep(0.3)) if e.has_unfinished() else None)
+    loop.start()
+    try:
+        server = SimpleNamespace(loop=loop, engine=engine, worker_id="d", prefilled_here=0)
+        req = SimpleNamespace(request_id="R", prompt_ids=[5] * 20, output_ids=[],
+                              params=SamplingParams(max_tokens=500, temperature=0))  # fmt: skip
+
+        async def main():
+            handler = DecodeService(server)._prefill_here(req, context=None)
+            first = asyncio.ensure_future(anext(handler))
+            await asyncio.to_thread(in_hook.wait, 10)  # prefill_here has run
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await handler.aclose()
+
+        asyncio.run(main())
+        wait_until(lambda: loop.submit(lambda e: e.kv.pool.num_used).result(5) == 0,
+                   what="its blocks back")  # fmt: skip
+        assert not loop.submit(lambda e: e.has_unfinished()).result(5)
+    finally:
+        loop.stop()

@@ -432,6 +432,11 @@ class LLMEngine:
         """Prefill side: the requests whose KV is held for a transfer."""
         return frozenset(self._held)
 
+    @property
+    def request_ids(self) -> frozenset[str]:
+        """The requests not finished (decode-side reservations included), not held."""
+        return frozenset(self._requests)
+
     def abort_scheduled(self) -> list[str]:
         """Abort every request but the KV that a transfer may still move: a prefill
         side's held KV (being read) and a decode side's reservations (being written),

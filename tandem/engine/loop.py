@@ -116,13 +116,13 @@ class EngineLoop:
                 continue
             stepped = True
             started = time.perf_counter()
-            held = self.engine.held_ids
+            before = self.engine.request_ids, self.engine.held_ids
             try:
                 outputs = self.engine.step()
                 self.last_step_seconds = time.perf_counter() - started
             except Exception:
                 log.exception("engine step failed; aborting its requests")
-                self._fail_all(held)
+                self._fail_all(*before)
                 continue
             for hook in self._step_hooks:
                 try:
@@ -168,13 +168,15 @@ class EngineLoop:
         except RuntimeError:  # the subscriber's event loop is gone
             self._subscribers.pop(out.request_id, None)
 
-    def _fail_all(self, held_before: frozenset[str]) -> None:
+    def _fail_all(self, requests_before: frozenset[str], held_before: frozenset[str]) -> None:
         """After a failed step: its requests end with ERROR. Not the KV of transfers in
         flight: freed now, its blocks would go to other requests while a transfer still
-        reads or writes them. A prefill that the step finished and held before it failed
-        is told too (its output was lost with the step); its owner frees it."""
-        failed = [*self.engine.abort_scheduled(), *(self.engine.held_ids - held_before)]
-        for request_id in failed:
+        reads or writes them. The step's outputs are lost with it, so a request that it
+        finished, or held for a transfer (its owner frees that KV), is told too."""
+        aborted = self.engine.abort_scheduled()
+        held = self.engine.held_ids
+        finished = requests_before - self.engine.request_ids - held - set(aborted)
+        for request_id in [*aborted, *(held - held_before), *finished]:
             self._deliver(
                 RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR)
             )

@@ -117,9 +117,10 @@ def test_a_failing_step_leaves_the_kv_of_transfers_in_flight_to_their_owners(
         monkeypatch.undo()
 
 
-def test_a_prefill_held_by_a_step_that_then_failed_is_told(tiny_engine, monkeypatch):
-    # The step held X's prompt for its transfer, then failed on Y: X's output went
-    # with the step, so X's owner must hear of it (it frees the held KV).
+def test_requests_a_step_finished_or_held_before_it_failed_are_told(tiny_engine, monkeypatch):
+    # The step held X's prompt for its transfer and finished Z (one token), then failed
+    # on Y: their outputs went with the step, so their owners must hear of it (X's
+    # frees the held KV).
     real = tiny_engine._postprocess
 
     def post(req, token, logprob=None):
@@ -132,11 +133,13 @@ def test_a_prefill_held_by_a_step_that_then_failed_is_told(tiny_engine, monkeypa
     try:
 
         async def main():
-            told = loop.subscribe("X"), loop.subscribe("Y")
+            told = loop.subscribe("X"), loop.subscribe("Z"), loop.subscribe("Y")
 
             def add(e):
                 monkeypatch.setattr(e, "_postprocess", post)
                 e.add_request([5, 6, 7] * 10, PARAMS, "X", prefill_only=True)
+                one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                e.add_request([4, 3] * 10, one, "Z")
                 e.add_request([8, 9] * 10, PARAMS, "Y")
 
             await loop.call(add)

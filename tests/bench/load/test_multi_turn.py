@@ -195,43 +195,40 @@ def test_follow_ups_waiting_for_replies_hold_no_concurrency_slot(tmp_path, monke
     assert client.most_in_flight == 4
 
 
-def test_a_cycled_duration_run_ends_though_a_turn_is_in_flight_when_it_comes_round(
-    tmp_path, monkeypatch
-):
+def _duration_run(monkeypatch, client, dataset, pool: int, **settings):
+    """A --duration run of ``dataset`` against ``client`` (cycling ``pool`` requests),
+    failed if it has not ended within 30 s."""
     from tandem.bench.load import runner
 
-    client = _Timed(delay=0.005, first_delay=0.5)  # chat 0's first turn is slow
     monkeypatch.setattr(runner, "AsyncTandemClient", client)
-    monkeypatch.setattr(runner, "DURATION_POOL", 4)
-    dataset = _conversations(tmp_path / "chats.jsonl", chats=2, turns=2)
-    config = LoadConfig(target="fake", num_requests=None, duration_s=1.0, max_concurrency=3,
-                        num_warmup=0, dataset=dataset, progress=False)  # fmt: skip
+    monkeypatch.setattr(runner, "DURATION_POOL", pool)
+    config = LoadConfig(target="fake", num_requests=None, dataset=dataset, progress=False,
+                        **settings)  # fmt: skip
 
     async def bounded():
         return await asyncio.wait_for(run_async(config), 30)
 
-    result = asyncio.run(bounded())
+    return asyncio.run(bounded())
+
+
+def test_a_cycled_duration_run_ends_though_a_turn_is_in_flight_when_it_comes_round(
+    tmp_path, monkeypatch
+):
+    client = _Timed(delay=0.005, first_delay=0.5)  # chat 0's first turn is slow
+    dataset = _conversations(tmp_path / "chats.jsonl", chats=2, turns=2)
+    result = _duration_run(monkeypatch, client, dataset, pool=4, duration_s=1.0,
+                           max_concurrency=3, num_warmup=0)  # fmt: skip
     assert result.summary.completed == len(result.records) > 4  # the file went round
 
 
 def test_a_duration_run_of_follow_ups_only_at_an_unlimited_rate_stays_bounded(
     tmp_path, monkeypatch
 ):
-    from tandem.bench.load import runner
-
-    client = _Timed(delay=0.01)
-    monkeypatch.setattr(runner, "AsyncTandemClient", client)
-    monkeypatch.setattr(runner, "DURATION_POOL", 8)
     # One long chat: after the warm-up's first turns, every measured request follows
     # another, so none waits for a concurrency slot before it is scheduled.
     dataset = _conversations(tmp_path / "chats.jsonl", chats=1, turns=40)
-    config = LoadConfig(target="fake", num_requests=None, duration_s=0.3, max_concurrency=2,
-                        num_warmup=2, dataset=dataset, progress=False)  # fmt: skip
-
-    async def bounded():
-        return await asyncio.wait_for(run_async(config), 30)
-
-    result = asyncio.run(bounded())
+    result = _duration_run(monkeypatch, _Timed(delay=0.01), dataset, pool=8, duration_s=0.3,
+                           max_concurrency=2, num_warmup=2)  # fmt: skip
     # Each spec is sent again only once its last send is done: a few rounds of the
     # chain of replies fit in 0.3 s, not thousands of scheduled sends.
     assert result.summary.completed == len(result.records)

@@ -219,9 +219,14 @@ def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
         else math.nan,
         kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
         local=d["prefilled_here"] / served,
-        hit_ceiling=math.nan if tokenizer is None else hit_ceiling(
-            result.sent, tokenizer, warmup, frozenset(warmup + r.index for r in result.records
-                                                      if not r.ok)),  # fmt: skip
+        hit_ceiling=math.nan
+        if tokenizer is None
+        else hit_ceiling(
+            result.sent,
+            tokenizer,
+            warmup,
+            frozenset(warmup + r.index for r in result.records if not r.ok),
+        ),  # fmt: skip
     )
 
 

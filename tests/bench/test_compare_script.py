@@ -110,7 +110,8 @@ def test_a_deployment_takes_settings_of_the_conditional_rule(compare, capsys):
     args = argparse.Namespace(model="tiny-random", threads=1, local_max_stall_ms=80.0)
     spec = "conditional-2x2+prefill_queue_max=1+local_max_stall_ms=0"
     assert compare.parse_deployment(spec) == (
-        "conditional-2x2", {"prefill_queue_max": 1, "local_max_stall_ms": 0}
+        "conditional-2x2",
+        {"prefill_queue_max": 1, "local_max_stall_ms": 0},
     )
     config = compare._cluster_config(spec, args)
     rule = config.router.disaggregation

@@ -72,8 +72,9 @@ class DatasetConfig:
             raise InvalidRequestError("dataset", "--multi-turn is for jsonl and sharegpt files")
         if self.multi_turn and self.kind == "jsonl" and not self.in_order:
             raise InvalidRequestError(
-                "dataset", "--multi-turn with a jsonl file needs --dataset-in-order: its lines "
-                "are turns, which a random order would send before the turns they follow"
+                "dataset",
+                "--multi-turn with a jsonl file needs --dataset-in-order: its lines "
+                "are turns, which a random order would send before the turns they follow",
             )
         if (self.kind == "synthetic") != (self.path is None):
             raise InvalidRequestError(

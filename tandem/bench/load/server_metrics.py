@@ -72,8 +72,9 @@ def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> s
 
 
 def _decisions(a: list, b: list) -> list[str]:
-    """"prefilled: on the decode worker 12 (short 10, ...); on the prefill pool 4 (...)"
-    over the run, or nothing when the router decided nothing."""
+    """The router's prefill decisions over the run, as one line ("prefilled: on the
+    decode worker 12 (short 10, ...); on the prefill pool 4 (...)"), or nothing when
+    the router decided nothing."""
     name = "tandem_router_prefill_decisions_total"
     moved: dict[str, dict[str, float]] = {}
     for x in a:

@@ -110,7 +110,8 @@ def test_each_send_of_a_follow_up_waits_for_the_send_of_its_turn_scheduled_befor
 
 
 def test_a_sharegpt_conversation_is_replayed_turn_by_turn_with_the_servers_replies(
-    frontend, tmp_path  # noqa: F811
+    frontend,  # noqa: F811
+    tmp_path,
 ):
     def turn(who, text):
         return {"from": who, "value": text}

@@ -184,6 +184,11 @@ class ClusterSecurityConfig:
 
 
 DEFAULT_KV_BACKEND = "ucx"
+# A worker whose engine spends longer than this in one step (or one command between
+# steps) is hung, not busy: a step takes seconds at most. It exits, so that the router
+# moves its streams and its supervisor (Ray) starts a new one (worker/server.py).
+# 0: no watchdog.
+ENGINE_STALL_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,7 @@ class PrefillConfig:
     # overlaps the layers after it; False: all layers in one message after the prompt.
     kv_layerwise: bool = True
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
+    engine_stall_timeout_s: float = ENGINE_STALL_TIMEOUT_S
     # Prefill calls in this worker (queued, computing or shipping KV); beyond it a call
     # gets RESOURCE_EXHAUSTED and the router tries another worker. Bounds the memory a
     # burst can take here; as large as a router's own max_queue.
@@ -213,7 +219,7 @@ class PrefillConfig:
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
-        _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
+        _check_worker(self)
         check_metrics_port(self.metrics_port)
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
@@ -235,13 +241,14 @@ class DecodeConfig:
     kv_port: int = 0  # the KV receiver's listener; 0 picks a free one
     kv_lease_s: float = 30.0  # reserved blocks are freed if the KV has not arrived by then
     drain_timeout_s: float = 20.0  # on SIGTERM, in-flight requests get this long to finish
+    engine_stall_timeout_s: float = ENGINE_STALL_TIMEOUT_S
     # Prometheus metrics over HTTP on this host (tandem/metrics/); 0 picks a free
     # port (reported on the READY line); None: off.
     metrics_port: int | None = None
     cluster: ClusterSecurityConfig = dataclasses.field(default_factory=ClusterSecurityConfig)
 
     def __post_init__(self) -> None:
-        _check_worker(self.port, self.kv_backend, self.drain_timeout_s)
+        _check_worker(self)
         check_metrics_port(self.metrics_port)
         if not 0 <= self.kv_port < 65536:
             raise ConfigError(f"kv_port must be in [0, 65535], got {self.kv_port}")
@@ -475,13 +482,17 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _check_worker(port: int, kv_backend: str, drain_timeout_s: float) -> None:
-    if not 0 <= port < 65536:
-        raise ConfigError(f"port must be in [0, 65535], got {port}")
-    if kv_backend not in ("ucx", "inproc"):
-        raise ConfigError(f"kv_backend must be ucx or inproc, got {kv_backend!r}")
-    if drain_timeout_s < 0:
-        raise ConfigError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+def _check_worker(config: PrefillConfig | DecodeConfig) -> None:
+    if not 0 <= config.port < 65536:
+        raise ConfigError(f"port must be in [0, 65535], got {config.port}")
+    if config.kv_backend not in ("ucx", "inproc"):
+        raise ConfigError(f"kv_backend must be ucx or inproc, got {config.kv_backend!r}")
+    if config.drain_timeout_s < 0:
+        raise ConfigError(f"drain_timeout_s must be >= 0, got {config.drain_timeout_s}")
+    if config.engine_stall_timeout_s < 0:
+        raise ConfigError(
+            f"engine_stall_timeout_s must be >= 0 (0: off), got {config.engine_stall_timeout_s}"
+        )
 
 
 def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:

@@ -113,3 +113,14 @@ def test_router_timeouts_must_not_be_negative(field):
     with pytest.raises(ConfigError, match=f"{field} must be >= 0, got -1"):
         RouterConfig(**{field: -1})
     assert getattr(RouterConfig(**{field: 0}), field) == 0  # 0: no bound
+
+
+@pytest.mark.parametrize("role", ["PrefillConfig", "DecodeConfig"])
+def test_a_workers_engine_stall_timeout_must_not_be_negative(role):
+    import tandem.config
+
+    cls = getattr(tandem.config, role)
+    message = r"engine_stall_timeout_s must be >= 0 \(0: off\), got -1"
+    with pytest.raises(ConfigError, match=message):
+        cls(engine_stall_timeout_s=-1)
+    assert cls(engine_stall_timeout_s=0).engine_stall_timeout_s == 0  # no watchdog

@@ -8,6 +8,15 @@ otherwise sleeps until a command arrives, ``wake`` is called (the decode worker'
 KV receiver calls it when a transfer ends) or ``poll_interval_s`` passes; hooks
 run every iteration (the decode worker admits requests whose KV has arrived
 there).
+
+Watchdog (``stall_timeout_s``): an iteration (commands, hooks, one step) is bounded
+by one step's work, seconds at most; one that has run for longer than the timeout
+never returns (a GPU kernel or a collective that waits forever, a deadlock), and
+every request in the engine is stuck with it while the worker still answers
+``Status``. A second thread notices and calls ``on_stall`` once, with how long and
+where the engine thread is stuck; the worker then exits (worker/server.py). It
+watches the engine thread only while it works: one that waits for work is never
+stalled, and a busy one finishes an iteration every step.
 """
 
 from __future__ import annotations
@@ -15,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -30,7 +41,16 @@ _WAKE = None  # a command that only wakes the thread
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, poll_interval_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        poll_interval_s: float = 0.1,
+        stall_timeout_s: float | None = None,
+        on_stall: Callable[[float, str], None] | None = None,
+    ) -> None:
+        """``on_stall(seconds, stack)``: called once, on the watchdog's thread, when one
+        iteration of the engine thread has run for over ``stall_timeout_s`` (None: no
+        watchdog); ``stack`` is where the engine thread is."""
         self.engine = engine
         # How often hooks run while idle and nothing wakes the thread: what they wait
         # for (a decode reservation's KV) calls ``wake``, so this is only a fallback.
@@ -44,14 +64,36 @@ class EngineLoop:
         self._stop = threading.Event()
         self.last_step_seconds = 0.0  # the step that the step hooks are called after
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        # When the engine thread took up its current iteration (time.monotonic); None
+        # while it waits for work. Written by the engine thread, read by the watchdog.
+        self._busy_since: float | None = None
+        self._watchdog: threading.Thread | None = None
+        if stall_timeout_s is not None:
+            if stall_timeout_s <= 0 or on_stall is None:
+                raise ValueError("a watchdog needs stall_timeout_s > 0 and on_stall")
+            self._watchdog = threading.Thread(
+                target=self._watch,
+                args=(stall_timeout_s, on_stall),
+                name="tandem-engine-watchdog",
+                daemon=True,
+            )
 
     def start(self) -> None:
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self.wake()
         self._thread.join(timeout)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent in its current iteration (0: waiting)."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def wake(self) -> None:
         """Run the hooks now rather than at the next poll (from any thread, holding any
@@ -96,6 +138,7 @@ class EngineLoop:
         scheduler = self.engine.scheduler
         stepped = False
         while not self._stop.is_set():
+            self._busy_since = time.monotonic()
             # After a step the hooks see its outcome (the worker's published load) before
             # the thread sleeps, not a poll interval later.
             done = self._drain_commands(block=not stepped and not scheduler.has_work())
@@ -140,7 +183,11 @@ class EngineLoop:
         while True:
             try:
                 if timeout is not None:
-                    command = self._commands.get(timeout=timeout)
+                    self._busy_since = None
+                    try:
+                        command = self._commands.get(timeout=timeout)
+                    finally:
+                        self._busy_since = time.monotonic()
                     timeout = None
                 else:
                     command = self._commands.get_nowait()
@@ -180,3 +227,14 @@ class EngineLoop:
             self._deliver(
                 RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR)
             )
+
+    # ---- watchdog thread -------------------------------------------------------------
+
+    def _watch(self, timeout_s: float, on_stall: Callable[[float, str], None]) -> None:
+        while not self._stop.wait(min(1.0, timeout_s / 4)):
+            busy = self.busy_for()
+            if busy > timeout_s:
+                frame = sys._current_frames().get(self._thread.ident)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+                on_stall(busy, stack)
+                return

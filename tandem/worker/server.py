@@ -27,6 +27,15 @@ A worker with tensor_parallel_size > 1 is that many processes (tandem/engine/par
 this one is rank 0; when another rank dies, this process exits (``EXIT_RANK_LOST``)
 and takes the rest with it, so that the router and Ray see one worker's death.
 
+A hung engine is a dead worker too. Status and health answer without the engine, so
+that a busy worker is never taken for a dead one; but an engine stuck in one step (a
+GPU kernel or a collective that never returns, a deadlock) would then look alive
+forever while its streams stall. The engine loop's watchdog (tandem/engine/loop.py)
+finds a step or command running for over ``engine_stall_timeout_s`` (300 s; a step
+takes seconds at most), and this process logs the engine thread's stack, kills its
+other ranks and exits (``EXIT_ENGINE_STALLED``): the router sees the connection
+fail and migrates the streams, and Ray starts a new worker.
+
 Subclasses add their servicer and their KV transfer endpoint.
 """
 
@@ -57,6 +66,7 @@ from tandem.worker.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 EXIT_RANK_LOST = 3  # the worker's exit code when one of its tensor-parallel ranks died
+EXIT_ENGINE_STALLED = 4  # ... when its engine was stuck in one step (the watchdog)
 
 
 class EngineLoad(NamedTuple):
@@ -146,7 +156,10 @@ class WorkerServer(abc.ABC):
             raise
 
     async def _serve(self) -> None:
-        self.loop = EngineLoop(self.engine)
+        stall_s = self.config.engine_stall_timeout_s
+        self.loop = EngineLoop(
+            self.engine, stall_timeout_s=stall_s or None, on_stall=self._engine_stalled
+        )
         await asyncio.to_thread(self._open_transfer)
         self.loop.add_hook(self._publish_load)
         self._publish_load(self.engine)
@@ -235,6 +248,26 @@ class WorkerServer(abc.ABC):
     async def wait_for_termination(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+    def _engine_stalled(self, seconds: float, stack: str) -> None:
+        """The watchdog's thread: the engine is stuck in one step, and every request
+        in it; the process ends as a crashed worker's would."""
+        log.critical(
+            "%s worker %s: the engine has been in one step for %.0f s (engine_stall_timeout_s "
+            "%g): it is hung, and its requests with it. The worker exits (code %d) so that "
+            "the router moves its streams and its supervisor starts a new one. The engine "
+            "thread is at:\n%s",
+            self.role,
+            self.address,
+            seconds,
+            self.config.engine_stall_timeout_s,
+            EXIT_ENGINE_STALLED,
+            stack.rstrip(),
+        )
+        if self.engine.tensor_parallel is not None:
+            self.engine.tensor_parallel.kill()
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_STALLED)
 
     def status(self) -> worker_pb2.WorkerStatus:
         """What the Status RPC answers (and the Ray actor reports). Never waits for the

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.client import TandemClient
 from tandem.client.errors import DeadlineExceeded, InvalidRequest
-from tandem.config import DisaggregationConfig, EngineConfig, RouterConfig
+from tandem.config import DecodeConfig, DisaggregationConfig, EngineConfig, RouterConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ConfigError
@@ -31,15 +31,16 @@ PROMPTS = ["Hello there, how are you?", "你好，请介绍一下你自己。", 
 
 def _cluster(
     tmp_path_factory, name, model="tiny-random", prefill=1, decode=1, router=None,
-    metrics=False, widths=(None, None), **engine,
+    metrics=False, widths=(None, None), decode_config=None, **engine,
 ):  # fmt: skip
     """``widths``: the prefill and decode pools' tensor-parallel widths, if not the
-    engine's."""
+    engine's; ``decode_config``: the decode workers' own settings."""
     engine.setdefault("dtype", "float32")  # as the colocated engines compared with it
     engine_cfg = EngineConfig(model=model, num_blocks=engine.pop("num_blocks", 256), **engine)
     config = ClusterConfig(
         num_prefill=prefill, num_decode=decode, engine=engine_cfg, threads_per_worker=1,
         router=RouterConfig(port=0, **(router or {})), metrics=metrics,
+        decode=DecodeConfig(**(decode_config or {})),
         prefill_tensor_parallel_size=widths[0], decode_tensor_parallel_size=widths[1],
     )  # fmt: skip
     return LocalCluster(config, tmp_path_factory.mktemp(name))

@@ -20,7 +20,7 @@ import torch
 from tandem.config import DisaggregationConfig
 from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.sampling_params import SamplingParams
-from tandem.worker.server import EXIT_RANK_LOST
+from tandem.worker.server import EXIT_ENGINE_STALLED, EXIT_RANK_LOST
 from tests.e2e.test_cluster import (
     PROMPTS,
     _assert_no_blocks_used,
@@ -70,6 +70,33 @@ def test_tensor_parallel_workers_stream_one_devices_tokens_and_die_as_one(
         ranks = [psutil.Process(p.popen.pid).children() for p in c.processes]
     # Stopping the cluster ends the other worker's rank too.
     assert survivors([r for rs in ranks for r in rs], within_s=15) == []
+
+
+def test_a_hung_engine_ends_its_worker_and_its_streams_migrate(tmp_path_factory, tiny_engine):
+    """A rank that stops (SIGSTOP: alive and silent) leaves rank 0 waiting for ever in a
+    step's all-reduce, and the worker still answers Status: only its watchdog tells it
+    from a busy one. The worker exits, the streams on it move to the other decode
+    worker and go on exactly, and the stopped rank is not left behind."""
+    n, max_tokens = 4, 64
+    expected = _expected(tiny_engine, n, max_tokens)
+    with _cluster(
+        tmp_path_factory, "tp-hang", prefill=0, decode=2, router=COLOCATED,
+        tensor_parallel_size=2, decode_config={"engine_stall_timeout_s": 3},
+    ) as c:  # fmt: skip
+        victim = next(w for w in _workers(c) if w.name == "decode-0")
+        (rank,) = psutil.Process(victim.popen.pid).children()
+        os.kill(rank.pid, signal.SIGSTOP)  # before the streams: some are placed on it
+        streams = Streams(c.address, n, max_tokens)
+        assert victim.popen.wait(timeout=60) == EXIT_ENGINE_STALLED
+        streams.join()
+        _assert_exact(streams, expected)
+        assert "migrating after 0 tokens" in _router_log(c)
+        log = victim.log_path.read_text()
+        assert "(engine_stall_timeout_s 3): it is hung" in log
+        assert "in all_reduce" in log  # the engine thread's stack: where it waits
+        assert survivors([rank], within_s=10) == []
+        c.processes.remove(victim)
+        _assert_no_blocks_used(c, within_s=30)
 
 
 @pytest.mark.parametrize("widths", [(2, 2), (2, 1), (1, 2)], ids=["2to2", "2to1", "1to2"])

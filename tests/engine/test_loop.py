@@ -202,3 +202,49 @@ def test_a_command_returns_once_the_hooks_have_seen_it(tiny_engine):
         loop.submit(lambda e: e.abort("r")).result(10)
     finally:
         loop.stop()
+
+
+def test_the_watchdog_reports_a_step_that_never_returns_but_no_idle_or_busy_loop(
+    tiny_engine, monkeypatch
+):
+    stalls: list[tuple[float, str]] = []
+    reported = threading.Event()
+    gate = threading.Event()
+    slow = {"s": 0.0}
+    step = tiny_engine.step
+
+    def stepping():
+        if slow["s"] is None:
+            assert gate.wait(30)  # the hang: a kernel or collective that never returns
+        else:
+            time.sleep(slow["s"])
+        return step()
+
+    monkeypatch.setattr(tiny_engine, "step", stepping)
+    loop = EngineLoop(
+        tiny_engine,
+        poll_interval_s=0.05,
+        stall_timeout_s=0.5,
+        on_stall=lambda s, stack: (stalls.append((s, stack)), reported.set()),
+    )
+    loop.start()
+    try:
+        time.sleep(1.5)  # idle three times the timeout: waiting for work is not a stall
+        slow["s"] = 0.3  # busy for 2.4 s in all, in steps shorter than the timeout
+        assert len(asyncio.run(_run(loop, "busy", [5, 6, 7]))) == 12
+        assert not stalls, "a busy loop was taken for a hung one"
+        slow["s"] = None
+        started = time.monotonic()
+        loop.submit(lambda e: e.add_request([5, 6, 7], PARAMS, "hung")).result(10)
+        assert reported.wait(10), "the hung step was not reported"
+        assert 0.5 < time.monotonic() - started < 5
+        ((seconds, stack),) = stalls
+        assert seconds > 0.5
+        assert "in stepping" in stack and "gate.wait" in stack  # where the thread is stuck
+        gate.set()
+        loop.submit(lambda e: e.abort("hung")).result(10)
+    finally:
+        gate.set()
+        loop.stop()
+        monkeypatch.undo()
+    assert len(stalls) == 1, "reported once"

@@ -17,6 +17,14 @@ every request in the engine is stuck with it while the worker still answers
 where the engine thread is stuck; the worker then exits (worker/server.py). It
 watches the engine thread only while it works: one that waits for work is never
 stalled, and a busy one finishes an iteration every step.
+
+A failed step ends its requests with ERROR and the loop goes on: the next step may
+well succeed (a bug that one request's input reached). Not after an error of the
+device's runtime (``torch.AcceleratorError``: a CUDA error), after which the device's
+state is not to be trusted and every later step fails too: a worker that went on
+would fail each request it is given, fast, and so look the least loaded. Such a
+step goes to ``on_device_fault`` first, and the worker exits, which hands its
+requests to the router for migration rather than failing them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+import torch
 
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.sequence import FinishReason
@@ -47,11 +57,15 @@ class EngineLoop:
         poll_interval_s: float = 0.1,
         stall_timeout_s: float | None = None,
         on_stall: Callable[[float, str], None] | None = None,
+        on_device_fault: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``on_stall(seconds, stack)``: called once, on the watchdog's thread, when one
         iteration of the engine thread has run for over ``stall_timeout_s`` (None: no
-        watchdog); ``stack`` is where the engine thread is."""
+        watchdog); ``stack`` is where the engine thread is. ``on_device_fault(exc)``:
+        called on the engine thread when a step fails with an error of the device's
+        runtime, before the step's requests are failed."""
         self.engine = engine
+        self._on_device_fault = on_device_fault
         # How often hooks run while idle and nothing wakes the thread: what they wait
         # for (a decode reservation's KV) calls ``wake``, so this is only a fallback.
         self.poll_interval_s = poll_interval_s
@@ -163,7 +177,9 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
                 self.last_step_seconds = time.perf_counter() - started
-            except Exception:
+            except Exception as exc:
+                if isinstance(exc, torch.AcceleratorError) and self._on_device_fault:
+                    self._on_device_fault(exc)
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all(*before)
                 continue

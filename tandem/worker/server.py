@@ -34,7 +34,10 @@ forever while its streams stall. The engine loop's watchdog (tandem/engine/loop.
 finds a step or command running for over ``engine_stall_timeout_s`` (300 s; a step
 takes seconds at most), and this process logs the engine thread's stack, kills its
 other ranks and exits (``EXIT_ENGINE_STALLED``): the router sees the connection
-fail and migrates the streams, and Ray starts a new worker.
+fail and migrates the streams, and Ray starts a new worker. A step that fails in
+the device's runtime (a CUDA error: the device cannot be trusted any more, and every
+later step would fail) ends the process the same way (``EXIT_DEVICE_FAULT``), rather
+than leaving a worker that fails each request it gets.
 
 Subclasses add their servicer and their KV transfer endpoint.
 """
@@ -45,6 +48,7 @@ import abc
 import asyncio
 import logging
 import os
+import traceback
 from typing import NamedTuple
 
 import grpc
@@ -67,6 +71,7 @@ from tandem.worker.step_cost import StepCost
 log = logging.getLogger(__name__)
 EXIT_RANK_LOST = 3  # the worker's exit code when one of its tensor-parallel ranks died
 EXIT_ENGINE_STALLED = 4  # ... when its engine was stuck in one step (the watchdog)
+EXIT_DEVICE_FAULT = 5  # ... when a step failed in the device's runtime (a CUDA error)
 
 
 class EngineLoad(NamedTuple):
@@ -158,7 +163,10 @@ class WorkerServer(abc.ABC):
     async def _serve(self) -> None:
         stall_s = self.config.engine_stall_timeout_s
         self.loop = EngineLoop(
-            self.engine, stall_timeout_s=stall_s or None, on_stall=self._engine_stalled
+            self.engine,
+            stall_timeout_s=stall_s or None,
+            on_stall=self._engine_stalled,
+            on_device_fault=self._device_fault,
         )
         await asyncio.to_thread(self._open_transfer)
         self.loop.add_hook(self._publish_load)
@@ -251,23 +259,32 @@ class WorkerServer(abc.ABC):
 
     def _engine_stalled(self, seconds: float, stack: str) -> None:
         """The watchdog's thread: the engine is stuck in one step, and every request
-        in it; the process ends as a crashed worker's would."""
-        log.critical(
-            "%s worker %s: the engine has been in one step for %.0f s (engine_stall_timeout_s "
-            "%g): it is hung, and its requests with it. The worker exits (code %d) so that "
-            "the router moves its streams and its supervisor starts a new one. The engine "
-            "thread is at:\n%s",
-            self.role,
-            self.address,
-            seconds,
-            self.config.engine_stall_timeout_s,
+        in it."""
+        self._exit(
             EXIT_ENGINE_STALLED,
-            stack.rstrip(),
+            f"the engine has been in one step for {seconds:.0f} s (engine_stall_timeout_s "
+            f"{self.config.engine_stall_timeout_s:g}): it is hung, and its requests with it",
+            f"The engine thread is at:\n{stack.rstrip()}",
         )
+
+    def _device_fault(self, exc: BaseException) -> None:
+        """The engine thread: a step failed in the device's runtime."""
+        where = "".join(traceback.format_exception(exc)).rstrip()
+        self._exit(EXIT_DEVICE_FAULT, f"a step failed on the device: {exc}", where)
+
+    def _exit(self, code: int, why: str, detail: str) -> None:
+        """End the process as a crashed worker's would end: the router moves its streams
+        and its supervisor starts a new one. Its other ranks first: a stopped or stuck
+        rank would not notice."""
+        log.critical(
+            "%s worker %s: %s. The worker exits (code %d) so that the router moves its "
+            "streams and its supervisor starts a new one. %s",
+            self.role, self.address, why, code, detail,
+        )  # fmt: skip
         if self.engine.tensor_parallel is not None:
             self.engine.tensor_parallel.kill()
         logging.shutdown()
-        os._exit(EXIT_ENGINE_STALLED)
+        os._exit(code)
 
     def status(self) -> worker_pb2.WorkerStatus:
         """What the Status RPC answers (and the Ray actor reports). Never waits for the

@@ -248,3 +248,38 @@ def test_the_watchdog_reports_a_step_that_never_returns_but_no_idle_or_busy_loop
         loop.stop()
         monkeypatch.undo()
     assert len(stalls) == 1, "reported once"
+
+
+def test_a_device_error_goes_to_its_handler_before_the_steps_requests_fail(
+    tiny_engine, monkeypatch
+):
+    import torch
+
+    seen: list[tuple[str, BaseException]] = []
+    errors = iter(
+        [RuntimeError("a bug one request reached"), torch.AcceleratorError("CUDA error: ...")]
+    )
+
+    def boom():
+        raise next(errors)
+
+    loop = EngineLoop(tiny_engine, on_device_fault=lambda exc: seen.append(("fault", exc)))
+    loop.start()
+    try:
+
+        async def run(rid):
+            q = loop.subscribe(rid)
+            await loop.call(lambda e: e.add_request([5, 6, 7], PARAMS, rid))
+            out = await asyncio.wait_for(q.get(), 30)
+            seen.append((rid, out.finish_reason))
+
+        monkeypatch.setattr(tiny_engine, "step", boom)
+        asyncio.run(run("bug"))  # not the device's: the loop goes on without the handler
+        asyncio.run(run("device"))
+        assert loop.submit(lambda e: e.kv.pool.num_used).result(5) == 0
+    finally:
+        loop.stop()
+        monkeypatch.undo()
+    (_, fault) = seen[1]
+    assert seen == [("bug", FinishReason.ERROR), ("fault", fault), ("device", FinishReason.ERROR)]
+    assert isinstance(fault, torch.AcceleratorError)

@@ -36,9 +36,12 @@ An *attempt* is one decode reservation plus one prefill:
 attempt is lost after its reservation was made (the decode worker dies or its
 link breaks mid-stream, the prefill worker dies, or the KV transfer between them
 fails), a new attempt starts on another decode worker with the original prompt
-plus every token already streamed (``output_token_ids``): the prefill recomputes
-their KV and samples the next token, and the stream goes on with no token
-duplicated or missing. Workers replay those tokens through their detokenizer and
+plus every token already streamed (``output_token_ids``), and on another prefill
+worker: the lost attempt's workers are taken again only when their pool has no
+other placeable one (a failed KV transfer leaves both alive, and a fault in either
+or between the two would fail the same pair again). The prefill recomputes their
+KV and samples the next token, and the stream goes on with no token duplicated or
+missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
 is exactly that of an undisturbed run. At most ``max_migrations`` new attempts;
 then the client gets the last attempt's error (UNAVAILABLE). Each attempt has its
@@ -202,6 +205,7 @@ class Relay:
         self, req: PreparedRequest, deadline: float | None, arrived: float
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         streamed: list[int] = []  # output tokens the client has, across attempts
+        avoid: list[Worker] = []  # the workers of lost attempts
         for attempt in range(self.max_migrations + 1):
             worker_id = req.request_id if attempt == 0 else f"{req.request_id}/{attempt}"
             worker_req = wire.worker_request(
@@ -209,7 +213,7 @@ class Relay:
             )
             try:
                 queued = arrived if attempt == 0 else None
-                attempt_out = self._attempt(req, worker_req, streamed, deadline, queued)
+                attempt_out = self._attempt(req, worker_req, streamed, deadline, queued, avoid)
                 async with aclosing(attempt_out) as out:
                     async for response in out:
                         yield response
@@ -231,11 +235,15 @@ class Relay:
         streamed: list[int],
         deadline: float | None,
         queued_since: float | None,
+        avoid: list[Worker],
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         """One decode reservation and one prefill (on the prefill pool, or on the decode
         worker itself); appends each relayed token to ``streamed``. Raises AttemptLost
-        once the reservation exists. ``queued_since``: the first attempt's arrival."""
-        decode, stream, destination = await self._open_decode(worker_req, deadline)
+        once the reservation exists, having added the workers it called to ``avoid``
+        (which it places on only when their pool has no other). ``queued_since``: the
+        first attempt's arrival."""
+        decode, stream, destination = await self._open_decode(worker_req, deadline, avoid)
+        used = [decode]
         if queued_since is not None:
             self.metrics.queue_time.observe(time.monotonic() - queued_since)
         here = not destination.address  # the decode worker prefills: no KV to ship
@@ -246,7 +254,9 @@ class Relay:
             if not here:
                 prefill = worker_pb2.PrefillRequest(request=worker_req, destination=destination)
                 try:
-                    worker, call, result, doubtful = await self._prefill(prefill, deadline)
+                    worker, call, result, doubtful = await self._prefill(
+                        prefill, deadline, avoid, used
+                    )
                 except RouterError as exc:
                     raise await self._lost_or(exc, deadline) from None
                 # The rest of the call: the KV's way to the decode worker, then its end.
@@ -279,6 +289,9 @@ class Relay:
                 # transfer.
                 shipped.add_done_callback(_log_late_failure)
                 shipped = None
+        except AttemptLost:
+            avoid.extend(used)
+            raise
         finally:
             if renewing is not None:
                 renewing.cancel()
@@ -299,7 +312,7 @@ class Relay:
         return exc
 
     async def _open_decode(
-        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
+        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None, avoid: list[Worker]
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination]:
         queued_at: float | None = None
         if self.capacity.waiting:  # others wait for room already: in line behind them
@@ -308,7 +321,7 @@ class Relay:
         while True:
             if not await self._any_placeable(Pool.DECODE, deadline):
                 raise self._none_available(Pool.DECODE)
-            opened, error = await self._try_decode(worker_req, deadline)
+            opened, error = await self._try_decode(worker_req, deadline, avoid)
             if opened is not None:
                 if queued_at is not None:
                     self.capacity.notify()  # room for us: maybe for the next one too
@@ -342,7 +355,7 @@ class Relay:
         )
 
     async def _try_decode(
-        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None
+        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None, avoid: list[Worker]
     ) -> tuple[tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination] | None,
                RouterError | None]:  # fmt: skip
         """Decode workers in turn, up to two that are full; (opened, None) or (None, the
@@ -356,7 +369,7 @@ class Relay:
         full_tries = 0
         tokens = [*worker_req.prompt_token_ids, *worker_req.output_token_ids]
         while full_tries < 2:
-            candidates = self.registry.placeable(Pool.DECODE, exclude=tried)
+            candidates = self._candidates(Pool.DECODE, tried, avoid)
             if not candidates:
                 break
             worker = self._pick(Pool.DECODE, candidates, tokens)
@@ -417,22 +430,28 @@ class Relay:
                 return
 
     async def _prefill(
-        self, request: worker_pb2.PrefillRequest, deadline: float | None
+        self,
+        request: worker_pb2.PrefillRequest,
+        deadline: float | None,
+        avoid: list[Worker],
+        used: list[Worker],
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.PrefillResponse, bool]:
         """The prefill worker, its still open call, the call's first response (the first
         token), and whether an earlier worker tried may have shipped its KV before it
         failed (it went away rather than refusing at its door). The worker stays
-        acquired until ``_start_shipped``'s task ends the call."""
+        acquired until ``_start_shipped``'s task ends the call. Each worker called is
+        added to ``used``."""
         tried: list[Worker] = []
         error: RouterError | None = None
         doubtful = False
         tokens = [*request.request.prompt_token_ids, *request.request.output_token_ids]
         while True:
-            candidates = self.registry.placeable(Pool.PREFILL, exclude=tried)
+            candidates = self._candidates(Pool.PREFILL, tried, avoid)
             if not candidates:
                 raise error or self._none_available(Pool.PREFILL)
             worker = self._pick(Pool.PREFILL, candidates, tokens)
             tried.append(worker)
+            used.append(worker)
             timeout = _remaining(deadline)
             self.registry.acquire(worker)
             call = worker.stub.Prefill(request, timeout=timeout)
@@ -571,6 +590,12 @@ class Relay:
                 yield response
                 return
             yield response
+
+    def _candidates(self, pool: Pool, tried: list[Worker], avoid: list[Worker]) -> list[Worker]:
+        """The placeable workers not tried yet, less those of lost attempts unless they
+        are all there is."""
+        fresh = self.registry.placeable(pool, exclude=tried)
+        return [w for w in fresh if w not in avoid] or fresh
 
     def _pick(self, pool: Pool, candidates: list[Worker], token_ids) -> Worker:
         by_address = {w.address: w for w in candidates}

@@ -450,6 +450,31 @@ def test_a_kv_transfer_failing_after_the_first_token_is_migrated_without_a_gap(f
     run(scenario())
 
 
+def test_a_migrated_request_leaves_the_pair_whose_kv_transfer_failed(frontend):
+    # Both workers of the failed transfer stay alive and look the least loaded, so
+    # placement alone would give the new attempt the same pair, and a fault in either
+    # or between the two (a KV port that one host cannot reach) would fail it again.
+    async def scenario():
+        bad_prefill = FakePrefill(kv_error=grpc.StatusCode.ABORTED)
+        starved = FakeDecode(gate=asyncio.Event())  # never gets the KV
+        prefill, decode = FakePrefill(queue_depth=3), FakeDecode(queue_depth=2)
+        async with cluster(frontend, [bad_prefill, prefill], [starved, decode],
+                           max_migrations=1) as c:  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello", request_id="m-1")]
+            assert [t for ch in chunks for t in ch.token_ids] == [10, 11, 12, 13, 14]
+            assert (len(bad_prefill.calls), len(starved.calls)) == (1, 1)
+            (moved,) = decode.calls
+            assert moved.request.request.request_id == "m-1/1"
+            assert list(prefill.calls[0].request.request.output_token_ids) == [10]
+            assert c.router.relay.migrations == 1
+            # Avoided for this request only: the next one is placed by load again.
+            await c.client.complete("again")
+            assert len(bad_prefill.calls) == 2
+            starved.gate.set()
+
+    run(scenario())
+
+
 def test_worker_errors_keep_their_code(frontend):
     async def scenario():
         decode = FakeDecode(fail_with=grpc.StatusCode.INTERNAL, chunks=[([11], 0)])

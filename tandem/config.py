@@ -363,6 +363,11 @@ class RouterConfig:
     # hung prefill engine would hold the reservation as long as the client waits.
     # 0: no bound.
     prefill_timeout_s: float = 300.0
+    # After a KV transfer from a prefill worker to a decode worker fails, that decode
+    # worker's requests go to other prefill workers, where there are any, for this
+    # long: a KV path that one host cannot reach would otherwise fail (and migrate)
+    # every request placed on it, each after the transfer's timeouts. 0: off.
+    kv_path_cooldown_s: float = 60.0
     status_interval_s: float = 0.5  # how often workers' Status is polled
     # A worker is taken out of placement at once when its connection fails (refused,
     # reset, keepalive); a worker whose connection is up but whose Status has gone
@@ -435,8 +440,9 @@ class RouterConfig:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
         if self.queue_timeout_s < 0:
             raise ConfigError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
-        if self.prefill_timeout_s < 0:
-            raise ConfigError(f"prefill_timeout_s must be >= 0, got {self.prefill_timeout_s}")
+        for name in ("prefill_timeout_s", "kv_path_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_model_len is not None and self.max_model_len < 2:

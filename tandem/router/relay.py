@@ -39,7 +39,9 @@ fails), a new attempt starts on another decode worker with the original prompt
 plus every token already streamed (``output_token_ids``), and on another prefill
 worker: the lost attempt's workers are taken again only when their pool has no
 other placeable one (a failed KV transfer leaves both alive, and a fault in either
-or between the two would fail the same pair again). The prefill recomputes their
+or between the two would fail the same pair again; and for ``kv_path_cooldown_s``
+after a transfer failed, that decode worker's later requests go to other prefill
+workers where there are any). The prefill recomputes their
 KV and samples the next token, and the stream goes on with no token duplicated or
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
@@ -161,6 +163,7 @@ class Relay:
         max_migrations: int = 2,
         queue_timeout_s: float = 120.0,
         prefill_timeout_s: float = 300.0,
+        kv_path_cooldown_s: float = 60.0,
         routing: PrefillRouting | None = None,
         metrics: RouterMetrics | None = None,
     ) -> None:
@@ -171,6 +174,9 @@ class Relay:
         self.max_migrations = max_migrations
         self.queue_timeout_s = queue_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
+        self.kv_path_cooldown_s = kv_path_cooldown_s
+        # (prefill worker, KV destination) -> when a transfer between them failed.
+        self._failed_paths: dict[tuple[str, str], float] = {}
         self.capacity = DecodeCapacity()
         self.migrations = 0  # attempts started after a lost one, since start
         self._active: set[str] = set()  # request ids in flight
@@ -445,6 +451,7 @@ class Relay:
         error: RouterError | None = None
         doubtful = False
         tokens = [*request.request.prompt_token_ids, *request.request.output_token_ids]
+        avoid = [*avoid, *self._failed_path_senders(request.destination.address)]
         while True:
             candidates = self._candidates(Pool.PREFILL, tried, avoid)
             if not candidates:
@@ -530,6 +537,7 @@ class Relay:
         self, worker: Worker, request: worker_pb2.PrefillRequest, exc: grpc.aio.AioRpcError
     ) -> RouterError:
         if exc.code() is Code.ABORTED:  # the KV never reached the decode worker
+            self._path_failed(worker.address, request.destination.address)
             return RouterError.unavailable(
                 f"KV transfer from prefill worker {worker.address} to decode worker "
                 f"{request.destination.address} failed: {exc.details()}"
@@ -590,6 +598,27 @@ class Relay:
                 yield response
                 return
             yield response
+
+    def _path_failed(self, sender: str, destination: str) -> None:
+        if self.kv_path_cooldown_s:
+            now = time.monotonic()
+            self._failed_paths = {
+                path: at
+                for path, at in self._failed_paths.items()
+                if now - at < self.kv_path_cooldown_s
+            }
+            self._failed_paths[(sender, destination)] = now
+
+    def _failed_path_senders(self, destination: str) -> list[Worker]:
+        """The prefill workers whose transfer to ``destination`` failed within
+        ``kv_path_cooldown_s``: placed on only when their pool has no other."""
+        now = time.monotonic()
+        senders = {
+            sender
+            for (sender, to), at in self._failed_paths.items()
+            if to == destination and now - at < self.kv_path_cooldown_s
+        }
+        return [w for w in self.registry.workers(Pool.PREFILL) if w.address in senders]
 
     def _candidates(self, pool: Pool, tried: list[Worker], avoid: list[Worker]) -> list[Worker]:
         """The placeable workers not tried yet, less those of lost attempts unless they

@@ -70,6 +70,7 @@ class Router:
             max_migrations=config.max_migrations,
             queue_timeout_s=config.queue_timeout_s,
             prefill_timeout_s=config.prefill_timeout_s,
+            kv_path_cooldown_s=config.kv_path_cooldown_s,
             routing=PrefillRouting(config.disaggregation),
             metrics=self.metrics,
         )

@@ -94,6 +94,8 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
     hang: bool = False
     fail_with: grpc.StatusCode | None = None
     gate: asyncio.Event | None = None  # chunks wait for it when set
+    # Chunks wait until one of these has delivered the request's KV (None: they don't).
+    kv_from: list[FakePrefill] | None = None
     report_completion_tokens: bool = True
 
     lease_seconds: float = 30
@@ -120,6 +122,10 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
             )
             if self.gate is not None:
                 await self.gate.wait()
+            while self.kv_from is not None and not here:
+                if any(rid in p.delivered for p in self.kv_from):
+                    break
+                await asyncio.sleep(0.01)
             if here:  # FakePrefill's first token
                 token = FakePrefill.first_token + len(request.request.output_token_ids)
                 yield worker_pb2.DecodeResponse(
@@ -161,6 +167,7 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
     delay_s: float = 0.0  # queued behind other work this long
     kv_error: grpc.StatusCode | None = None
     kv_delay_s: float = 0.0
+    delivered: set[str] = field(default_factory=set)  # request ids whose KV "arrived"
 
     async def Prefill(self, request, context):
         call = self._record(request, context)
@@ -183,6 +190,7 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
             await asyncio.sleep(self.kv_delay_s)
             if self.kv_error is not None:
                 await context.abort(self.kv_error, "scripted KV transfer failure")
+            self.delivered.add(request.destination.request_id)
             yield worker_pb2.PrefillResponse(kv_bytes=1000, kv_transfer_seconds=self.kv_delay_s)
 
 

@@ -10,7 +10,9 @@ ever sent to a client.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,9 @@ from tandem.errors import ConfigError
 
 # What a byte-level or SentencePiece decoder yields for an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
+
+# A SentencePiece byte-fallback token: one byte of a character the vocabulary lacks.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # Previous tokens decoded with each new one; enough to cover a multi-byte character
 # split over byte tokens and the leading-space rules of SentencePiece (vLLM uses 5).
@@ -79,6 +84,23 @@ class Tokenizer:
         # encode must not add it a second time.
         text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self._hf.encode(text, add_special_tokens=False))
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, kept
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, b"" for a special token (which ``decode``
+        skips). A token may hold part of a UTF-8 character, which it decodes to U+FFFD
+        alone: OpenAI's logprobs carry these bytes so that clients can join them."""
+        hf = self._hf
+        added = hf.added_tokens_decoder.get(token_id)  # its text as written, not in bytes
+        if added is not None:
+            return b"" if added.special else added.content.encode()
+        piece = hf.convert_ids_to_tokens(token_id)
+        decoder = getattr(getattr(hf, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel" and all(c in _UNICODE_BYTES for c in piece):
+            return bytes(_UNICODE_BYTES[c] for c in piece)
+        if match := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(match[1], 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary
 
     def decode(self, ids: Sequence[int]) -> str:
         # No clean-up of spaces before punctuation: it rewrites what the model wrote and
@@ -205,3 +227,16 @@ class StopStringMatcher:
         """At the end of the stream, releases held text (nothing, after a stop)."""
         held, self._held = self._held, ""
         return held
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character (bytes that
+    print stand for themselves, the rest are moved up past 255): character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]  # fmt: skip
+    moved = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(moved)}
+    return {c: b for b, c in chars.items()}
+
+
+_UNICODE_BYTES = _byte_level_alphabet()

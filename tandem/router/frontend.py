@@ -23,6 +23,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import jinja2
+
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.config import RouterConfig
@@ -132,6 +134,10 @@ class Frontend:
             return self.tokenizer.encode_chat(text)
         except ConfigError as exc:  # the model has no chat template
             raise InvalidRequestError("chat", str(exc)) from exc
+        except jinja2.TemplateError as exc:  # it refuses them (Llama 2's, Mistral's: roles)
+            raise InvalidRequestError(
+                "chat.messages", f"the model's chat template refuses these messages: {exc}"
+            ) from exc
 
     def close(self) -> None:
         """Stops the tokenizer threads (after the job in hand); shared by ``with_limits`` copies."""

@@ -151,7 +151,9 @@ class Router:
         if self.config.http_port is not None:
             from tandem.router.http.server import HttpApi
 
-            self._http = HttpApi(self.gateway, public.keys, lambda: self._ready)
+            self._http = HttpApi(
+                self.gateway, public.keys, lambda: self._ready, self.config.max_request_bytes
+            )
             try:
                 await self._http.start(self.config)
             except ConfigError:

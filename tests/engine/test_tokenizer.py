@@ -278,3 +278,25 @@ def test_flush_releases_held_text():
 def test_empty_stop_string_is_rejected():
     with pytest.raises(ValueError, match="non-empty"):
         StopStringMatcher(["ok", ""])
+
+
+def test_token_bytes_are_what_each_token_adds_even_inside_a_character(smol, byte_tok):
+    text = "é€🙂 hi"
+    for tok in (smol, byte_tok):
+        ids = tok.encode(text)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == text.encode()
+        assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some split a character
+    assert smol.token_bytes(smol.hf_tokenizer.eos_token_id) == b""  # decode skips it too
+    # Every token of the default model: its bytes are its text, where they are text.
+    for i in range(smol.vocab_size):
+        try:
+            text = smol.token_bytes(i).decode()
+        except UnicodeDecodeError:
+            continue
+        assert text == smol.decode([i]), i
+
+
+def test_token_bytes_of_sentencepiece_pieces_keep_their_word_boundary(metaspace_tok):
+    assert [metaspace_tok.token_bytes(i) for i in (1, 2, 3)] == [b" Hello", b" world", b"!"]
+    assert metaspace_tok.token_bytes(0) == b""  # <unk>, special

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tandem.router.http import protocol
 from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
 
 MODEL = "tiny-random"
@@ -87,19 +88,94 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
         ({"stream": "yes"}, 400, "stream", "must be a boolean"),
         ({"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20], got 21"),
+        # JSON's escapes can spell half a surrogate pair, which no UTF-8 encoder takes.
+        ({"messages": [{"role": "user", "content": "ok \ud83d"}]}, 400,
+         "messages[0].content", "not valid Unicode: a lone surrogate at character 3"),
+        ({"stop": ["a", "\udc00"]}, 400, "stop[1]", "lone surrogate"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field_in_openais_error_body(frontend, body, status, param, words):
     async def scenario():
         async with cluster(frontend, http_port=0) as c:
             async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
-                r = await http.post("/v1/chat/completions",
-                                    json={"model": MODEL, "messages": CHAT, **body})  # fmt: skip
+                # As JSON escapes ASCII, so that a lone surrogate goes as "\\ud83d".
+                sent = json.dumps({"model": MODEL, "messages": CHAT, **body}).encode()
+                r = await http.post("/v1/chat/completions", content=sent)
             error = r.json()["error"]
             assert r.status_code == status, r.text
             assert error["param"] == param and words in error["message"], error
             assert set(error) == {"message", "type", "param", "code"}
             assert c.worker_calls() == 0  # nothing reached a worker
+
+    run(scenario())
+
+
+def test_a_body_past_max_request_bytes_is_413_before_it_is_read_and_odd_bodies_are_400s(
+    frontend,
+):
+    async def scenario():
+        async with cluster(frontend, http_port=0, max_request_bytes=4096) as c:
+            url = f"http://{c.router.http_address}/v1/completions"
+            big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
+
+            async def chunked():  # no Content-Length: counted as it comes
+                for i in range(0, len(big), 1000):
+                    yield big[i : i + 1000]
+
+            async with httpx.AsyncClient() as http:
+                for content, words in ((big, f"is {len(big)} bytes"), (chunked(), "or more")):
+                    r = await http.post(url, content=content)
+                    assert r.status_code == 413, r.text
+                    assert words in r.json()["error"]["message"]
+                    assert "over the limit of 4096 (max_request_bytes)" in r.text
+                r = await http.post(url, content=b"[" * 100_000 + b"]" * 100_000)
+                assert r.status_code == 413  # the limit first
+            assert c.worker_calls() == 0
+        async with cluster(frontend, http_port=0) as c:
+            url = f"http://{c.router.http_address}/v1/completions"
+            async with httpx.AsyncClient() as http:
+                r = await http.post(url, content=b"[" * 100_000 + b"]" * 100_000)
+            assert (r.status_code, r.json()["error"]["message"]) == (
+                400, "the request body nests too deeply"
+            )  # fmt: skip
+
+    run(scenario())
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_and_a_bug_a_json_500(monkeypatch):
+    from tandem.config import RouterConfig
+    from tandem.router.frontend import Frontend
+
+    frontend = Frontend.load(RouterConfig(model=MODEL))
+    frontend.tokenizer.hf_tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{{ messages[0]['content'] }}"
+    )
+
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:
+            api = _client(c)
+            with pytest.raises(openai.BadRequestError) as info:
+                await api.chat.completions.create(
+                    model=MODEL, messages=[{"role": "system", "content": "be brief"}, *CHAT]
+                )
+            assert info.value.body["param"] == "messages"
+            assert "chat template refuses these messages: System role not supported" in str(
+                info.value.body["message"]
+            )
+            assert c.worker_calls() == 0
+
+            def boom(*args):
+                raise KeyError("a bug")
+
+            monkeypatch.setattr(protocol.Shaper, "complete", boom)
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
+            assert r.status_code == 500
+            assert r.json()["error"] == {
+                "message": "internal error: KeyError", "type": "server_error", "param": None,
+                "code": None,
+            }  # fmt: skip
 
     run(scenario())
 
@@ -234,3 +310,22 @@ def _context(certs, client: bool):
     if client:
         context.load_cert_chain(certs.client_cert, certs.client_key)
     return context
+
+
+def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(frontend):
+    from tandem._proto.tandem.v1 import tandem_pb2
+
+    tok = frontend.tokenizer
+    ids = tok.encode("aé€b")  # tiny-random's tokens are single bytes: é and € split
+    logprobs = [tandem_pb2.TokenLogprob(token_id=i, logprob=-1.0) for i in ids]
+    parsed = protocol.parse({"model": MODEL, "prompt": "x", "logprobs": 0}, False, MODEL)
+    shaper = protocol.Shaper(parsed, MODEL, tok.token_bytes)
+    first, rest = shaper.logprobs(logprobs[:2]), shaper.logprobs(logprobs[2:])  # two chunks
+    tokens = first["tokens"] + rest["tokens"]
+    assert tokens == ["a", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2", "bytes:\\x82",
+                      "bytes:\\xac", "b"]  # fmt: skip
+    # Characters before each token: a character counts once its last byte has come.
+    assert first["text_offset"] + rest["text_offset"] == [0, 1, 1, 2, 2, 2, 3]
+    chat = protocol.Shaper(protocol.parse({"model": MODEL, "messages": CHAT}, True, MODEL),
+                           MODEL, tok.token_bytes).logprobs(logprobs)  # fmt: skip
+    assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == "aé€b".encode()

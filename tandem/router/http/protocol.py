@@ -12,6 +12,7 @@ accepted and ignored. Errors are ``ApiError``: an HTTP status and OpenAI's body
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from dataclasses import dataclass
@@ -74,6 +75,28 @@ def _field(body: dict, name: str, kind: type, where: str = "") -> Any:
         raise bad(where + name, f"{where + name} must be {_TYPES[kind]}, got "
                                 f"{type(value).__name__} {_short(value)}")  # fmt: skip
     return value
+
+
+def check_text(body: Any) -> None:
+    """Every string in a parsed JSON body (keys too) is valid Unicode: JSON's escapes
+    can spell a lone surrogate ("\\ud800"), which no UTF-8 encoder takes, and a browser
+    that cuts a string inside an emoji sends one. 400 names where it is."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((where, key))
+                stack.append((f"{where}.{key}" if where else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                what = where or "the request body"
+                message = f"{what} is not valid Unicode: a lone surrogate at character {exc.start}"
+                raise bad(where or None, message) from None
 
 
 def _short(value: Any) -> str:
@@ -222,12 +245,13 @@ def param_of(field: str, parsed: Parsed | None) -> str:
 class Shaper:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, parsed: Parsed, model: str, token_text) -> None:
-        """``token_text(id)``: a token's text (the router's tokenizer)."""
+    def __init__(self, parsed: Parsed, model: str, token_bytes) -> None:
+        """``token_bytes(id)``: the bytes a token stands for (the router's tokenizer)."""
         self.chat = parsed.chat
         self.model = model
-        self.token_text = token_text
+        self.token_bytes = token_bytes
         self.offset = 0  # completions' text_offset: characters before the next token
+        self._chars = codecs.getincrementaldecoder("utf-8")("replace")  # counts them
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         self.id = prefix + parsed.request.request_id
         self.created = int(time.time())
@@ -240,22 +264,23 @@ class Shaper:
         """OpenAI's ``logprobs`` object for these ``tandem.v1.TokenLogprob``s."""
         if not logprobs:
             return None
-        text = self.token_text
+        raw = self.token_bytes
         if self.chat:
             return {"content": [
-                {**_token(text(lp.token_id), lp.logprob),
-                 "top_logprobs": [_token(text(t.token_id), t.logprob) for t in lp.top]}
+                {**_token(raw(lp.token_id), lp.logprob),
+                 "top_logprobs": [_token(raw(t.token_id), t.logprob) for t in lp.top]}
                 for lp in logprobs
             ], "refusal": None}  # fmt: skip
-        tokens = [text(lp.token_id) for lp in logprobs]
         offsets = []
-        for token in tokens:
-            offsets.append(self.offset)
-            self.offset += len(token)
+        for lp in logprobs:
+            offsets.append(self.offset)  # a character's last token moves past it
+            self.offset += len(self._chars.decode(raw(lp.token_id)))
         return {
-            "tokens": tokens,
+            "tokens": [token_text(raw(lp.token_id)) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+            "top_logprobs": [
+                {token_text(raw(t.token_id)): t.logprob for t in lp.top} for lp in logprobs
+            ],
             "text_offset": offsets,
         }
 
@@ -292,8 +317,17 @@ class Shaper:
         return {**self._base(obj), "choices": [], "usage": usage_json(usage)}
 
 
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def token_text(raw: bytes) -> str:
+    """A token's text, or for one that holds part of a UTF-8 character its bytes as
+    ``bytes:\\xNN...`` (vLLM's spelling): distinct tokens keep distinct names."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _token(raw: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
 
 def usage_json(usage: tandem_pb2.Usage) -> dict[str, int]:

@@ -13,10 +13,12 @@ models would add a validation layer whose errors are not OpenAI's; the bodies
 are checked in protocol.py instead, with OpenAI's error shape.
 
 Each request: API key (``Authorization: Bearer``, the router's keys; /health is
-exempt) → body → protocol.parse → ``Gateway.generate``. Nothing is sent before
-the first token: errors before it are proper HTTP statuses (400 naming the
-field, 401, 404 for another model, 429 with ``Retry-After``, 503, 504), and a
-failure after it ends the event stream with an ``error`` event. A client that
+exempt) → body (at most ``max_request_bytes``, as on the gRPC port: 413 beyond,
+before more is read) → protocol.parse → ``Gateway.generate``. Nothing is sent
+before the first token: errors before it are proper HTTP statuses (400 naming
+the field, 401, 404 for another model, 413, 429 with ``Retry-After``, 503, 504),
+and a failure after it ends the event stream with an ``error`` event. Whatever
+else goes wrong is a 500 in OpenAI's error shape, never a bare text page. A client that
 disconnects — mid-stream or while waiting for a whole response — cancels the
 request on every worker, as a gRPC cancel does. TLS and client certificates are
 the public port's (``tls_cert_file``, ``tls_key_file``, ``tls_client_ca_file``).
@@ -69,9 +71,12 @@ _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
 class HttpApi:
     """Starlette app + uvicorn server; ``start`` binds, ``stop`` drains."""
 
-    def __init__(self, gateway: Gateway, keys: ApiKeys | None, ready) -> None:
+    def __init__(
+        self, gateway: Gateway, keys: ApiKeys | None, ready, max_request_bytes: int
+    ) -> None:
         """``ready()``: whether the router can serve now (for /health)."""
         self.gateway = gateway
+        self.max_request_bytes = max_request_bytes
         self.keys = keys
         self.ready = ready
         self.started = int(time.time())
@@ -85,7 +90,7 @@ class HttpApi:
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
-        ])  # fmt: skip
+        ], exception_handlers={Exception: _internal_error})  # fmt: skip
 
     # ---- life cycle --------------------------------------------------------------------
 
@@ -154,7 +159,7 @@ class HttpApi:
         parsed: Parsed | None = None
         try:
             key = self._key(request)
-            body = _json(await request.body())
+            body = _json(await self._body(request))
             chat = isinstance(body, dict) and "messages" in body
             parsed = protocol.parse({**body, "max_tokens": 1} if chat else body, chat,
                                     self.gateway.frontend.model_id)  # fmt: skip
@@ -172,6 +177,21 @@ class HttpApi:
         registry = self.gateway.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, refused (413) past ``max_request_bytes`` without reading
+        more of it than that."""
+        limit = self.max_request_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise _too_large(int(length), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, more=True)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     def _key(self, request: Request):
         if self.keys is None:
             return None
@@ -186,7 +206,7 @@ class HttpApi:
         parsed: Parsed | None = None
         try:
             key = self._key(request)
-            body = _json(await request.body())
+            body = _json(await self._body(request))
             parsed = protocol.parse(body, chat, self.gateway.frontend.model_id)
             logs.request_id.set(parsed.request.request_id)  # before any task copies the context
             responses = self.gateway.generate(parsed.request, key, None)
@@ -200,7 +220,7 @@ class HttpApi:
         except (ApiError, InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
         tokenizer = self.gateway.frontend.tokenizer
-        shaper = Shaper(parsed, self.gateway.frontend.model_id, lambda i: tokenizer.decode([i]))
+        shaper = Shaper(parsed, self.gateway.frontend.model_id, tokenizer.token_bytes)
         if parsed.stream:
             return StreamingResponse(
                 _events(first, responses, shaper, parsed.include_usage),
@@ -292,9 +312,24 @@ async def _events(first, responses, shaper: Shaper, include_usage: bool) -> Asyn
 
 def _json(raw: bytes):
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except ValueError as exc:
         raise protocol.bad(None, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise protocol.bad(None, "the request body nests too deeply") from None
+    protocol.check_text(body)
+    return body
+
+
+def _too_large(size: int, limit: int, more: bool = False) -> ApiError:
+    return ApiError(413, f"the request body is {size}{' or more' if more else ''} bytes, "
+                         f"over the limit of {limit} (max_request_bytes)",
+                    None, code="request_too_large")  # fmt: skip
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A failure of ours, in OpenAI's error shape (Starlette logs the traceback)."""
+    return _error(ApiError(500, f"internal error: {type(exc).__name__}", None, "server_error"))
 
 
 def _sse(obj: dict) -> str:

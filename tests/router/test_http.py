@@ -138,6 +138,12 @@ def test_a_body_past_max_request_bytes_is_413_before_it_is_read_and_odd_bodies_a
             assert (r.status_code, r.json()["error"]["message"]) == (
                 400, "the request body nests too deeply"
             )  # fmt: skip
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                missing, wrong = await http.get("/v1/nothing"), await http.get("/v1/completions")
+            assert missing.status_code == 404
+            assert missing.json()["error"]["message"] == "GET /v1/nothing: Not Found"
+            assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
+            assert wrong.json()["error"]["type"] == "invalid_request_error"
 
     run(scenario())
 

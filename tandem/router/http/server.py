@@ -40,6 +40,7 @@ import grpc
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -65,7 +66,8 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # fmt: skip
+         405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+         504: "timeout"}  # fmt: skip
 
 
 class HttpApi:
@@ -90,7 +92,7 @@ class HttpApi:
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
-        ], exception_handlers={Exception: _internal_error})  # fmt: skip
+        ], exception_handlers={HTTPException: _http_error, Exception: _internal_error})  # fmt: skip
 
     # ---- life cycle --------------------------------------------------------------------
 
@@ -327,6 +329,14 @@ def _too_large(size: int, limit: int, more: bool = False) -> ApiError:
                     None, code="request_too_large")  # fmt: skip
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such path, a method it does not take) in OpenAI's
+    error shape."""
+    status = exc.status_code
+    return _error(ApiError(status, f"{request.method} {request.url.path}: {exc.detail}", None,
+                           _TYPE.get(status, "invalid_request_error")), exc.headers)  # fmt: skip
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """A failure of ours, in OpenAI's error shape (Starlette logs the traceback)."""
     return _error(ApiError(500, f"internal error: {type(exc).__name__}", None, "server_error"))
@@ -350,6 +360,7 @@ def _api_error(exc: Exception, parsed: Parsed | None) -> ApiError:
                     exc.code.name.lower())  # fmt: skip
 
 
-def _error(exc: ApiError) -> Response:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
+def _error(exc: ApiError, headers: dict[str, str] | None = None) -> Response:
+    if exc.status == 429:
+        headers = {**(headers or {}), "Retry-After": "1"}
     return JSONResponse(exc.body(), exc.status, headers=headers)

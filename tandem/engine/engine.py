@@ -322,7 +322,7 @@ class LLMEngine:
         seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix, transfer=True)
         if reuse_prefix:
             self.kv.count_admission(seq)
-        seq.status = Status.RESERVED
+        self.scheduler.reserve(seq)
         self._register(seq)
         return list(seq.block_table), seq.num_computed // self.kv.block_size
 
@@ -355,8 +355,10 @@ class LLMEngine:
         """A sequence with blocks for its tokens so far and ``reserve_output_tokens`` more
         (at least one, at most up to max_tokens; all of max_tokens when None), not yet
         registered. Past those it grows as any running sequence does (Scheduler)."""
-        reserved = sum(r.seq.status is Status.RESERVED for r in self._requests.values())
-        if len(self.scheduler.running) + reserved >= self.config.max_num_seqs:
+        waiting = len(self.scheduler.waiting)
+        if waiting:  # preempted: they run again before anything new is taken in
+            raise OutOfBlocksError(f"{waiting} preempted requests wait to run again first")
+        if self.scheduler.slots_taken() >= self.config.max_num_seqs:
             raise OutOfBlocksError(f"max_num_seqs ({self.config.max_num_seqs}) reached")
         ahead = self.config.reserve_output_tokens
         output = params.max_tokens

@@ -6,6 +6,12 @@ that are part-way through a chunked prefill, then waiting requests in arrival
 order. A sequence that cannot get a KV block preempts the most recently admitted
 running sequence, which is swapped out to the host tier where there is one with
 room, else has its blocks freed and its tokens recomputed later.
+
+On a decode worker a request may also hold a slot before it runs: reserved, its
+blocks waiting for the KV a prefill worker sends (``reserve``). Reserved sequences
+count against ``max_num_seqs`` as running ones do, so that a preempted sequence
+coming back cannot take a slot already promised (the engine, for its part, makes
+no new reservation while a preempted sequence waits).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.reserved: dict[str, Sequence] = {}  # by request id: a slot each, KV to come
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,7 +64,7 @@ class Scheduler:
                 batch.work.append((seq, n))
                 budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.slots_taken() < self.max_num_seqs:
             seq = self.waiting[0]
             swapped = seq.host_blocks is not None
             if swapped:  # preempted by swapping: back in, its computed KV with it
@@ -111,8 +118,19 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
+    def slots_taken(self) -> int:
+        """Sequences that count against ``max_num_seqs``: running and reserved."""
+        return len(self.running) + len(self.reserved)
+
+    def reserve(self, seq: Sequence) -> None:
+        """Hold a slot for a sequence whose KV is on its way (its blocks are reserved);
+        ``add_running`` once it has arrived."""
+        seq.status = Status.RESERVED
+        self.reserved[seq.request_id] = seq
+
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose KV is already computed (it arrived from a prefill worker)."""
+        self.reserved.pop(seq.request_id, None)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -127,5 +145,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is Status.RESERVED:
+            del self.reserved[seq.request_id]
         self.kv.free(seq)
         seq.status = Status.FINISHED

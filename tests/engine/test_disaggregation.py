@@ -289,3 +289,35 @@ def test_a_decode_worker_with_a_kv_window_reuses_its_cached_prefix_in_place(tiny
     for engine in (prefill, decode):
         engine.kv.pool.check_integrity()
         assert engine.kv.pool.num_used == 0
+
+
+def test_a_decode_worker_runs_its_preempted_requests_again_before_new_ones():
+    # Requests grow past what they reserved and preempt each other; new ones keep
+    # arriving between steps, as the engine loop runs its commands. They must not take
+    # the slot and blocks that a preempted request waits for (it would wait for ever),
+    # nor, with reservations, push the batch past max_num_seqs.
+    decode = make_engine(num_blocks=10, block_size=4, max_num_seqs=2, reserve_output_tokens=1,
+                         enable_prefix_caching=False)  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    decode.prefill_here([7] * 8, params, "A")
+    decode.prefill_here([9] * 8, params, "B")
+    finished, refused, offered = [], set(), 0
+    for _ in range(400):
+        try:
+            prompt = [20 + offered % 50] * 8
+            if offered % 2:
+                decode.prefill_here(prompt, params, f"C{offered}")
+            else:  # a reservation, its KV "arriving" at once
+                decode.reserve(prompt, params, f"C{offered}")
+                decode.admit(f"C{offered}", 5)
+            offered += 1
+        except OutOfBlocksError as exc:
+            refused.add(str(exc).split(" ", 1)[1])
+        finished += [o.request_id for o in decode.step() if o.finished]
+        assert decode.scheduler.slots_taken() <= 2
+        if "A" in finished and "B" in finished and decode.stats.preemptions:
+            break
+    assert "A" in finished and "B" in finished, decode.scheduler.waiting
+    assert "preempted requests wait to run again first" in refused
+    decode.abort_all()
+    assert decode.kv.pool.num_used == 0

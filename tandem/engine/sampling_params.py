@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from tandem.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+# Below it (and above 0) logits / temperature overflow float32, and the step that
+# samples the request fails with every other request in its batch. vLLM's floor too.
+MIN_TEMPERATURE = 1e-5
+# The same for a penalty's logit / p and logit * p; far past any value in use (1-2).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,12 @@ class SamplingParams:
             _bad("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             _bad("temperature", f"temperature must be finite and >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t would overflow to inf
+            _bad(
+                "temperature",
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                f"got {self.temperature:g}",
+            )
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             _bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -51,6 +62,13 @@ class SamplingParams:
             _bad(
                 "repetition_penalty",
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}",
+            )
+        low, high = REPETITION_PENALTY_RANGE  # beyond them logits overflow to inf
+        if not low <= self.repetition_penalty <= high:
+            _bad(
+                "repetition_penalty",
+                f"repetition_penalty must be in [{low:g}, {high:g}], "
+                f"got {self.repetition_penalty:g}",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")

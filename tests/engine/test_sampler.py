@@ -313,3 +313,16 @@ def test_draw_seeds_are_distinct_in_range_and_wrap_any_int() -> None:
     assert draw_seed(-1, 3) == draw_seed(2**64 - 1, 3)
     assert draw_seed(2**64 + 5, 0) == draw_seed(5, 0)
     Sampler()(torch.zeros(1, 4), [SamplingParams()], [max(grid)], [[]])  # torch accepts it
+
+
+def test_the_extremes_that_sampling_params_allow_sample_finite_probabilities() -> None:
+    # Logits far larger than a model's, at the lowest temperature and the strongest
+    # penalties allowed: nothing overflows, so no row can fail its batch's step.
+    logits = torch.tensor([[900.0, -900.0, 899.0, 0.0]])
+    for penalty in (0.01, 100.0):
+        params = SamplingParams(temperature=1e-5, repetition_penalty=penalty, seed=1)
+        row = logits.clone()
+        _apply_repetition_penalty(row, [params], [[0, 1, 2]])
+        probs = _sampling_probs(row, [params])
+        assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+        assert Sampler()(logits, [params], [draw_seed(1, 0)], [[0, 1, 2]]) in ([0], [3])

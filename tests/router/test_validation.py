@@ -35,6 +35,10 @@ CASES = [
     (hi(min_p=-0.5), "min_p must be in [0, 1], got -0.5"),
     (hi(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
     (hi(repetition_penalty=0), "repetition_penalty must be finite and > 0, got 0.0"),
+    # Past these, logits overflow to inf and the step fails every request batched with it.
+    (hi(temperature=1e-38), "temperature must be 0 (greedy) or at least 1e-05, got 1e-38"),
+    (hi(repetition_penalty=0.001), "repetition_penalty must be in [0.01, 100], got 0.001"),
+    (hi(repetition_penalty=1000), "repetition_penalty must be in [0.01, 100], got 1000"),
     (hi(stop=["ok", ""]), "stop strings must be non-empty, got an empty string"),
     (dict(prompt=""), "prompt must not be empty"),
     (dict(), "one of prompt or chat must be set"),

@@ -12,6 +12,7 @@ holds the command-line flags for the same.
 
 from tandem.client.aio import AsyncTandemClient
 from tandem.client.errors import (
+    AlreadyInFlight,
     Cancelled,
     DeadlineExceeded,
     InvalidRequest,
@@ -31,6 +32,7 @@ from tandem.client.types import (
 )
 
 __all__ = [
+    "AlreadyInFlight",
     "AsyncTandemClient",
     "Cancelled",
     "ChatMessage",

@@ -27,6 +27,11 @@ _FINISH: dict[int, FinishReason] = {
 }
 
 
+# What the integer fields of SamplingParams hold (the others are float).
+_KINDS = {"max_tokens": "a 32-bit integer", "top_k": "a 32-bit integer",
+          "logprobs": "a 32-bit integer", "seed": "a signed 64-bit integer"}  # fmt: skip
+
+
 def generate_request(
     prompt: str | None,
     messages: Sequence[Message] | None,
@@ -58,8 +63,14 @@ def generate_request(
         ("logprobs", logprobs),
     ):
         if value is not None:
-            setattr(s, name, value)
-    s.stop.extend(stop)
+            try:
+                setattr(s, name, value)
+            except (TypeError, ValueError):  # of another type, or past its field's range
+                raise InvalidRequest(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{name} must be {_KINDS.get(name, 'a number')}, got {value!r}",
+                ) from None
+    s.stop.extend([stop] if isinstance(stop, str) else stop)  # one string, not its letters
     s.ignore_eos = ignore_eos
     return request
 

@@ -5,6 +5,8 @@
 - ``Unauthenticated``  (UNAUTHENTICATED) no API key, or one the router does not know;
 - ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff (the router's
   bound, or the API key's own: its streams or its rate);
+- ``AlreadyInFlight``  (ALREADY_EXISTS) a request with this request_id is in flight:
+  pick another id (a UUID), or send it again once that one has ended;
 - ``Unavailable``      (UNAVAILABLE) no worker of a pool can serve, or one died mid-request;
 - ``DeadlineExceeded`` (DEADLINE_EXCEEDED) the timeout passed; every stage stopped;
 - ``Cancelled``        (CANCELLED) the call was cancelled;
@@ -39,6 +41,10 @@ class Overloaded(TandemClientError):
     pass
 
 
+class AlreadyInFlight(TandemClientError):
+    pass
+
+
 class Unavailable(TandemClientError):
     pass
 
@@ -55,6 +61,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TandemClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyInFlight,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,

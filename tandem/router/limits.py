@@ -8,7 +8,10 @@ message never echoes the offending text. The defaults (RouterConfig):
     max_prompt_chars    32 x the context length (chat: the contents' total)
     max_chat_messages   2048
     max_stop_strings    16, each at most max_stop_chars (256)
-    request_id          at most 200 characters (workers take 256, minus "/<n>" suffixes)
+    request_id          at most 200 characters (workers take 256, minus "/<n>" suffixes),
+                        ASCII letters, digits and ``._:@+=-``: no "/", which the
+                        router appends to a migrated attempt's id on the workers, and
+                        nothing that could break a log line (newlines, quotes)
 
 The message as a whole is bounded by gRPC (``max_request_bytes``) before any of
 this runs.
@@ -16,6 +19,7 @@ this runs.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +29,8 @@ from tandem.errors import InvalidRequestError
 
 # Workers take ids of up to 256 characters; a migrated attempt appends "/<n>".
 MAX_REQUEST_ID_CHARS = 200
+REQUEST_ID_ALPHABET = "ASCII letters, digits and . _ : @ + = -"
+_REQUEST_ID_OUTSIDE = re.compile(r"[^A-Za-z0-9._:@+=-]")
 CHARS_PER_CONTEXT_TOKEN = 32  # max_prompt_chars when not set (see RouterConfig)
 ROLES = ("system", "user", "assistant")
 
@@ -44,6 +50,12 @@ class InputLimits:
 
     def check_request_id(self, request_id: str) -> None:
         _at_most("request_id", len(request_id), MAX_REQUEST_ID_CHARS, "characters")
+        if bad := _REQUEST_ID_OUTSIDE.search(request_id):
+            raise InvalidRequestError(
+                "request_id",
+                f"request_id may hold only {REQUEST_ID_ALPHABET}, got U+{ord(bad[0]):04X} "
+                f"at character {bad.start()}",
+            )
 
     def check_stop(self, stop: Sequence[str]) -> None:
         _at_most("stop", len(stop), self.max_stop_strings, "strings")

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from tandem.client import (
+    AlreadyInFlight,
     AsyncTandemClient,
     Completion,
     DeadlineExceeded,
@@ -46,6 +47,7 @@ def test_sync_complete_model_info_tokenize(fake):
         (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded),
         (grpc.StatusCode.UNAVAILABLE, Unavailable),
+        (grpc.StatusCode.ALREADY_EXISTS, AlreadyInFlight),
     ],
 )
 def test_sync_statuses_raise_their_exception(fake, code, cls):

@@ -42,6 +42,26 @@ def test_set_sampling_is_sent_including_zeroes():
     assert (s.max_tokens, s.seed, list(s.stop), request.request_id) == (7, 3, ["\n"], "id-1")
 
 
+def test_one_stop_string_is_one_stop_string_not_its_letters():
+    request = _convert.generate_request("hi", None, "", **{**NO_SAMPLING, "stop": "END"})
+    assert list(request.sampling.stop) == ["END"]
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("seed", 2**64 - 1, "seed must be a signed 64-bit integer, got 18446744073709551615"),
+        ("max_tokens", 2**31, "max_tokens must be a 32-bit integer, got 2147483648"),
+        ("max_tokens", 1.5, "max_tokens must be a 32-bit integer, got 1.5"),
+        ("temperature", "hot", "temperature must be a number, got 'hot'"),
+    ],
+)
+def test_a_value_its_field_cannot_hold_is_an_invalid_request(name, value, message):
+    with pytest.raises(InvalidRequest) as info:
+        _convert.generate_request("hi", None, "", **{**NO_SAMPLING, name: value})
+    assert info.value.details == message
+
+
 def test_messages_accept_dataclasses_and_mappings():
     msgs = [ChatMessage("system", "be brief"), {"role": "user", "content": "hi"}]
     request = _convert.generate_request(None, msgs, "", **NO_SAMPLING)

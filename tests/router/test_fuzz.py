@@ -95,7 +95,9 @@ samplings = st.fixed_dictionaries(
 
 @st.composite
 def requests(draw) -> tandem_pb2.GenerateRequest:
-    request = tandem_pb2.GenerateRequest(request_id=draw(sized(200)), sampling=draw(samplings))
+    request_id = draw(st.one_of(st.from_regex(r"[A-Za-z0-9._:@+=-]{0,12}", fullmatch=True),
+                                sized(200)))  # fmt: skip
+    request = tandem_pb2.GenerateRequest(request_id=request_id, sampling=draw(samplings))
     # Rare "huge": gRPC takes ~0.2 s to refuse a message over max_request_bytes.
     kind = draw(st.sampled_from(["prompt"] * 16 + ["chat"] * 16 + ["none"] * 6 + ["huge"]))
     if kind == "prompt":

@@ -78,10 +78,18 @@ CASES = [
      "chat.messages[1].role must be one of system, user, assistant, got a 100000-character "
      "string"),
     (dict(request_id="r" * 201, prompt="hi"), "request_id must be at most 200 characters, got 201"),
+    # "/" is the router's, for a migrated attempt's id on the workers ("x/1" would be
+    # another client's "x" once that one moves); a newline would forge a log line.
+    (dict(request_id="x/1", prompt="hi"), "request_id may hold only ASCII letters, digits and "
+     ". _ : @ + = -, got U+002F at character 1"),
+    (dict(request_id="ok\n[evil]", prompt="hi"), "request_id may hold only ASCII letters, "
+     "digits and . _ : @ + = -, got U+000A at character 2"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("fields, message", CASES, ids=[m.split(" must")[0] for _, m in CASES])
+@pytest.mark.parametrize(
+    "fields, message", CASES, ids=[m.split(" must")[0].split(" may")[0] for _, m in CASES]
+)
 def test_each_input_limit_names_its_field_and_limit_before_tokenizing(frontend, fields, message):
     async def scenario():
         front, spy = spied(frontend)

@@ -33,7 +33,7 @@ from tandem.router.placement import Pool, make_policy
 from tandem.router.public_port import PublicPort
 from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
-from tandem.router.service import TandemService
+from tandem.router.service import ParseInterceptor, TandemService
 from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,9 @@ class Router:
                 *SERVER_OPTIONS,
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
             ],
-            interceptors=[AuthInterceptor(public.keys)] if public.keys else None,
+            # The key first: a refused one is UNAUTHENTICATED whatever the message holds.
+            interceptors=[*([AuthInterceptor(public.keys)] if public.keys else []),
+                          ParseInterceptor()],  # fmt: skip
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(TandemService(self.gateway), server)
         self._health = health.aio.HealthServicer()

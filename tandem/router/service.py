@@ -7,6 +7,11 @@ GetModelInfo only the key and its rate. An ``InvalidRequestError`` becomes
 INVALID_ARGUMENT and a ``RouterError`` its own status. A client cancel or an
 expired deadline cancels this handler; the relay's ``finally`` then cancels the
 worker calls.
+
+A message that does not parse (a string field that is not UTF-8, which protobuf
+refuses, from a client that builds its bytes by hand) is INVALID_ARGUMENT as well
+(``ParseInterceptor``), not the UNKNOWN that gRPC answers for a deserializer's
+error; and with API keys on, the key is checked first.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 from contextlib import aclosing
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.errors import InvalidRequestError
@@ -60,3 +66,51 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         except RouterError as exc:
             await context.abort(exc.code, exc.message)
         return tandem_pb2.TokenizeResponse(token_ids=ids)
+
+
+class _Unparsed:
+    """What a request that did not parse is handed on as, to be refused by name."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
+class ParseInterceptor(grpc.aio.ServerInterceptor):
+    """Unary-request handlers whose undecodable requests get INVALID_ARGUMENT. Put it
+    after the API key check: a refused key is UNAUTHENTICATED whatever the bytes."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                return _Unparsed(exc)
+
+        async def refuse(request: _Unparsed, context: grpc.aio.ServicerContext) -> None:
+            message = f"{method}: the request does not parse: {request.error}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+        if handler.response_streaming:
+
+            async def unary_stream(request, context):
+                if isinstance(request, _Unparsed):
+                    await refuse(request, context)
+                async for response in handler.unary_stream(request, context):
+                    yield response
+
+            make, behaviour = grpc.unary_stream_rpc_method_handler, unary_stream
+        else:
+
+            async def unary_unary(request, context):
+                if isinstance(request, _Unparsed):
+                    await refuse(request, context)
+                return await handler.unary_unary(request, context)
+
+            make, behaviour = grpc.unary_unary_rpc_method_handler, unary_unary
+        return make(behaviour, request_deserializer=deserialize,
+                    response_serializer=handler.response_serializer)  # fmt: skip

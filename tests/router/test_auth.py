@@ -292,3 +292,34 @@ def test_the_default_key_rate_applies_to_keys_without_their_own(frontend, keys_f
                 await c.client.tokenize("a")
 
     run(scenario())
+
+
+def test_a_message_that_does_not_parse_is_invalid_argument_after_the_key_check(
+    frontend, keys_file
+):
+    # A string field that is not UTF-8: protobuf refuses to parse it, and gRPC would
+    # answer UNKNOWN; a client that builds its bytes by hand can send it.
+    undecodable = b"\x0a\x02\xff\xfe"  # field 1 (prompt / request_id), two bad bytes
+
+    async def call(c, method: str, metadata=()) -> grpc.aio.AioRpcError:
+        raw = c.client._channel.unary_unary(f"/tandem.v1.Tandem/{method}")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(undecodable, metadata=metadata, timeout=10)
+        return info.value
+
+    async def scenario():
+        async with cluster(frontend, api_keys_file=keys_file) as c:
+            for method in ("Tokenize", "GetModelInfo"):
+                assert (await call(c, method)).code() is grpc.StatusCode.UNAUTHENTICATED
+            bearer = (("authorization", f"Bearer {ALICE}"),)
+            error = await call(c, "Tokenize", bearer)
+            assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "the request does not parse" in error.details()
+            raw = c.client._channel.unary_stream("/tandem.v1.Tandem/Generate")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in raw(b"\x0a\x02\xff\xfe", metadata=bearer, timeout=10):
+                    pass
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert c.worker_calls() == 0
+
+    run(scenario())

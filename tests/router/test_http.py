@@ -54,6 +54,7 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
             finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
             assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+            assert all("usage" in ch.model_fields_set and ch.usage is None for ch in chunks[:-1])
             assert len({ch.id for ch in chunks}) == 1
 
             done = await api.completions.create(model=MODEL, prompt="hi", max_tokens=5)

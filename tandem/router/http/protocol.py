@@ -249,6 +249,7 @@ class Shaper:
         """``token_bytes(id)``: the bytes a token stands for (the router's tokenizer)."""
         self.chat = parsed.chat
         self.model = model
+        self.include_usage = parsed.include_usage
         self.token_bytes = token_bytes
         self.offset = 0  # completions' text_offset: characters before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")("replace")  # counts them
@@ -309,7 +310,10 @@ class Shaper:
         else:
             choice["text"] = text
             obj = "text_completion"
-        return {**self._base(obj), "choices": [choice]}
+        chunk = {**self._base(obj), "choices": [choice]}
+        if self.include_usage:  # OpenAI's: null on every chunk but the usage chunk
+            chunk["usage"] = None
+        return chunk
 
     def usage_chunk(self, usage: tandem_pb2.Usage) -> dict[str, Any]:
         """``stream_options.include_usage``: the last chunk, with no choices."""

@@ -119,8 +119,10 @@ class Router:
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
             ],
             # The key first: a refused one is UNAUTHENTICATED whatever the message holds.
-            interceptors=[*([AuthInterceptor(public.keys)] if public.keys else []),
-                          ParseInterceptor()],  # fmt: skip
+            interceptors=[
+                *([AuthInterceptor(public.keys)] if public.keys else []),
+                ParseInterceptor(),
+            ],
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(TandemService(self.gateway), server)
         self._health = health.aio.HealthServicer()

@@ -294,9 +294,7 @@ def test_the_default_key_rate_applies_to_keys_without_their_own(frontend, keys_f
     run(scenario())
 
 
-def test_a_message_that_does_not_parse_is_invalid_argument_after_the_key_check(
-    frontend, keys_file
-):
+def test_a_message_that_does_not_parse_is_invalid_argument_after_the_key_check(frontend, keys_file):
     # A string field that is not UTF-8: protobuf refuses to parse it, and gRPC would
     # answer UNKNOWN; a client that builds its bytes by hand can send it.
     undecodable = b"\x0a\x02\xff\xfe"  # field 1 (prompt / request_id), two bad bytes

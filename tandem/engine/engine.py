@@ -322,8 +322,8 @@ class LLMEngine:
         seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix, transfer=True)
         if reuse_prefix:
             self.kv.count_admission(seq)
-        self.scheduler.reserve(seq)
         self._register(seq)
+        self.scheduler.reserve(seq)
         return list(seq.block_table), seq.num_computed // self.kv.block_size
 
     def prefill_here(

@@ -48,6 +48,8 @@ from tandem.engine.sequence import FinishReason
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WAKE = None  # a command that only wakes the thread
+# An error of the device's runtime (a CUDA error); torch has the class from 2.8 on.
+_DEVICE_ERROR = getattr(torch, "AcceleratorError", None)
 
 
 class EngineLoop:
@@ -178,7 +180,7 @@ class EngineLoop:
                 outputs = self.engine.step()
                 self.last_step_seconds = time.perf_counter() - started
             except Exception as exc:
-                if isinstance(exc, torch.AcceleratorError) and self._on_device_fault:
+                if _DEVICE_ERROR and isinstance(exc, _DEVICE_ERROR) and self._on_device_fault:
                     self._on_device_fault(exc)
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all(*before)

@@ -95,6 +95,8 @@ class Tokenizer:
         if added is not None:
             return b"" if added.special else added.content.encode()
         piece = hf.convert_ids_to_tokens(token_id)
+        if piece is None:  # past the tokenizer's vocabulary (a model's padded rows)
+            return b""
         decoder = getattr(getattr(hf, "backend_tokenizer", None), "decoder", None)
         if type(decoder).__name__ == "ByteLevel" and all(c in _UNICODE_BYTES for c in piece):
             return bytes(_UNICODE_BYTES[c] for c in piece)

@@ -75,13 +75,19 @@ class _Unparsed:
         self.error = error
 
 
+_TANDEM_PREFIX = "/tandem.v1.Tandem/"
+
+
 class ParseInterceptor(grpc.aio.ServerInterceptor):
-    """Unary-request handlers whose undecodable requests get INVALID_ARGUMENT. Put it
-    after the API key check: a refused key is UNAUTHENTICATED whatever the bytes."""
+    """The Tandem service's handlers (all take one request, and stream from async
+    generators), whose undecodable requests get INVALID_ARGUMENT. Put it after the
+    API key check: a refused key is UNAUTHENTICATED whatever the bytes."""
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        # Not health or reflection: their handlers are grpc's own (Health.Watch writes
+        # with context.write() from a coroutine, which the wrappers below are not).
+        if handler is None or not details.method.startswith(_TANDEM_PREFIX):
             return handler
         parse, method = handler.request_deserializer, details.method
 

@@ -35,9 +35,11 @@ finds a step or command running for over ``engine_stall_timeout_s`` (300 s; a st
 takes seconds at most), and this process logs the engine thread's stack, kills its
 other ranks and exits (``EXIT_ENGINE_STALLED``): the router sees the connection
 fail and migrates the streams, and Ray starts a new worker. A step that fails in
-the device's runtime (a CUDA error: the device cannot be trusted any more, and every
-later step would fail) ends the process the same way (``EXIT_DEVICE_FAULT``), rather
-than leaving a worker that fails each request it gets.
+the device's runtime (a CUDA error) ends the process the same way
+(``EXIT_DEVICE_FAULT``) when the device then fails one small operation too (most
+such errors are sticky: every later step would fail), rather than leave a worker
+that fails each request it gets; an error that left the device working fails only
+the step's requests.
 
 Subclasses add their servicer and their KV transfer endpoint.
 """
@@ -48,10 +50,12 @@ import abc
 import asyncio
 import logging
 import os
+import threading
 import traceback
 from typing import NamedTuple
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -72,6 +76,7 @@ log = logging.getLogger(__name__)
 EXIT_RANK_LOST = 3  # the worker's exit code when one of its tensor-parallel ranks died
 EXIT_ENGINE_STALLED = 4  # ... when its engine was stuck in one step (the watchdog)
 EXIT_DEVICE_FAULT = 5  # ... when a step failed in the device's runtime (a CUDA error)
+_EXIT_LOG_S = 5.0  # how long an exiting worker gives its last log line
 
 
 class EngineLoad(NamedTuple):
@@ -268,21 +273,35 @@ class WorkerServer(abc.ABC):
         )
 
     def _device_fault(self, exc: BaseException) -> None:
-        """The engine thread: a step failed in the device's runtime."""
+        """The engine thread: a step failed in the device's runtime. After most such
+        errors (an illegal address, ECC) the device is unusable and every later step
+        fails; some (a launch's bad configuration) are one request's doing. So the
+        device is tried once more: if it still works, the step's requests fail as after
+        any failed step, and the worker serves on; a request cannot end workers one
+        after the other as it moves."""
+        if device_works(self.engine.device):
+            log.error("a step failed on the device, which still works: %s", exc)
+            return
         where = "".join(traceback.format_exception(exc)).rstrip()
-        self._exit(EXIT_DEVICE_FAULT, f"a step failed on the device: {exc}", where)
+        self._exit(EXIT_DEVICE_FAULT, f"a step failed on the device, which fails since: {exc}",
+                   where)  # fmt: skip
 
     def _exit(self, code: int, why: str, detail: str) -> None:
         """End the process as a crashed worker's would end: the router moves its streams
         and its supervisor starts a new one. Its other ranks first: a stopped or stuck
-        rank would not notice."""
+        rank would not notice. The log is best effort: a thread stuck inside a log
+        write (a stalled stderr pipe) holds its handler's lock, so the exit comes at
+        the latest a few seconds later, logged or not."""
+        if self.engine.tensor_parallel is not None:
+            self.engine.tensor_parallel.kill()
+        deadline = threading.Timer(_EXIT_LOG_S, os._exit, (code,))
+        deadline.daemon = True
+        deadline.start()
         log.critical(
             "%s worker %s: %s. The worker exits (code %d) so that the router moves its "
             "streams and its supervisor starts a new one. %s",
             self.role, self.address, why, code, detail,
         )  # fmt: skip
-        if self.engine.tensor_parallel is not None:
-            self.engine.tensor_parallel.kill()
         logging.shutdown()
         os._exit(code)
 
@@ -340,6 +359,17 @@ class WorkerServer(abc.ABC):
     @abc.abstractmethod
     def _abort_all(self, engine: LLMEngine) -> None:
         """Engine thread: end every request and free its blocks."""
+
+
+def device_works(device: torch.device) -> bool:
+    """Whether ``device`` still computes: after a runtime error, a sticky one fails
+    every call from then on."""
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (torch.ones(2, device=device) * 2).sum().item() == 4
+    except Exception:  # noqa: BLE001 - any failure means no
+        return False
 
 
 def _rank_lost(reason: str) -> None:

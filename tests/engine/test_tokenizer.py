@@ -288,6 +288,7 @@ def test_token_bytes_are_what_each_token_adds_even_inside_a_character(smol, byte
         assert b"".join(pieces) == text.encode()
         assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some split a character
     assert smol.token_bytes(smol.hf_tokenizer.eos_token_id) == b""  # decode skips it too
+    assert smol.token_bytes(smol.vocab_size + 7) == b""  # a model's padded row: no token
     # Every token of the default model: its bytes are its text, where they are text.
     for i in range(smol.vocab_size):
         try:

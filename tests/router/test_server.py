@@ -28,6 +28,11 @@ def test_health_is_serving_through_the_standard_client(frontend):
                 for service in ("", "tandem.v1.Tandem"):
                     reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                    # Watch too: gRPC's client-side health checking streams it.
+                    watch = stub.Watch(health_pb2.HealthCheckRequest(service=service))
+                    first = await watch.read()
+                    watch.cancel()
+                    assert first.status == health_pb2.HealthCheckResponse.SERVING
 
     run(scenario())
 

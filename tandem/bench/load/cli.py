@@ -54,7 +54,8 @@ def add_bench_parsers(bench_sub) -> None:
         "--prefill-workers",
         type=int,
         default=1,
-        help="prefill workers of the deployment under test, recorded for `tandem plan` (default 1)",
+        help="prefill workers of the deployment under test, recorded for `tandem plan` "
+        "(default 1; 0: a colocated deployment)",
     )
     sweep.add_argument(
         "--decode-workers",

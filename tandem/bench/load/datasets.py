@@ -140,14 +140,37 @@ class LengthDist:
 async def synthetic(
     n: int, input_len: LengthDist, output_len: LengthDist, seed: int, count: TokenCounter
 ) -> list[RequestSpec]:
-    rng = np.random.default_rng(seed)
-    inputs = input_len.sample(n, rng)
-    outputs = output_len.sample(n, rng)
-    composer = await PromptComposer.calibrate(count)
-    prompts = [composer.compose(k, rng) for k in inputs]
-    counts = await _gather_limited([count(prompt=p) for p in prompts])
-    return [RequestSpec(prompt=p, input_len=c, output_len=o)
-            for p, c, o in zip(prompts, counts, outputs, strict=True)]  # fmt: skip
+    source = await SyntheticSource.calibrate(input_len, output_len, seed, count)
+    return await count_inputs(source.more(n), count)
+
+
+class SyntheticSource:
+    """Synthetic requests from one seeded generator, as many as asked, with no call to
+    the server once calibrated: a duration-bounded run draws new ones as it goes
+    rather than send the same prompts again (which a prefix cache would serve from
+    memory). Their ``input_len`` is the composer's count, which the server's usage
+    confirms."""
+
+    def __init__(self, composer: PromptComposer, input_len: LengthDist,
+                 output_len: LengthDist, seed: int) -> None:  # fmt: skip
+        self.composer = composer
+        self.input_len, self.output_len = input_len, output_len
+        self.rng = np.random.default_rng(seed)
+
+    @classmethod
+    async def calibrate(
+        cls, input_len: LengthDist, output_len: LengthDist, seed: int, count: TokenCounter
+    ) -> SyntheticSource:
+        return cls(await PromptComposer.calibrate(count), input_len, output_len, seed)
+
+    def more(self, n: int) -> list[RequestSpec]:
+        inputs = self.input_len.sample(n, self.rng)
+        outputs = self.output_len.sample(n, self.rng)
+        specs = []
+        for k, o in zip(inputs, outputs, strict=True):
+            prompt, tokens = self.composer.compose(k, self.rng)
+            specs.append(RequestSpec(prompt=prompt, input_len=tokens, output_len=int(o)))
+        return specs
 
 
 class PromptComposer:
@@ -180,8 +203,9 @@ class PromptComposer:
             )
         return cls(min(bases), costs)
 
-    def compose(self, tokens: int, rng: np.random.Generator) -> str:
-        """A prompt of ``tokens`` tokens (the nearest reachable count below, if not exact)."""
+    def compose(self, tokens: int, rng: np.random.Generator) -> tuple[str, int]:
+        """A prompt of ``tokens`` tokens (the nearest reachable count below, if not
+        exact), and its count."""
         target = max(0, tokens - self.base)
         reachable = self._reachable(target)
         while not reachable[target] and target > 0:
@@ -197,7 +221,8 @@ class PromptComposer:
             left -= cost
         if not words:  # the server refuses empty prompts
             words.append(min(self.costs, key=self.costs.get))
-        return "".join(" " + w for w in words)
+            target = self.costs[words[0]]
+        return "".join(" " + w for w in words), self.base + target
 
     def _reachable(self, target: int) -> list[bool]:
         ok = self._ok

@@ -22,6 +22,7 @@ RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 400 INVALID_ARGUMENT, ...).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class OpenAIClient:
             base_url=self.root, headers=headers, timeout=httpx.Timeout(timeout),
             verify=ca_file or True, limits=httpx.Limits(max_connections=None),
         )  # fmt: skip
+        self.timeout = timeout
         self.model = ""
         self._tokenize_endpoint = True
 
@@ -119,12 +121,20 @@ class OpenAIClient:
         else:
             path, body["messages"] = "/v1/chat/completions", messages
         finish = None
+        # The whole request's deadline, as the gRPC client's: httpx's timeout bounds
+        # each wait (the first token's included), not a slow stream that keeps coming.
+        deadline = time.monotonic() + self.timeout
         try:
             async with self._http.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
                     _raise_for(r)
                 async for line in r.aiter_lines():
+                    if time.monotonic() > deadline:
+                        raise TandemClientError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the request took longer than its {self.timeout:g} s timeout",
+                        )
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()

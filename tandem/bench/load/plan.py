@@ -18,7 +18,11 @@ prefill + D decode workers) sustained C req/s within the SLOs. A target of R req
 with the same workload needs ``ceil(R / C x P)`` prefill and ``ceil(R / C x D)``
 decode workers (the sweep cannot tell which pool saturated first, so both scale);
 decode is also bounded by KV memory: by Little's law ``R x mean E2E`` requests hold
-decode KV at once, each ``ceil((prompt + output) / block_size)`` blocks.
+decode KV at once, each ``ceil((prompt + output) / block_size)`` blocks. A colocated
+deployment (P = 0) scales its decode workers only.
+
+A Tandem worker holds the KV cache that ``engine.kv_cache_bytes`` (per rank) sets,
+512 MiB unless told: the plan prints the value that gives its KV budget.
 
 Every figure is printed with the arithmetic behind it.
 """
@@ -30,11 +34,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.config import EngineConfig
 from tandem.engine.model_config import ModelConfig
 from tandem.errors import InvalidRequestError
 from tandem.kernels import INT8_SCALE_BYTES
 
 GiB = 1 << 30
+DEFAULT_KV_CACHE_BYTES = EngineConfig().kv_cache_bytes
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
     "fp8": 1, "float8": 1, "int8": 1,
@@ -174,6 +180,13 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
     if budget == 0:
         lines.append("the weights do not leave room for a KV cache: more memory, a wider "
                      "--decode-tp or a smaller --weight-dtype")  # fmt: skip
+    else:
+        default = DEFAULT_KV_CACHE_BYTES // block_bytes
+        lines.append(
+            f"deploy with engine.kv_cache_bytes: {budget}{per} (the default, "
+            f"{DEFAULT_KV_CACHE_BYTES // 2**20} MiB, holds {default:,} blocks = "
+            f"{default // per_seq:,} sequences)"
+        )
     return MemoryPlan(per_token, weights, budget, blocks, blocks * hw.block_size,
                       context_len, per_seq, seqs, tuple(lines))  # fmt: skip
 

@@ -39,7 +39,8 @@ from tandem.client import AsyncTandemClient, ModelInfo
 from tandem.client.errors import TandemClientError
 from tandem.errors import InvalidRequestError
 
-# Requests a duration-bounded run prepares up front (cycled if the run needs more).
+# Requests a duration-bounded run prepares up front; past them a file's are sent again
+# (cycled), and synthetic ones drawn anew, this many at a time.
 DURATION_POOL = 512
 
 
@@ -180,7 +181,7 @@ async def run_async(
         except TandemClientError as exc:
             raise TandemClientError(exc.code, f"cannot reach a router at {config.target}: "
                                     f"{exc.details}") from None  # fmt: skip
-        specs = await build_dataset(client, config, model)
+        specs, more = await build_dataset(client, config, model)
         turns = _Turns(specs, config.dataset.multi_turn)
         warmup = [turns.start(k) for k in range(min(config.num_warmup, len(specs)))]
         if warmup:
@@ -190,7 +191,7 @@ async def run_async(
                 for turn in warmup))  # fmt: skip
         if before_measured is not None:
             await asyncio.to_thread(before_measured)
-        result = await _measure(client, config, model, turns, len(warmup))
+        result = await _measure(client, config, model, turns, len(warmup), more)
         result.sent = turns.sent
         return result
 
@@ -217,6 +218,12 @@ class _Turns:
         self._followed = {link[0] for link in self.links if link is not None}
         self._latest: dict[int, _Turn] = {}  # the last send of each spec that is followed
         self.multi_turn = any(link is not None for link in self.links)
+
+    def extend(self, specs: list[RequestSpec]) -> None:
+        """More specs to send (synthetic ones: no turn follows another)."""
+        self.specs += specs
+        self.sent += specs
+        self.links += [None] * len(specs)
 
     def waits(self, k: int) -> bool:
         """Whether spec ``k`` is a follow-up: it waits for a reply, then for its slot."""
@@ -256,9 +263,11 @@ class _Turns:
 
 async def build_dataset(
     client: AsyncTandemClient, config: LoadConfig, model: ModelInfo
-) -> list[RequestSpec]:
-    """Warm-up specs first, then the measured ones."""
+) -> tuple[list[RequestSpec], Callable[[int], list[RequestSpec]] | None]:
+    """Warm-up specs first, then the measured ones; and for a synthetic dataset, where
+    more come from once those are sent (None: a file's are sent again)."""
     ds = config.dataset
+    more = None
     if config.num_requests is not None:
         n = config.num_warmup + config.num_requests
     elif math.isfinite(config.request_rate):
@@ -277,7 +286,11 @@ async def build_dataset(
                 f"--input-len + --output-len may reach {longest} tokens, over the "
                 f"context length {model.context_length} of {model.model_id}",
             )
-        specs = await datasets.synthetic(n, ds.input_len, ds.output_len, config.seed, count)
+        source = await datasets.SyntheticSource.calibrate(
+            ds.input_len, ds.output_len, config.seed, count
+        )
+        specs = await datasets.count_inputs(source.more(n), count)
+        more = source.more
     elif ds.kind == "jsonl":
         default = ds.file_output_len or int(ds.output_len.a)
         loaded = datasets.pick(datasets.load_jsonl(ds.path, default), n, config.seed, ds.in_order)
@@ -302,13 +315,19 @@ async def build_dataset(
                 f"request {i}: {s.input_len} prompt + {s.output_len} output tokens exceed "
                 f"the context length {model.context_length}",
             )
-    return specs
+    return specs, more
 
 
 async def _measure(
-    client: AsyncTandemClient, config: LoadConfig, model: ModelInfo, turns: _Turns, first: int
+    client: AsyncTandemClient,
+    config: LoadConfig,
+    model: ModelInfo,
+    turns: _Turns,
+    first: int,
+    more: Callable[[int], list[RequestSpec]] | None,
 ) -> LoadResult:
-    """Sends ``turns.specs[first:]`` (cycling), the measured requests."""
+    """Sends ``turns.specs[first:]``, the measured requests: as many as the run takes,
+    a file's again from the first (cycling), synthetic ones drawn anew (``more``)."""
     bounded = config.num_requests is not None
     offsets = _from_first(arrivals.schedule(config.request_rate, config.burstiness, config.seed))
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -317,7 +336,7 @@ async def _measure(
     tasks: list[asyncio.Task] = []
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.perf_counter()
-    positions = itertools.cycle(range(first, len(turns.specs)))
+    positions = _positions(turns, first, more)
     # Multi-turn: the last send of each spec. A cycled file sends a spec again only
     # once its last send is done, so at most one send of each waits for a reply
     # (else a follow-up-only cycle at an unlimited rate is scheduled without end).
@@ -357,6 +376,21 @@ async def _measure(
         bar.close()
     return LoadResult(config, model, records, duration, started_at,
                       summarize(records, duration, config.slo))  # fmt: skip
+
+
+def _positions(
+    turns: _Turns, first: int, more: Callable[[int], list[RequestSpec]] | None
+) -> Iterator[int]:
+    """Which spec to send next, from ``first`` on, for ever."""
+    k = first
+    while True:
+        if k == len(turns.specs):
+            if more is None:
+                k = first
+            else:
+                turns.extend(more(DURATION_POOL))
+        yield k
+        k += 1
 
 
 def _from_first(offsets: Iterator[float]) -> Iterator[float]:

@@ -7,7 +7,11 @@ every point samples from (a file smaller than the points together repeats
 prompts, as it does in vLLM's benchmark). Each point runs its own warm-up. The capacity
 is the highest point whose SLO attainment, and that of every lower point, is at
 least the target (default 90%): for a rate sweep, that point's offered rate; for
-a concurrency sweep, the request throughput it achieved. ``sweep.json`` records
+a concurrency sweep, the rate it sustains with that many requests in flight,
+concurrency / mean end-to-end latency (Little's law: the run's own throughput,
+completed requests over its duration, also counts the run's ramp-down, when
+fewer are in flight, and so understates the steady rate the more, the higher the
+concurrency is). ``sweep.json`` records
 it with the deployment under test (workers per pool, which the API cannot see,
 so they are given on the command line) for ``tandem plan``.
 """
@@ -52,9 +56,12 @@ class SweepConfig:
         if not 0 < self.target_attainment <= 1:
             raise InvalidRequestError("target_attainment", "--target-attainment must be in "
                                       f"(0, 1], got {self.target_attainment}")  # fmt: skip
-        if self.prefill_workers < 1 or self.decode_workers < 1:
-            raise InvalidRequestError("workers", "--prefill-workers and --decode-workers "
-                                      "must be >= 1")  # fmt: skip
+        if self.prefill_workers < 0 or self.decode_workers < 1:
+            raise InvalidRequestError(
+                "workers",
+                "--prefill-workers must be >= 0 (0: a colocated deployment) and "
+                "--decode-workers >= 1",
+            )
 
     @property
     def by(self) -> str:
@@ -105,8 +112,9 @@ def sweep_json(config: SweepConfig, points: list[dict]) -> dict:
         capacity_rps = None
     elif config.by == "request_rate":
         capacity_rps = cap["x"]
-    else:
-        capacity_rps = cap["summary"]["request_throughput"]
+    else:  # Little's law over the steady part of the run (see the module's docstring)
+        e2e_ms = cap["summary"]["e2e_ms"]["mean"]
+        capacity_rps = cap["x"] / (e2e_ms / 1e3) if e2e_ms else None
     base = config.base
     return {
         "by": config.by,

@@ -70,8 +70,8 @@ def test_composed_prompts_have_the_exact_token_count(counter):
     rng = np.random.default_rng(0)
     # Byte-level, the cheapest word costs 3 (" of"): from 4 tokens up every count is reachable.
     for n in (4, 5, 17, 64, 257):
-        prompt = composer.compose(n, rng)
-        assert run(counter(prompt=prompt)) == n, (n, prompt)
+        prompt, tokens = composer.compose(n, rng)
+        assert run(counter(prompt=prompt)) == tokens == n, (n, prompt)
 
 
 def test_synthetic_dataset_is_exact_repeatable_and_varied():

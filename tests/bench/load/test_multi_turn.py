@@ -212,6 +212,35 @@ def _duration_run(monkeypatch, client, dataset, pool: int, **settings):
     return asyncio.run(bounded())
 
 
+class _Prompts(_Timed):
+    """Counts a prompt's words as its tokens, and keeps every prompt sent."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.prompts: list[str] = []
+
+    async def tokenize(self, prompt=None, **kwargs):
+        return [1] * (1 + len(prompt.split()))
+
+    async def generate(self, **kwargs):
+        self.prompts.append(kwargs["prompt"])
+        async for chunk in super().generate(**kwargs):
+            yield chunk
+
+
+def test_a_synthetic_duration_run_draws_new_prompts_rather_than_send_them_again(monkeypatch):
+    # Sent again, a prompt would be a prefix-cache hit: the run would measure memory.
+    from tandem.bench.load.datasets import LengthDist
+
+    client = _Prompts(delay=0.002)
+    dataset = DatasetConfig(input_len=LengthDist("fixed", 40), output_len=LengthDist("fixed", 1))
+    result = _duration_run(monkeypatch, client, dataset, pool=8, duration_s=0.5,
+                           max_concurrency=4, num_warmup=0)  # fmt: skip
+    assert result.summary.completed == len(client.prompts) > 3 * 8  # past the pool, thrice
+    assert len(set(client.prompts)) == len(client.prompts)
+    assert {len(p.split()) for p in client.prompts} == {39}  # 40 tokens, as asked
+
+
 def test_a_cycled_duration_run_ends_though_a_turn_is_in_flight_when_it_comes_round(
     tmp_path, monkeypatch
 ):

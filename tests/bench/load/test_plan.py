@@ -134,6 +134,38 @@ def test_workers_for_a_target_rate_by_throughput_and_by_kv_memory(smol):
     assert (exact.prefill_workers, exact.decode_workers) == (2, 4)
 
 
+def test_the_plan_says_which_kv_cache_bytes_give_its_budget(smol):
+    m = plan.memory_plan(smol, Hardware(device_memory_gib=80), 4096)
+    per_block = 16 * m.kv_bytes_per_token
+    default = 512 * 2**20 // per_block  # what a worker holds unless told
+    assert m.lines[-1] == (
+        f"deploy with engine.kv_cache_bytes: {m.kv_budget_bytes} (the default, 512 MiB, "
+        f"holds {default:,} blocks = {default // 256:,} sequences)"
+    )
+    assert m.num_blocks == m.kv_budget_bytes // per_block > 100 * default
+
+
+def test_a_colocated_deployment_scales_its_decode_workers_only():
+    swept = _sweep(point=0)
+    swept["deployment"] = {"prefill_workers": 0, "decode_workers": 2}
+    w = plan.worker_plan(swept, target_rate=10.0, memory=None)
+    assert (w.prefill_workers, w.decode_workers) == (0, 5)
+    assert w.lines[-1] == "devices = 0 x 1 (prefill TP) + 5 x 1 (decode TP) = 5"
+
+
+def test_a_concurrency_sweeps_capacity_is_its_steady_rate_not_the_runs_throughput():
+    from tandem.bench.load.runner import LoadConfig
+    from tandem.bench.load.sweep import SweepConfig, sweep_json
+
+    # 32 in flight at 0.5 s each: 64 req/s while the run is full; its ramp-down, when
+    # fewer are in flight, brought the run's own throughput down to 50.
+    summary = {"slo_attainment": 1.0, "request_throughput": 50.0, "e2e_ms": {"mean": 500.0}}
+    config = SweepConfig(LoadConfig(target="x"), concurrencies=(32,), prefill_workers=0)
+    data = sweep_json(config, [{"x": 32, "summary": summary, "model": "m"}])
+    assert data["capacity_rps"] == pytest.approx(64.0)
+    assert data["deployment"] == {"prefill_workers": 0, "decode_workers": 1}
+
+
 def test_a_sweep_without_capacity_cannot_plan():
     with pytest.raises(InvalidRequestError, match="no point with SLO attainment >= 90%"):
         plan.worker_plan(_sweep(capacity=None), 1.0, None)

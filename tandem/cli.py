@@ -436,6 +436,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tandem.deploy.local import LocalCluster
     from tandem.router.public_port import PublicPort
+    from tandem.worker import EXIT_REASONS
 
     config = serve_config(args)
     PublicPort.load(config.router)  # a bad or unsafe setting fails now, not after the workers
@@ -480,12 +481,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if cluster.metrics_targets():
             print(f"tandem: Prometheus file_sd targets in {cluster.run_dir}/"
                   "prometheus-targets.json", flush=True)  # fmt: skip
-        while not stopping:
+        code = 0
+        while not stopping and not code:
             time.sleep(0.2)  # a signal's handler runs during the sleep
-        log.info("stopping: draining in-flight requests")
+            for proc in cluster.newly_exited():
+                why = EXIT_REASONS.get(proc.popen.returncode, "")
+                log.error("%s exited with code %d%s; its log: %s", proc.name,
+                          proc.popen.returncode, why and f" ({why})", proc.log_path)  # fmt: skip
+                if proc.name == "router":  # nothing serves the clients any more
+                    code = 1
+        log.info("stopping: draining in-flight requests" if not code else "stopping")
     finally:
         cluster.stop()
-    return 0
+    return code
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ timeout. Each process logs to ``<run dir>/<name>.log``.
 
 Inside, the cluster is encrypted with zero set-up: ``start`` creates a
 throw-away CA, a member certificate and a KV secret for this run (in
-``<run dir>/cluster/``, owner-only, deleted by ``stop``), and every process
+``<run dir>/cluster/``, owner-only, deleted as soon as every process has read it,
+so that a launcher killed outright leaves no key behind), and every process
 gets them through its config: the router calls the workers over mutual TLS and
 the workers authenticate their KV connections. A ``cluster:`` section naming
 the operator's own files is used instead; ``cluster: {insecure: true}`` runs
@@ -165,10 +166,12 @@ class LocalCluster:
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="tandem-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[_Process] = []
+        self._gone: list[_Process] = []  # exited, as newly_exited reported them
         self.address: str | None = None
         self.http_address: str | None = None  # the router's OpenAI-compatible API, if on
         self._lifeline: Lifeline | None = None  # open from start() to the end of stop()
         self._own_credentials: Path | None = None  # the throw-away set's directory
+        self._credentials: ClusterCredentials | None = None  # for dial(), from start()
         self.security = ClusterSecurityConfig()  # what every process got (set by start)
 
     def __enter__(self) -> LocalCluster:
@@ -184,6 +187,7 @@ class LocalCluster:
         self._lifeline = self._lifeline or Lifeline()
         try:
             cluster = self.security = self._cluster_security()
+            self._credentials = ClusterCredentials.load(cluster)
             prefill_cfg = dataclasses.replace(
                 cfg.prefill,
                 engine=dataclasses.replace(engine, tensor_parallel_size=cfg.width("prefill")),
@@ -220,6 +224,9 @@ class LocalCluster:
             )
             router = self._spawn("router", self.modules["router"], router_cfg)
             self._wait_ready(router)
+            # Every process has read the throw-away set: off the disk, where a launcher
+            # killed outright would leave it.
+            self._forget_credentials()
         except BaseException:
             self.stop()
             raise
@@ -260,7 +267,7 @@ class LocalCluster:
 
     def dial(self, address: str) -> grpc.Channel:
         """A blocking channel to one of this cluster's processes, as a member."""
-        credentials = ClusterCredentials.load(self.security)
+        credentials = self._credentials
         return grpc.insecure_channel(address) if credentials is None else credentials.dial(address)
 
     def _spawn(self, name: str, module: str, config) -> _Process:
@@ -310,27 +317,55 @@ class LocalCluster:
         )
 
     def stop(self) -> None:
-        """Router first (it drains), then workers; SIGKILL after the drain timeout."""
-        ordered = sorted(self.processes, key=lambda p: p.name != "router")
-        for group in (ordered[:1], ordered[1:]):
-            for p in group:
-                if p.popen.poll() is None:
-                    p.popen.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.config.drain_timeout_s
-            for p in group:
-                try:
-                    p.popen.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in time; killing it", p.name)
-                    p.popen.kill()
+        """Router first (it drains), then workers; SIGKILL after the drain timeout.
+
+        Each process leads a process group of its own, with its tensor-parallel ranks
+        in it: a stopped (SIGSTOP) member is continued so that it gets the SIGTERM,
+        and whatever of the group is left after the process ends or is killed (a rank
+        stuck in a collective) is killed with it. The credentials and the lifeline go
+        however the stop ends (a second Ctrl-C included)."""
+        try:
+            ordered = sorted(self.processes, key=lambda p: p.name != "router")
+            for group in (ordered[:1], ordered[1:]):
+                for p in group:
+                    if p.popen.poll() is None:
+                        _signal_group(p, signal.SIGCONT)
+                        p.popen.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + self.config.drain_timeout_s
+                for p in group:
+                    try:
+                        p.popen.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        log.warning("%s did not stop in time; killing it", p.name)
+                    _signal_group(p, signal.SIGKILL)
                     p.popen.wait()
-        self.processes.clear()
-        if self._own_credentials is not None:  # the key and the secret die with the run
+            self.processes.clear()
+            self._gone.clear()
+        finally:
+            self._forget_credentials()
+            if self._lifeline is not None:
+                self._lifeline.close()
+                self._lifeline = None
+
+    def newly_exited(self) -> list[_Process]:
+        """The processes that have exited since the last call (this launcher does not
+        restart them: the router moves a dead worker's requests to the others)."""
+        gone = [p for p in self.processes if p.popen.poll() is not None and p not in self._gone]
+        self._gone += gone
+        return gone
+
+    def _forget_credentials(self) -> None:
+        """The throw-away key and KV secret leave the disk (``dial`` keeps a copy)."""
+        if self._own_credentials is not None:
             shutil.rmtree(self._own_credentials, ignore_errors=True)
             self._own_credentials = None
-        if self._lifeline is not None:
-            self._lifeline.close()
-            self._lifeline = None
+
+
+def _signal_group(proc: _Process, sig: int) -> None:
+    try:
+        os.killpg(proc.popen.pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
 
 
 def _read_lines(stream, sink: list[str]) -> None:

@@ -374,6 +374,7 @@ class TensorParallel:
         log.error("%s: this worker cannot compute any more", self.lost)
         for proc in self._procs:
             proc.kill()
+        self._forget_store()
         if self.on_lost is not None:
             self.on_lost(self.lost)
 
@@ -383,12 +384,19 @@ class TensorParallel:
         self._closing = True
         for proc in self._procs:
             proc.kill()
+        self._forget_store()
+
+    def _forget_store(self) -> None:
+        """The group will never meet again (the worker is ending): its store goes now,
+        since the process may end by ``os._exit``, with no ``close``."""
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if self._closing:
             return
-        self.lost = f"tensor-parallel rank {rank} exited with code {code}"
+        self.lost = f"tensor-parallel rank {rank} exited with code {code}"  # before fail() can
+        self._forget_store()
         log.error("%s: this worker cannot compute without it", self.lost)
         if self.on_lost is not None:
             self.on_lost(self.lost)
@@ -445,7 +453,8 @@ def follower(stdin: IO[bytes], stdout: IO[bytes]) -> int:
     start: _Start | None = _recv(stdin)
     if start is None:
         return 0
-    threading.Thread(target=_exit_when_orphaned, args=(stdin,), daemon=True).start()
+    watch = threading.Thread(target=_exit_when_orphaned, args=(stdin, start.store), daemon=True)
+    watch.start()
     logs.configure(f"tp-rank-{start.rank}")
     config, shard = start.config, Shard(start.rank, start.config.tensor_parallel_size)
     device = rank_device(resolve_device(config.device), shard.rank)
@@ -501,15 +510,17 @@ def _apply(kv, op: tuple) -> None:
         raise ValueError(f"unknown KV operation {kind!r}")
 
 
-def _exit_when_orphaned(stdin: IO[bytes]) -> None:
+def _exit_when_orphaned(stdin: IO[bytes], store: str) -> None:
     """Rank 0's end of this rank's stdin closed (it exited, however): end now, even
     while loading the weights or waiting for the others to meet, not at the next
-    message."""
+    message; and take the group's store with it, which a rank 0 that ended by
+    ``os._exit`` or a signal left behind."""
     hangup = select.poll()
     hangup.register(stdin.fileno(), 0)  # hang-ups and errors only
     while True:
         for _, event in hangup.poll():
             if event & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                shutil.rmtree(os.path.dirname(store), ignore_errors=True)
                 os._exit(0)
 
 

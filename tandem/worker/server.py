@@ -6,7 +6,9 @@
               grpc.health.v1 ("" and the role's service)
     stop()    NOT_SERVING first (routers stop placing here), no new RPCs, in-flight
               ones get ``grace`` seconds and are then cancelled; whatever is left
-              in the engine is aborted (blocks freed) before its thread stops
+              in the engine is aborted (blocks freed) before its thread stops (an
+              engine that does not answer within 10 s is hung: the worker stops
+              without it, its other ranks killed)
 
 Liveness and load are separate signals: ``Status`` and health never wait for the
 engine. The engine thread publishes its numbers (queues, batch, KV blocks) into a
@@ -70,13 +72,12 @@ from tandem.kv_transfer.base import TransferMetrics
 from tandem.metrics import MetricsEndpoint, WorkerMetrics
 from tandem.security.cluster import ClusterCredentials
 from tandem.security.tls import is_loopback
+from tandem.worker import EXIT_DEVICE_FAULT, EXIT_ENGINE_STALLED, EXIT_RANK_LOST
 from tandem.worker.step_cost import StepCost
 
 log = logging.getLogger(__name__)
-EXIT_RANK_LOST = 3  # the worker's exit code when one of its tensor-parallel ranks died
-EXIT_ENGINE_STALLED = 4  # ... when its engine was stuck in one step (the watchdog)
-EXIT_DEVICE_FAULT = 5  # ... when a step failed in the device's runtime (a CUDA error)
 _EXIT_LOG_S = 5.0  # how long an exiting worker gives its last log line
+_ENGINE_ANSWER_S = 10.0  # how long a stopping worker waits for its engine, drained
 
 
 class EngineLoad(NamedTuple):
@@ -249,7 +250,13 @@ class WorkerServer(abc.ABC):
         await self._server.stop(grace)
         self._server = None
         # Cancelled handlers queued their clean-up first; this runs after it (FIFO).
-        await self.loop.call(self._abort_all)
+        try:
+            await asyncio.wait_for(self.loop.call(self._abort_all), _ENGINE_ANSWER_S)
+        except asyncio.TimeoutError:  # a hung engine: the process ends without it
+            log.error("%s worker %s: the engine did not answer within %g s; stopping "
+                      "without it", self.role, self.address, _ENGINE_ANSWER_S)  # fmt: skip
+            if self.engine.tensor_parallel is not None:
+                self.engine.tensor_parallel.kill()
         self.loop.stop()
         self._close_transfer()
         if self._owns_engine:

@@ -129,6 +129,30 @@ def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
         _kill(proc)
 
 
+def test_serve_reports_a_process_that_dies_and_ends_when_the_router_does(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().startswith("tandem: serving tiny-random on ")
+        by_role = {}
+        for child in psutil.Process(proc.pid).children():
+            config = child.cmdline()[child.cmdline().index("--config") + 1]
+            by_role[Path(config).stem] = child
+        by_role["decode-0"].kill()  # a worker: the router moves its requests on
+        time.sleep(1.0)
+        assert proc.poll() is None, "serve ended with a worker"
+        by_role["router"].kill()  # nothing serves the clients any more
+        assert proc.wait(30) == 1
+        err = proc.stderr.read()
+        assert "decode-0 exited with code -9; its log: " in err
+        assert "router exited with code -9; its log: " in err
+        assert not survivors(list(by_role.values()), within_s=10.0)
+    finally:
+        _kill(proc)
+
+
 def _config(tmp_path, port: int, num_blocks: int = 64):
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({

@@ -219,6 +219,9 @@ def test_a_rank_that_dies_fails_the_next_step_and_is_reported():
         while not lost and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lost == ["tensor-parallel rank 1 exited with code -9"]
+        # The group never meets again: its store is gone before the worker exits, which
+        # it does by os._exit, with no close().
+        assert not os.path.exists(engine.tensor_parallel._store_dir)
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
         with pytest.raises(RuntimeError, match="rank 1 exited"):
             engine.step()

@@ -23,8 +23,9 @@ well succeed (a bug that one request's input reached). Not after an error of the
 device's runtime (``torch.AcceleratorError``: a CUDA error), after which the device's
 state is not to be trusted and every later step fails too: a worker that went on
 would fail each request it is given, fast, and so look the least loaded. Such a
-step goes to ``on_device_fault`` first, and the worker exits, which hands its
-requests to the router for migration rather than failing them.
+step goes to ``on_device_fault`` first: the worker tries the device, and if that
+fails too it exits, which hands its requests to the router for migration rather
+than failing them.
 """
 
 from __future__ import annotations

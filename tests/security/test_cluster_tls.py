@@ -20,6 +20,7 @@ import yaml
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.client import TandemClient
 from tandem.security import pki
+from tandem.security.cluster import ClusterCredentials
 from tandem.security.tls import channel_credentials
 
 NAME = ("grpc.ssl_target_name_override", pki.CLUSTER_SERVER_NAME)
@@ -27,13 +28,18 @@ NAME = ("grpc.ssl_target_name_override", pki.CLUSTER_SERVER_NAME)
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """`tandem serve` on tiny-random: (router address, run dir, {role: worker address})."""
+    """`tandem serve` on tiny-random: (router address, the cluster's credentials'
+    directory, {role: worker address}). The operator's own credentials: a run's
+    throw-away set leaves the disk once every process has read it."""
     tmp = tmp_path_factory.mktemp("serve")
+    own = ClusterCredentials.create().write(tmp / "cluster")
     config = tmp / "cluster.yaml"
     config.write_text(yaml.safe_dump({
         "threads_per_worker": 1,
         "engine": {"model": "tiny-random", "num_blocks": 64},
         "router": {"port": 0},
+        "cluster": {name: getattr(own, name)
+                    for name in ("ca_file", "cert_file", "key_file", "kv_secret_file")},
     }))  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--config", str(config)],
@@ -49,10 +55,9 @@ def served(tmp_path_factory):
         for role in ("prefill", "decode"):
             log = (run_dir / f"{role}-0.log").read_text()
             workers[role] = re.search(rf"{role} worker (\S+) serving", log).group(1)
-        yield match.group(1), run_dir, workers
+        yield match.group(1), tmp, workers
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
-        assert not (run_dir / "cluster").exists(), "the run's key and KV secret outlived it"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -60,11 +65,11 @@ def served(tmp_path_factory):
 
 
 def test_the_router_streams_through_workers_that_speak_mutual_tls(served):
-    address, run_dir, workers = served
+    address, creds_dir, workers = served
     with TandemClient(address, timeout=60) as client:
         done = client.complete("hello", max_tokens=4, ignore_eos=True)
     assert done.usage.completion_tokens == 4
-    ca = str(run_dir / "cluster" / "ca.pem")
+    ca = str(creds_dir / "cluster" / "ca.pem")
     for role, worker in workers.items():
         host, port = worker.rsplit(":", 1)
         context = ssl.create_default_context(cafile=ca)  # verifies chain and name
@@ -97,8 +102,8 @@ def _status(role: str, address: str, credentials: grpc.ChannelCredentials | None
 
 
 def test_workers_refuse_callers_without_the_cluster_certificate(served):
-    _, run_dir, workers = served
-    cluster = run_dir / "cluster"
+    _, creds_dir, workers = served
+    cluster = creds_dir / "cluster"
     ca = (cluster / "ca.pem").read_bytes()
     stranger_ca = pki.make_ca("someone else's CA")
     stranger = pki.cluster_member(stranger_ca)  # the right name, the wrong CA
@@ -115,8 +120,8 @@ def test_workers_refuse_callers_without_the_cluster_certificate(served):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_prefill_and_decode_refuse_a_caller_without_a_certificate(served, role):
-    _, run_dir, workers = served
-    ca = (run_dir / "cluster" / "ca.pem").read_bytes()
+    _, creds_dir, workers = served
+    ca = (creds_dir / "cluster" / "ca.pem").read_bytes()
     with grpc.secure_channel(workers[role], channel_credentials(ca), options=[NAME]) as channel:
         if role == "prefill":
             call = worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(

@@ -250,6 +250,7 @@ class WorkerServer(abc.ABC):
         await self._server.stop(grace)
         self._server = None
         # Cancelled handlers queued their clean-up first; this runs after it (FIFO).
+        join_s = 10.0
         try:
             await asyncio.wait_for(self.loop.call(self._abort_all), _ENGINE_ANSWER_S)
         except asyncio.TimeoutError:  # a hung engine: the process ends without it
@@ -257,7 +258,8 @@ class WorkerServer(abc.ABC):
                       "without it", self.role, self.address, _ENGINE_ANSWER_S)  # fmt: skip
             if self.engine.tensor_parallel is not None:
                 self.engine.tensor_parallel.kill()
-        self.loop.stop()
+            join_s = 0.1  # its thread will not end
+        self.loop.stop(join_s)
         self._close_transfer()
         if self._owns_engine:
             self.engine.close()

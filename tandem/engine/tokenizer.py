@@ -10,7 +10,6 @@ ever sent to a client.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -42,6 +41,7 @@ class Tokenizer:
         # <|end_of_text|> in generation_config), so this is a set, not one id.
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf_tokenizer)
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers so far
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None) -> Tokenizer:
@@ -85,11 +85,16 @@ class Tokenizer:
         text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self._hf.encode(text, add_special_tokens=False))
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, kept
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, b"" for a special token (which ``decode``
         skips). A token may hold part of a UTF-8 character, which it decodes to U+FFFD
         alone: OpenAI's logprobs carry these bytes so that clients can join them."""
+        known = self._token_bytes.get(token_id)
+        if known is None:
+            known = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return known
+
+    def _bytes_of(self, token_id: int) -> bytes:
         hf = self._hf
         added = hf.added_tokens_decoder.get(token_id)  # its text as written, not in bytes
         if added is not None:

@@ -97,6 +97,26 @@ def test_records_put_before_a_close_are_still_taken(memory) -> None:
         ring.get(timeout_s=0)
 
 
+def test_a_record_put_as_the_consumer_finds_the_ring_empty_then_closed_is_taken(memory) -> None:
+    # The producer's last record (an ack) and its close land between the consumer's
+    # look at an empty ring and its look at the closed flag.
+    producer, consumer = Ring(memory, CAPACITY), Ring(memory, CAPACITY)
+    take, looks = consumer._take, []
+
+    def take_then_the_producer_acts():
+        record = take()
+        if not looks:
+            assert producer.put(b"the last ack")
+            producer.close()
+        looks.append(record)
+        return record
+
+    consumer._take = take_then_the_producer_acts
+    assert consumer.get(timeout_s=0.5) == b"the last ack"
+    with pytest.raises(RingClosed):
+        consumer.get(timeout_s=0)
+
+
 @pytest.mark.parametrize(
     "scribble, match",
     [

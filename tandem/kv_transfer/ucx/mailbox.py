@@ -178,7 +178,10 @@ class Ring:
             record = self._take()
             if record is not None:
                 return record
-            if h.closed:
+            if h.closed:  # one look more: a record may have come just before the close
+                record = self._take()
+                if record is not None:
+                    return record
                 raise RingClosed()
             left = deadline - time.monotonic()
             if left <= 0:

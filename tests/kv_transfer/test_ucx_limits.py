@@ -187,3 +187,47 @@ def test_a_receiver_closed_at_any_moment_never_uses_a_freed_endpoint(script: str
         busy.kill()
         busy.wait()
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_a_stalled_read_holds_the_senders_frames_back_and_fails_no_request(monkeypatch) -> None:
+    # Frames over UCX (no mailbox, as between hosts): while one read stalls, a busy
+    # sender's layer-by-layer frames pile up past the receiver's queue. They wait in
+    # UCX; dropping the connection would fail every request on it.
+    from tandem.kv_transfer import TransferError
+    from tandem.kv_transfer.ucx import mailbox
+    from tandem.kv_transfer.ucx import receiver as ucx_receiver
+    from tests.kv_transfer.conftest import LAYERS
+
+    monkeypatch.setattr(ucx_receiver, "MAX_QUEUED_FRAMES", 64)
+    monkeypatch.setattr(mailbox, "supported", lambda: False)
+    read, stalled = CacheMemory.read, []
+
+    def stall_once(*args, **kwargs):
+        if not stalled:
+            stalled.append(True)
+            time.sleep(2.0)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(CacheMemory, "read", stall_once)
+    rside, sside = make_side(200), make_side(200, seed=1, ucx=True)
+    receiver = make_receiver("ucx", rside.kv, fingerprint(), map_peers=False)
+    sender = make_sender("ucx", sside.kv, fingerprint(), ack_timeout_s=30)
+    try:
+        futures = []
+        for i in range(160 // LAYERS + 1):  # past the queue twice over
+            dest = receiver.expect(f"r{i}", rside.pool.allocate(1), 60)
+            src = sside.pool.allocate(1)
+            for layer in range(LAYERS - 1):
+                sender.send_layers(dest, src, (layer, layer + 1))
+            futures.append(sender.send(dest, src, 1))
+        outcomes = []
+        for future in futures:
+            try:
+                future.result(60)
+                outcomes.append("done")
+            except TransferError as exc:
+                outcomes.append(exc.reason)
+        assert stalled and outcomes == ["done"] * len(futures)
+    finally:
+        sender.close()
+        receiver.close()

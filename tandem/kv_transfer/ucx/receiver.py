@@ -66,7 +66,10 @@ _ABORT_PERIOD_NS = 10**9
 _CLOSE_WAIT_S = rma.READ_TIMEOUT_S + 5
 
 
-# Frames read but not yet delivered, per connection; past it the sender is dropped.
+# Frames read but not yet delivered, per connection; past it no more are read until
+# the delivery thread has taken half of them (one slow read holds that thread up to
+# rma.READ_TIMEOUT_S, while a busy sender goes on sending a frame per layer of each
+# request): the sender's frames wait in UCX meanwhile, and no request is failed.
 MAX_QUEUED_FRAMES = 4096
 # How long an ack may wait for room in a full mailbox before the sender is dropped.
 _ACK_ROOM_S = 10.0
@@ -292,8 +295,9 @@ class UcxReceiver(CoreReceiver):
     async def _queue_frames(self, conn: _Connection, reader: wire.Reader) -> None:
         while True:
             conn.frames.put(_parse_frame(await reader.next()))
-            if conn.frames.qsize() > MAX_QUEUED_FRAMES:
-                raise wire.ProtocolError(f"over {MAX_QUEUED_FRAMES} frames not yet delivered")
+            if conn.frames.qsize() > MAX_QUEUED_FRAMES:  # the delivery thread is behind
+                while conn.frames.qsize() > MAX_QUEUED_FRAMES // 2 and not conn.ending:
+                    await asyncio.sleep(0.005)
 
     def _mailbox_frames(self, conn: _Connection) -> Iterator[MessageHeader | str]:
         """The frames of a connection with a mailbox, as they come, until it ends;

@@ -5,8 +5,9 @@
 - ``Unauthenticated``  (UNAUTHENTICATED) no API key, or one the router does not know;
 - ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff (the router's
   bound, or the API key's own: its streams or its rate);
-- ``AlreadyInFlight``  (ALREADY_EXISTS) a request with this request_id is in flight:
-  pick another id (a UUID), or send it again once that one has ended;
+- ``AlreadyInFlight``  (ALREADY_EXISTS) a request with this request_id is in flight
+  under the same API key: pick another id (a UUID), or send it again once that one
+  has ended;
 - ``Unavailable``      (UNAVAILABLE) no worker of a pool can serve, or one died mid-request;
 - ``DeadlineExceeded`` (DEADLINE_EXCEEDED) the timeout passed; every stage stopped;
 - ``Cancelled``        (CANCELLED) the call was cancelled;

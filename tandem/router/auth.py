@@ -65,6 +65,12 @@ class ApiKey:
     max_streams: int | None = None  # None: RouterConfig.key_max_streams; 0: no limit
     requests_per_s: float | None = None  # None: RouterConfig.key_requests_per_s; 0: none
 
+    @property
+    def tenant(self) -> str:
+        """The namespace of this key's request ids (12 hex digits of the digest): keys
+        with the same name still never share ids."""
+        return self.digest.hex()[:12]
+
 
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()

@@ -55,9 +55,17 @@ class CheckedRequest:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    request_id: str
+    request_id: str  # the client's
     prompt_ids: list[int]
     params: SamplingParams
+    tenant: str = ""  # the API key's tag ("": keys are off), see ``worker_id``
+
+    @property
+    def worker_id(self) -> str:
+        """The request's id in the router's and the workers' books: the client's id
+        within its key's namespace, so that one key's caller can neither block nor
+        learn of another key's ids ("~" is outside the ids a client may choose)."""
+        return f"{self.tenant}~{self.request_id}" if self.tenant else self.request_id
 
 
 class Frontend:
@@ -116,10 +124,10 @@ class Frontend:
             return wire.chat_from_proto(request.chat)
         raise InvalidRequestError("input", "one of prompt or chat must be set")
 
-    async def prepare(self, checked: CheckedRequest) -> PreparedRequest:
+    async def prepare(self, checked: CheckedRequest, tenant: str = "") -> PreparedRequest:
         prompt_ids = await self.encode(checked.text)
         check_request(prompt_ids, checked.params, self.context_length, self.vocab_size)
-        return PreparedRequest(checked.request_id, prompt_ids, checked.params)
+        return PreparedRequest(checked.request_id, prompt_ids, checked.params, tenant)
 
     async def encode(self, text: TextInput) -> list[int]:
         """The prompt's token ids (raw text as is, chat through the chat template),

@@ -58,7 +58,7 @@ class Gateway:
             request_id = checked.request_id
             logs.request_id.set(request_id)  # this task's log lines carry it
             with self.admission.admit(key):
-                prepared = await self.frontend.prepare(checked)
+                prepared = await self.frontend.prepare(checked, key.tenant if key else "")
                 stream = self.relay.generate(prepared, timeout, track.arrived)
                 async with aclosing(stream):
                     async for response in stream:

@@ -8,9 +8,10 @@ message never echoes the offending text. The defaults (RouterConfig):
     max_prompt_chars    32 x the context length (chat: the contents' total)
     max_chat_messages   2048
     max_stop_strings    16, each at most max_stop_chars (256)
-    request_id          at most 200 characters (workers take 256, minus "/<n>" suffixes),
-                        ASCII letters, digits and ``._:@+=-``: no "/", which the
-                        router appends to a migrated attempt's id on the workers, and
+    request_id          at most 200 characters (workers take 256, minus the API key's
+                        "<tenant>~" prefix and "/<n>" suffixes), ASCII letters, digits
+                        and ``._:@+=-``: no "~" or "/", which the router adds to the
+                        id on the workers (frontend.PreparedRequest.worker_id), and
                         nothing that could break a log line (newlines, quotes)
 
 The message as a whole is bounded by gRPC (``max_request_bytes``) before any of
@@ -27,7 +28,8 @@ from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.config import RouterConfig
 from tandem.errors import InvalidRequestError
 
-# Workers take ids of up to 256 characters; a migrated attempt appends "/<n>".
+# Workers take ids of up to 256 characters; the router prefixes an API key's 12-hex
+# tenant and "~", and a migrated attempt appends "/<n>".
 MAX_REQUEST_ID_CHARS = 200
 REQUEST_ID_ALPHABET = "ASCII letters, digits and . _ : @ + = -"
 _REQUEST_ID_OUTSIDE = re.compile(r"[^A-Za-z0-9._:@+=-]")

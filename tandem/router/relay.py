@@ -179,7 +179,7 @@ class Relay:
         self._failed_paths: dict[tuple[str, str], float] = {}
         self.capacity = DecodeCapacity()
         self.migrations = 0  # attempts started after a lost one, since start
-        self._active: set[str] = set()  # request ids in flight
+        self._active: set[str] = set()  # worker ids (PreparedRequest.worker_id) in flight
 
     async def generate(
         self, req: PreparedRequest, timeout: float | None, arrived: float | None = None
@@ -189,12 +189,12 @@ class Relay:
         its queue time."""
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if timeout is None else time.monotonic() + timeout
-        if req.request_id in self._active:
+        if req.worker_id in self._active:
             # Workers key KV reservations and transfers by request id.
             raise RouterError(
                 Code.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
             )
-        self._active.add(req.request_id)  # before any wait: a twin arriving meanwhile is refused
+        self._active.add(req.worker_id)  # before any wait: a twin arriving meanwhile is refused
         try:
             if self.routing.needs_prefill_pool and not await self._any_placeable(
                 Pool.PREFILL, deadline
@@ -205,7 +205,7 @@ class Relay:
                 async for response in responses:
                     yield response
         finally:
-            self._active.discard(req.request_id)
+            self._active.discard(req.worker_id)
 
     async def _run(
         self, req: PreparedRequest, deadline: float | None, arrived: float
@@ -213,7 +213,7 @@ class Relay:
         streamed: list[int] = []  # output tokens the client has, across attempts
         avoid: list[Worker] = []  # the workers of lost attempts
         for attempt in range(self.max_migrations + 1):
-            worker_id = req.request_id if attempt == 0 else f"{req.request_id}/{attempt}"
+            worker_id = req.worker_id if attempt == 0 else f"{req.worker_id}/{attempt}"
             worker_req = wire.worker_request(
                 worker_id, req.prompt_ids, req.params, output_ids=streamed
             )

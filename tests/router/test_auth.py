@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.client import AsyncTandemClient, Overloaded, Unauthenticated
+from tandem.client import AsyncTandemClient, Overloaded, TandemClientError, Unauthenticated
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.router.admission import Admission, TokenBucket
@@ -319,5 +319,32 @@ def test_a_message_that_does_not_parse_is_invalid_argument_after_the_key_check(f
                     pass
             assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert c.worker_calls() == 0
+
+    run(scenario())
+
+
+def test_request_ids_are_each_keys_own(frontend, keys_file):
+    # Workers key reservations by request id: without a namespace per key, one
+    # caller could learn of another key's ids in flight, or block them, by trying
+    # the same id.
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode], connect={"api_key": ALICE},
+                           api_keys_file=keys_file) as c:  # fmt: skip
+            first = asyncio.create_task(c.client.complete("hello", request_id="job-1"))
+            await wait_until(lambda: decode.calls, what="alice's stream placed")
+            async with AsyncTandemClient(c.router.address, timeout=10, api_key=BOB) as bob:
+                second = asyncio.create_task(bob.complete("hello", request_id="job-1"))
+                await wait_until(lambda: len(decode.calls) == 2, what="bob's stream placed")
+                with pytest.raises(TandemClientError) as info:  # bob's own id is in flight
+                    await bob.complete("hello", request_id="job-1")
+                assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
+                decode.gate.set()
+                assert (await second).request_id == "job-1"
+            assert (await first).request_id == "job-1"
+            on_workers = [call.request.request.request_id for call in decode.calls]
+            keys = {k.name: k for k in ApiKeys.load(RouterConfig(api_keys_file=keys_file)).keys}
+            tenants = [keys["alice"].tenant, keys["bob"].tenant]
+            assert on_workers == [f"{tenant}~job-1" for tenant in tenants]
 
     run(scenario())

@@ -20,6 +20,13 @@ needs ``preexec_fn``, which is unsafe in a threaded launcher. Polling
 ``os.getppid()`` works but notices only at the next poll; the pipe wakes the
 child at once and has no pid-reuse race.
 
+A stopped child (SIGSTOP, a debugger, a job-control stop) runs no thread, so it
+would never read the EOF. So the child also asks the kernel for SIGCONT when its
+parent exits (PR_SET_PDEATHSIG with SIGCONT, set by the child itself, not in
+``preexec_fn``): the stopped child resumes and its watch reads the EOF. SIGCONT to
+a running process does nothing, so a signal sent early (the forking thread ended)
+is harmless. Tensor-parallel ranks, whose lifeline is their stdin, do the same.
+
 On launcher death the child sends itself SIGTERM, which takes the path of an
 ordinary ``kill``: stop accepting, close streams and the KV transport with
 their own shutdown code, exit. A clean stop is tried first because some
@@ -40,6 +47,7 @@ MODULE as ``python -m MODULE ARGS...`` would, so the entry points themselves
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import runpy
@@ -48,6 +56,7 @@ import sys
 import threading
 
 ENV = "TANDEM_LIFELINE_FD"
+_PR_SET_PDEATHSIG = 1
 GRACE_S = 2  # SIGTERM to SIGALRM (whole seconds); detection is immediate, so gone in ~2 s
 
 log = logging.getLogger("tandem.deploy.lifeline")  # __name__ is __main__ when run
@@ -79,8 +88,20 @@ class Lifeline:
                 pass  # already closed
 
 
+def continue_when_orphaned() -> None:
+    """Have the kernel send this process SIGCONT when its parent exits, so that a
+    stopped process runs again and its own watch sees the parent gone. Linux only
+    (elsewhere a stopped child stays stopped until continued)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG): %s", os.strerror(ctypes.get_errno()))
+
+
 def watch(fd: int, grace_s: int = GRACE_S) -> threading.Thread:
     """In the child (main thread): stop this process once ``fd`` (the read end) reaches EOF."""
+    continue_when_orphaned()
     os.set_inheritable(fd, False)  # our own children are not the launcher's to watch
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the alarm must end the process
 

@@ -79,6 +79,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from tandem.deploy.lifeline import continue_when_orphaned
 from tandem.engine.model_config import ModelConfig
 from tandem.errors import ConfigError
 from tandem.kv_transfer.heads import kv_head_slice
@@ -529,6 +530,7 @@ def main() -> int:
     # are rank 0's to act on: it drains, then ends this rank through the lifeline.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    continue_when_orphaned()  # a stopped rank resumes to see rank 0 gone
     stdin = sys.stdin.buffer
     # fd 1 carries "ready" only; anything else written there (native libraries' logs)
     # goes to stderr, and never fills a pipe that rank 0 stops reading.

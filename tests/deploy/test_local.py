@@ -100,7 +100,8 @@ threading.Event().wait()
 
 
 def test_children_are_gone_within_seconds_after_the_launcher_is_sigkilled(tmp_path):
-    # prefill-1 ignores SIGTERM: the lifeline's hard exit must end it too.
+    # prefill-1 ignores SIGTERM: the lifeline's hard exit must end it too. The last
+    # child is stopped (SIGSTOP): it runs no thread until the kernel continues it.
     env = {**os.environ, "FAKE_MODE_PREFILL": "stubborn"}
     launcher = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
@@ -110,6 +111,7 @@ def test_children_are_gone_within_seconds_after_the_launcher_is_sigkilled(tmp_pa
         children = [psutil.Process(int(pid)) for pid in line.split()]
         assert len(children) == 4, line
         assert all(alive(p) for p in children)
+        children[-1].suspend()
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(60)
         left = survivors(children, within_s=5.0)

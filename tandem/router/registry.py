@@ -67,9 +67,16 @@ class Worker:
     closing: list[asyncio.Task] = field(default_factory=list)
 
     def load(self) -> WorkerLoad:
+        queue = self.queue_depth + self.placed_since_poll
+        # A worker's Status numbers date from before its current engine step, and the
+        # requests sent during that step are not in them: a poll must not erase them, or
+        # a worker in a long step (a long prompt's prefill) looks empty after every
+        # poll and takes nearly every request. What this router has in flight there is
+        # a floor on its load.
+        queue += max(0, self.inflight - queue - self.running)
         return WorkerLoad(
             address=self.address,
-            queue_depth=self.queue_depth + self.placed_since_poll,
+            queue_depth=queue,
             running=self.running,
             kv_blocks_free=max(0, self.kv_blocks_free - self.reserved_since_poll),
             inflight=self.inflight,
@@ -191,17 +198,30 @@ class WorkerRegistry:
         await asyncio.gather(*(t for w in workers for t in w.closing), return_exceptions=True)
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(w) for w in self.workers()))
+        await asyncio.gather(*(self._poll_guarded(w) for w in self.workers()))
         polled, self._polled = self._polled, None
         if polled is not None:
             polled.set()
 
     async def _poll_forever(self, after_poll: Callable[[], Awaitable[None]] | None) -> None:
         while True:
-            await self.poll_once()
-            if after_poll is not None:
-                await after_poll()
+            try:
+                await self.poll_once()
+                if after_poll is not None:
+                    await after_poll()
+            except Exception:  # one bad round must not end every later one
+                log.exception("status poll round failed")
             await asyncio.sleep(self.status_interval_s)
+
+    async def _poll_guarded(self, worker: Worker) -> None:
+        """``_poll``, with any failure but a failed call (a reply this router cannot
+        read: another version's) taking the worker out of placement, not the poller."""
+        try:
+            await self._poll(worker)
+        except Exception as exc:
+            log.exception("%s worker %s: Status reply not understood", worker.pool.value,
+                          worker.address)  # fmt: skip
+            self.mark_down(worker, f"Status reply not understood ({exc!r})")
 
     async def _poll(self, worker: Worker) -> None:
         # Generous: one poll is outstanding per worker, and only the window below counts.
@@ -223,7 +243,7 @@ class WorkerRegistry:
         if status.role != _ROLES[worker.pool]:
             self.mark_down(
                 worker,
-                f"it reports role {worker_pb2.Role.Name(status.role)}, "
+                f"it reports role {_role_name(status.role)}, "
                 f"but it was registered as a {worker.pool.value} worker",
             )
             return
@@ -243,3 +263,11 @@ class WorkerRegistry:
 
     def _close(self, worker: Worker) -> None:
         worker.closing.append(asyncio.ensure_future(worker.channel.close()))
+
+
+def _role_name(role: int) -> str:
+    """The role's name, or its number when this version does not know it."""
+    try:
+        return worker_pb2.Role.Name(role)
+    except ValueError:
+        return str(role)

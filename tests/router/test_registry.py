@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from tandem.router import Pool
 from tests.router.fakes import FakeDecode, FakePrefill, cluster, serve, wait_until
@@ -102,5 +103,54 @@ def test_removing_a_worker_lets_its_running_request_finish(frontend):
             c.router.remove_worker("decode", decode.address)
             decode.gate.set()
             assert (await task).token_ids == (10, 11, 12, 13, 14)
+
+    run(scenario())
+
+
+def test_a_status_reply_the_router_cannot_read_takes_out_its_worker_not_the_poller(frontend):
+    # A role this version does not know (another version's worker): before, the
+    # exception ended the poller, and no worker's health changed again.
+    async def scenario():
+        good = FakeDecode()
+        async with cluster(frontend, decode=[good], status_interval_s=0.05) as c:
+            odd = await serve(FakeDecode(role=7))
+            try:
+                c.router.add_worker("decode", odd.address)
+                await wait_until(lambda: odd.address not in healthy(c, Pool.DECODE), what="odd")
+                good.status_fails = True
+                await wait_until(lambda: good.address not in healthy(c, Pool.DECODE), what="drop")
+                good.status_fails = False
+                await wait_until(lambda: good.address in healthy(c, Pool.DECODE), what="return")
+                assert not c.router.registry._poller.done()
+            finally:
+                await odd.stop()
+
+    run(scenario())
+
+
+@dataclass
+class LiveQueue(FakePrefill):
+    """Reports the calls it holds as its queue, as a worker between steps does."""
+
+    async def Status(self, request, context):
+        self.queue_depth = sum(not call.finished and call.cancelled_at is None
+                               for call in self.calls)  # fmt: skip
+        return await super().Status(request, context)
+
+
+def test_a_worker_whose_status_lags_its_requests_is_not_piled_onto(frontend):
+    # A worker answers Status with numbers from before its current step (here: one
+    # that never ends, so it always reports an empty queue); the requests it got
+    # since are in the router's in-flight count only. Before, every poll erased
+    # them, and the lagging worker took nearly every request.
+    async def scenario():
+        lagging, live = FakePrefill(delay_s=2.0), LiveQueue(delay_s=2.0)
+        async with cluster(frontend, [lagging, live], status_interval_s=0.02) as c:
+            tasks = []
+            for _ in range(10):
+                tasks.append(asyncio.create_task(c.client.complete("hello")))
+                await asyncio.sleep(0.05)  # a poll between any two
+            await asyncio.gather(*tasks)
+            assert 4 <= len(lagging.calls) <= 6, (len(lagging.calls), len(live.calls))
 
     run(scenario())

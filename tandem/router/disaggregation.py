@@ -85,14 +85,14 @@ class PrefillRouting:
                 parts.append(f"{where}: " + ", ".join(f"{n} {r}" for r, n in mine))
         return "; ".join(parts) or "none"
 
+    def count(self, decision: Decision) -> None:
+        """``decision`` was taken for a request (its reservation made): once per
+        attempt, not per decode worker tried."""
+        self.counts[decision.reason] += 1
+
     def decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
         """``tokens``: to prefill on the decode worker (see rule 2); ``prefill``: the
         live prefill workers' loads; ``decode``: the chosen decode worker's."""
-        decision = self._decide(tokens, prefill, decode)
-        self.counts[decision.reason] += 1
-        return decision
-
-    def _decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
         c = self.config
         if c.mode == "always":
             return ALWAYS

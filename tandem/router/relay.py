@@ -378,6 +378,8 @@ class Relay:
             candidates = self._candidates(Pool.DECODE, tried, avoid)
             if not candidates:
                 break
+            if tried:  # the last one failed at its door: given to another
+                self.metrics.retried(Pool.DECODE.value)
             worker = self._pick(Pool.DECODE, candidates, tokens)
             tried.append(worker)
             timeout = _remaining(deadline)
@@ -395,7 +397,6 @@ class Relay:
                 error = self._failed(worker, exc)
                 if exc.code() in _RETRY_OPEN:
                     log.info("request %s: %s", worker_req.request_id, error.message)
-                    self.metrics.retried(Pool.DECODE.value)
                     if exc.code() is Code.RESOURCE_EXHAUSTED:
                         full, full_tries = error, full_tries + 1
                     continue
@@ -417,6 +418,7 @@ class Relay:
                     f"KvDestination {'without' if decision.here else 'with'} an address",
                 )
             self.registry.reserved(worker, len(first.destination.block_ids))
+            self.routing.count(decision)
             return (worker, stream, first.destination), None
         return None, full or error
 
@@ -456,6 +458,8 @@ class Relay:
             candidates = self._candidates(Pool.PREFILL, tried, avoid)
             if not candidates:
                 raise error or self._none_available(Pool.PREFILL)
+            if tried:  # the last one failed at its door: given to another
+                self.metrics.retried(Pool.PREFILL.value)
             worker = self._pick(Pool.PREFILL, candidates, tokens)
             tried.append(worker)
             used.append(worker)
@@ -481,7 +485,6 @@ class Relay:
                 # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
                     log.info("request %s: %s", request.request.request_id, error.message)
-                    self.metrics.retried(Pool.PREFILL.value)
                     continue
                 raise error from None
             except BaseException:

@@ -69,7 +69,8 @@ def test_modes_always_and_never_ignore_the_numbers():
 def test_decisions_are_counted_by_reason():
     routing = PrefillRouting(DisaggregationConfig(**CONDITIONAL))
     for tokens in (1, 2, 100):
-        routing.decide(tokens, [IDLE], WorkerLoad("d"))
+        routing.count(routing.decide(tokens, [IDLE], WorkerLoad("d")))
+    routing.decide(3, [IDLE], WorkerLoad("d"))  # a decode worker that then refused
     assert routing.counts == {"short": 2, "long": 1}
     assert routing.describe() == "on the decode worker: 2 short; on the prefill pool: 1 long"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -87,6 +88,38 @@ def test_a_retry_on_another_worker_is_counted_by_role(frontend):
             samples = await _scrape(c)
         assert total(samples, "tandem_router_worker_retries_total", role="prefill") >= 1
         assert total(samples, "tandem_router_requests_total", code="OK") == 2
+
+    run(scenario())
+
+
+@dataclass
+class FullFirst(FakeDecode):
+    """Refuses its first ``full_for`` Decode calls for lack of KV room."""
+
+    full_for: int = 0
+
+    async def Decode(self, request, context):
+        if self.full_for > 0:
+            self.full_for -= 1
+            self._record(request, context)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV room")
+        async for response in super().Decode(request, context):
+            yield response
+
+
+@pytest.mark.parametrize("others", [0, 1], ids=["alone", "with-another"])
+def test_a_request_is_one_prefill_decision_and_a_retry_needs_another_worker(frontend, others):
+    # A full decode worker tried first: the request waits for room there (alone) or
+    # goes to the other. Either way one decision says where it was prefilled, and a
+    # retry is counted only when another worker took the call.
+    async def scenario():
+        decode = [FullFirst(full_for=3, kv_blocks_free=5000), *[FakeDecode()] * others]
+        async with cluster(frontend, decode=decode, metrics_port=0) as c:
+            await c.router.registry.poll_once()
+            await c.client.complete(prompt="hi", max_tokens=4)
+            samples = await _scrape(c)
+        assert total(samples, "tandem_router_prefill_decisions_total") == 1
+        assert total(samples, "tandem_router_worker_retries_total", role="decode") == others
 
     run(scenario())
 

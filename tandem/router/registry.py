@@ -20,8 +20,11 @@ placement weighs: a slow worker has a longer queue and gets less.
 
 Load: each poll stores the worker's numbers; between polls the registry counts
 what this router sent (requests placed, KV blocks reserved) so that placement
-sees a burst of requests as load at once. A poll resets those counts: the
-worker's own numbers include them from then on.
+sees a burst of requests as load at once. A poll resets those counts, as the
+worker's own numbers should include them from then on; they may not yet (a worker
+answers with the numbers from before its current engine step), so a worker's
+queue and running together are never taken as less than this router has in
+flight there.
 """
 
 from __future__ import annotations

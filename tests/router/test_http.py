@@ -254,7 +254,7 @@ def test_a_client_that_leaves_before_the_first_token_cancels_its_reservation(fro
 def test_api_keys_are_the_routers_and_health_needs_none(frontend, tmp_path):
     key = "k" * 32
     keys = tmp_path / "keys"
-    keys.write_text(f"{key} name=app\n")
+    keys.write_text(f"{key} name=app requests_per_s=1000\n")
 
     async def scenario():
         async with cluster(frontend, api_keys_file=str(keys), http_port=0,
@@ -266,8 +266,28 @@ def test_api_keys_are_the_routers_and_health_needs_none(frontend, tmp_path):
             assert done.choices[0].finish_reason == "length"
             async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
                 assert (await http.get("/health")).json() == {"status": "ok"}
-                metrics = (await http.get("/metrics")).text
+                # The metrics name every worker's address: not for callers without a key.
+                assert (await http.get("/metrics")).status_code == 401
+                bearer = {"authorization": f"Bearer {key}"}
+                metrics = (await http.get("/metrics", headers=bearer)).text
             assert 'tandem_router_requests_total{code="OK"' in metrics
+
+    run(scenario())
+
+
+def test_listing_the_models_takes_from_the_keys_rate_as_over_grpc(frontend, tmp_path):
+    key = "k" * 32
+    keys = tmp_path / "keys"
+    keys.write_text(f"{key} name=app requests_per_s=1\n")
+
+    async def scenario():
+        async with cluster(frontend, api_keys_file=str(keys), http_port=0) as c:
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                bearer = {"authorization": f"Bearer {key}"}
+                assert (await http.get("/v1/models", headers=bearer)).status_code == 200
+                refused = await http.get("/v1/models", headers=bearer)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert "'app' is over its rate limit" in refused.json()["error"]["message"]
 
     run(scenario())
 

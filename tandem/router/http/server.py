@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, served by the router process next to gRPC.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    GET /health (no key needed)  GET /metrics (the router's Prometheus metrics)
+    GET /health (no key needed)  GET /metrics (the router's Prometheus metrics; with
+    API keys, a key is needed here, not on the router's own ``metrics_port``)
 
 Why this stack: Starlette (the ASGI toolkit FastAPI is built on; small, typed,
 maintained by Encode) served by uvicorn **on the router's own event loop**. A
@@ -147,9 +148,9 @@ class HttpApi:
 
     async def _models(self, request: Request) -> Response:
         try:
-            self._key(request)
-        except ApiError as exc:
-            return _error(exc)
+            self.gateway.admission.check_rate(self._key(request))  # as gRPC's GetModelInfo
+        except (ApiError, RouterError) as exc:
+            return _error(_api_error(exc, None))
         f = self.gateway.frontend
         return JSONResponse({"object": "list", "data": [
             {"id": f.model_id, "object": "model", "created": self.started, "owned_by": "tandem",
@@ -176,6 +177,12 @@ class HttpApi:
         return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
 
     async def _metrics(self, request: Request) -> Response:
+        # The public port: with keys, only callers with one see the workers' addresses
+        # and the traffic (Prometheus without a key scrapes the router's metrics_port).
+        try:
+            self._key(request)
+        except ApiError as exc:
+            return _error(exc)
         registry = self.gateway.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -18,7 +18,6 @@ The key and the secret never appear in a repr, a log line or a command line.
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from tandem.config import ClusterSecurityConfig
 from tandem.errors import ConfigError
 from tandem.kv_transfer.auth import MIN_SECRET_BYTES
 from tandem.security import pki
+from tandem.security.files import write_private
 from tandem.security.tls import channel_credentials, read_pem, server_credentials
 
 KV_SECRET_BYTES = 32  # random bytes, kept as 64 hex characters (what the file holds)
@@ -98,9 +98,7 @@ class ClusterCredentials:
                  "member-key.pem": self.key, "kv-secret": self.kv_secret}  # fmt: skip
         for name, data in files.items():
             path = directory / name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            write_private(path, data)
             paths[name] = str(path)
         return ClusterSecurityConfig(
             ca_file=paths["ca.pem"],

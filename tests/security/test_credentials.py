@@ -29,6 +29,27 @@ def test_a_throw_away_set_is_written_owner_only_and_reads_back_equal(tmp_path):
     assert "PRIVATE" not in repr(creds) and creds.kv_secret.decode() not in repr(creds)
 
 
+def test_writing_over_loose_files_or_symlinks_leaves_owner_only_files(tmp_path):
+    # A run dir written before (or by hand): a file keeps its mode through
+    # open(O_CREAT, 0o600), and a symlink would be followed.
+    directory = tmp_path / "cluster"
+    directory.mkdir()
+    (directory / "member-key.pem").write_text("old")
+    (directory / "member-key.pem").chmod(0o644)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("not a secret")
+    (directory / "kv-secret").symlink_to(elsewhere)
+    creds = ClusterCredentials.create()
+    config = creds.write(directory)
+    for path in (config.ca_file, config.cert_file, config.key_file, config.kv_secret_file):
+        assert stat.S_IMODE(Path(path).lstat().st_mode) == 0o600, path
+    assert elsewhere.read_text() == "not a secret"
+    assert ClusterCredentials.load(config) == creds
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        ["ca.pem", "member.pem", "member-key.pem", "kv-secret"]
+    )  # no temporary file left
+
+
 def test_the_member_certificate_chains_to_the_ca_and_names_the_cluster():
     creds = ClusterCredentials.create()
     ca = x509.load_pem_x509_certificate(creds.ca)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import TandemError
+from tandem.security.files import write_private
 
 DEFAULT_STATE = Path("~/.cache/tandem/ray-state.json")
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -76,9 +77,7 @@ def token_path(state_file: Path) -> Path:
 def write_token(path: Path) -> None:
     """A fresh random token, readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    write_private(path, secrets.token_hex(32).encode())
 
 
 def auth_env(state: dict[str, Any], env: dict[str, str]) -> dict[str, str]:

@@ -255,7 +255,13 @@ def engine_config(args: argparse.Namespace):
     """EngineConfig from the YAML file (if any) overridden by the flags that were given."""
     from tandem.config import EngineConfig, from_dict, load_yaml
 
-    values = dict(load_yaml(args.config).get("engine", {})) if args.config else {}
+    values = {}
+    if args.config:
+        from tandem.deploy.local import cluster_config
+
+        data = load_yaml(args.config)
+        cluster_config(data, where=args.config)  # the whole file checked, as serve does
+        values = dict(data.get("engine") or {})
     for flag, field in (
         ("model", "model"),
         ("dtype", "dtype"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -134,7 +136,12 @@ T = TypeVar("T")
 
 
 def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
-    """Build a config dataclass, rejecting unknown keys by name."""
+    """Build a config dataclass, rejecting unknown keys and values of the wrong type
+    by name: YAML's ``insecure: "false"`` is a string, which Python would take as true,
+    and ``port: 50051.9`` or ``block_size: "16"`` would fail later with a traceback."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{cls.__name__} settings must be a mapping, got "
+                          f"{_kind(values)}{' in ' + where if where else ''}")  # fmt: skip
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - names)
     if unknown:
@@ -142,12 +149,71 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
             f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
             f"{' in ' + where if where else ''} (known: {', '.join(sorted(names))})"
         )
+    hints = typing.get_type_hints(cls)
     try:
+        for name, value in values.items():
+            if not _is(value, hints[name]):
+                raise ConfigError(f"{name} must be {_expected(hints[name])}, got {_kind(value)}")
         return cls(**values)
     except ConfigError as exc:
         if not where:
             raise
         raise ConfigError(f"{exc} (in {where})") from exc
+
+
+def section(values: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    """``values[key]``, a section of settings: a mapping, and an empty one (null in
+    YAML) holds the defaults."""
+    value = values[key]
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a mapping of settings, got {_kind(value)}"
+                          f"{' (in ' + where + ')' if where else ''}")  # fmt: skip
+    return value
+
+
+def _is(value: Any, hint: Any) -> bool:
+    """Whether a YAML-loaded ``value`` has the annotated type (types this module does
+    not know pass: the dataclass checks them)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...] from a YAML list
+        arm = typing.get_args(hint)[0]
+        return isinstance(value, (list, tuple)) and all(_is(v, arm) for v in value)
+    if typing.get_origin(hint) is dict or hint is dict:
+        return isinstance(value, dict)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint)
+    return True
+
+
+def _expected(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_expected(arm) for arm in typing.get_args(hint))
+    names = {type(None): "null", bool: "true or false", int: "a whole number",
+             float: "a number", str: "a string"}  # fmt: skip
+    if hint in names:
+        return names[hint]
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_expected(typing.get_args(hint)[0]).removeprefix('a ')}s"
+    return "a mapping" if dataclasses.is_dataclass(hint) or hint is dict else str(hint)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -511,8 +577,8 @@ def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:
         ("disaggregation", DisaggregationConfig),
     )
     for key, nested in nesting:
-        if key in values and isinstance(values[key], dict):
-            values[key] = from_dict(nested, values[key], where=where)
+        if key in values:
+            values[key] = from_dict(nested, section(values, key, where), f"{where} {key}".strip())
     return from_dict(cls, values, where=where)
 
 

@@ -61,9 +61,15 @@ def config_files(tmp_path_factory) -> dict[str, Path]:
     files = {
         "unknown_key": d / "unknown_key.yaml",
         "bad_value": d / "bad_value.yaml",
+        "quoted_number": d / "quoted_number.yaml",
+        "not_a_mapping": d / "not_a_mapping.yaml",
+        "empty_engine": d / "empty_engine.yaml",
     }
     files["unknown_key"].write_text("engine:\n  block_size: 16\n  bogus_setting: 1\n")
     files["bad_value"].write_text("engine:\n  block_size: 3\n")
+    files["quoted_number"].write_text('engine:\n  block_size: "16"\n')
+    files["not_a_mapping"].write_text("engine: smollm\n")
+    files["empty_engine"].write_text("engine:\n")  # null: the defaults
     return files
 
 
@@ -88,6 +94,9 @@ def _commands(config_files: dict[str, Path], missing: Path) -> dict[str, list[st
         "over_context": [*GEN, "--raw", "--max-tokens", "5000", "hi"],
         "yaml_unknown_key": [*GEN, "--config", str(config_files["unknown_key"]), "hi"],
         "yaml_bad_value": [*GEN, "--config", str(config_files["bad_value"]), "hi"],
+        "yaml_quoted_number": [*GEN, "--config", str(config_files["quoted_number"]), "hi"],
+        "yaml_engine_not_a_mapping": [*GEN, "--config", str(config_files["not_a_mapping"]), "hi"],
+        "yaml_empty_engine": [*gen8, "--config", str(config_files["empty_engine"]), "hello"],
         "not_an_int": [*GEN, "--max-tokens", "x", "hi"],
         "no_colocated": ["generate", "--model", "tiny-random", "hi"],
     }
@@ -141,6 +150,12 @@ def test_raw_generate_prints_only_the_generated_text(runs, engine):
     _assert_generated(runs["raw"], expected, len(prompt_ids))
 
 
+def test_an_empty_engine_section_holds_the_defaults(runs, engine):
+    prompt_ids = engine.tokenizer.encode("hello")
+    _assert_generated(runs["yaml_empty_engine"], _expected_text(engine, prompt_ids, 8),
+                      len(prompt_ids))  # fmt: skip
+
+
 def test_chat_generate_applies_the_template(runs, engine):
     prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     assert len(prompt_ids) > len(engine.tokenizer.encode("hello"))
@@ -171,7 +186,11 @@ EARLY_ERRORS = {
     "attention_backend": "attention_backend must be one of auto, torch, cpu, triton, got 'cuda'",
     "unknown_model": "unknown model 'nope': expected one of smollm2-135m-instruct, tiny-random, "
     "a Hugging Face directory or a .gguf file",
-    "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value})",
+    "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value} engine)",
+    "yaml_quoted_number": "block_size must be a whole number, got '16' (str) "
+    "(in {quoted_number} engine)",
+    "yaml_engine_not_a_mapping": "engine must be a mapping of settings, got 'smollm' (str) "
+    "(in {not_a_mapping})",
     "no_colocated": "generate needs exactly one of --colocated (prefill and decode in this "
     "process) or --router HOST:PORT",
 }
@@ -182,7 +201,9 @@ def test_bad_input_fails_with_one_error_line(runs, config_files, name):
     run = runs[name]
     assert run.returncode == 2
     assert run.stdout == ""
-    message = EARLY_ERRORS[name].replace("{bad_value}", str(config_files["bad_value"]))
+    message = EARLY_ERRORS[name]
+    for file in config_files:
+        message = message.replace(f"{{{file}}}", str(config_files[file]))
     assert run.stderr == _error(message) + "\n"
 
 
@@ -199,7 +220,7 @@ def test_unknown_yaml_key_is_listed_with_the_file(runs, config_files):
     assert run.stdout == ""
     assert run.stderr == (
         _error(
-            f"unknown setting bogus_setting in {config_files['unknown_key']} "
+            f"unknown setting bogus_setting in {config_files['unknown_key']} engine "
             f"(known: {KNOWN_SETTINGS})"
         )
         + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -124,3 +125,37 @@ def test_a_workers_engine_stall_timeout_must_not_be_negative(role):
     with pytest.raises(ConfigError, match=message):
         cls(engine_stall_timeout_s=-1)
     assert cls(engine_stall_timeout_s=0).engine_stall_timeout_s == 0  # no watchdog
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        # A quoted boolean is a non-empty string, which Python takes as true.
+        ({"insecure": "false"}, "insecure must be true or false, got 'false' (str)"),
+        ({"port": 50051.9}, "port must be a whole number, got 50051.9 (float)"),
+        ({"max_queue": True}, "max_queue must be a whole number, got True (bool)"),
+        ({"queue_timeout_s": "5"}, "queue_timeout_s must be a number, got '5' (str)"),
+        ({"max_model_len": "4k"}, "max_model_len must be a whole number or null, got '4k'"),
+        ({"decode_workers": "10.0.0.1:5000"}, "decode_workers must be a list of strings"),
+        ({"decode_workers": ["a:1", 2]}, "decode_workers must be a list of strings"),
+        ({"disaggregation": "conditional"}, "disaggregation must be a mapping of settings"),
+        (
+            {"cluster": {"insecure": "no"}},
+            "insecure must be true or false, got 'no' (str) (in router.yaml cluster)",
+        ),
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_by_name(values, message):
+    from tandem.config import RouterConfig, role_config
+
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        role_config(RouterConfig, values, "router.yaml")
+
+
+def test_numbers_and_empty_sections_take_their_natural_yaml_forms():
+    from tandem.config import RouterConfig, role_config
+
+    values = {"queue_timeout_s": 5, "max_model_len": None, "decode_workers": ["a:1"],
+              "disaggregation": None}  # fmt: skip
+    config = role_config(RouterConfig, values)
+    assert config.queue_timeout_s == 5 and config.decode_workers == ("a:1",)

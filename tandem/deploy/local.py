@@ -58,6 +58,7 @@ from tandem.config import (
     from_dict,
     role_config,
     save_yaml,
+    section,
 )
 from tandem.deploy.lifeline import Lifeline
 from tandem.errors import ConfigError, TandemError
@@ -125,11 +126,11 @@ def cluster_config(values: dict, where: str = "") -> ClusterConfig:
     values = dict(values)
     for key, cls in (("router", RouterConfig), ("prefill", PrefillConfig),
                      ("decode", DecodeConfig)):  # fmt: skip
-        if isinstance(values.get(key), dict):
-            values[key] = role_config(cls, values[key], where=where)
+        if key in values:
+            values[key] = role_config(cls, section(values, key, where), f"{where} {key}".strip())
     for key, cls in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
-        if isinstance(values.get(key), dict):
-            values[key] = from_dict(cls, values[key], where=where)
+        if key in values:
+            values[key] = from_dict(cls, section(values, key, where), f"{where} {key}".strip())
     return from_dict(ClusterConfig, values, where=where)
 
 

@@ -333,14 +333,20 @@ def _generate_remote(
     import dataclasses
 
     from tandem.client import TandemClient
+    from tandem.client._convert import CompletionBuilder
 
     sampling = {k: v for k, v in dataclasses.asdict(params).items() if k != "stop_token_ids"}
     text_input = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
     stats = _Stream()
+    whole = CompletionBuilder()
     with TandemClient(address, timeout=timeout, **(connect or {})) as client:
         for chunk in client.generate(**text_input, **sampling):
             stats.write(chunk.text)
-    stats.finish(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.finish_reason)
+            whole.add(chunk)
+    done = whole.build()  # raises when the stream ended without its final response
+    stats.finish(done.usage.prompt_tokens, done.usage.completion_tokens, done.finish_reason)
+    if done.finish_reason == "error":  # a worker failed the request after its first tokens
+        raise TandemError(f"the generation failed after {done.usage.completion_tokens} tokens")
     return 0
 
 

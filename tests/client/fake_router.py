@@ -19,6 +19,8 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.metadata: list[dict[str, str]] = []  # each call's invocation metadata
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.hang = False
+        self.finish_reason = tandem_pb2.FINISH_REASON_STOP
+        self.final = True  # False: the stream ends (OK) without its final response
         self.time_remaining: float | None = None
         self.cancelled = threading.Event()
 
@@ -35,11 +37,13 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
             while context.is_active():
                 time.sleep(0.01)
             return
+        if not self.final:
+            return
         yield tandem_pb2.GenerateResponse(
             request_id="r1",
             text="lo",
             token_ids=[3],
-            finish_reason=tandem_pb2.FINISH_REASON_STOP,
+            finish_reason=self.finish_reason,
             usage=tandem_pb2.Usage(prompt_tokens=4, completion_tokens=3),
         )
 

@@ -18,6 +18,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.requests: list = []
         self.metadata: list[dict[str, str]] = []  # each call's invocation metadata
         self.abort: tuple[grpc.StatusCode, str] | None = None
+        self.abort_generate: tuple[grpc.StatusCode, str] | None = None  # Generate only
         self.hang = False
         self.finish_reason = tandem_pb2.FINISH_REASON_STOP
         self.final = True  # False: the stream ends (OK) without its final response
@@ -28,8 +29,8 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         self.time_remaining = context.time_remaining()
-        if self.abort is not None:
-            context.abort(*self.abort)
+        if self.abort is not None or self.abort_generate is not None:
+            context.abort(*(self.abort or self.abort_generate))
         if self.hang:  # only a cancel or the deadline ends the call; the callback sees it end
             context.add_callback(self.cancelled.set)
         yield tandem_pb2.GenerateResponse(request_id="r1", text="Hel", token_ids=[1, 2])

@@ -10,6 +10,8 @@ import argparse
 import logging
 import math
 
+from tandem.errors import TandemError
+
 log = logging.getLogger("tandem")
 
 
@@ -286,6 +288,10 @@ def cmd_load(args: argparse.Namespace) -> int:
             paths += server_metrics.write(before, after, args.out)
         for path in paths:
             log.info("wrote %s", path)
+    if result.summary.num_requests and not result.summary.completed:
+        log.error("load: none of the %d measured requests completed (see errors above)",
+                  result.summary.num_requests)  # fmt: skip
+        return 1  # a script must not take this for a measurement
     return 0
 
 
@@ -374,7 +380,10 @@ def demo_load(address: str, **connect) -> None:
         connect=connect,
     )  # fmt: skip
     log.info("demo: load test, %s; %s", config.describe(), config.dataset.describe())
-    print(report.table(run(config)), flush=True)
+    result = run(config)
+    print(report.table(result), flush=True)
+    if result.summary.failed:  # an idle local cluster serves all 16
+        raise TandemError(f"demo: {result.summary.failed} of the load test's requests failed")
 
 
 def _floats(text: str) -> list[float]:

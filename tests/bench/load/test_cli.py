@@ -97,3 +97,24 @@ def test_a_duration_sweep_builds_every_point(points, expect):
     assert [c.duration_s for _, c in config.points()] == [5, 5]
     # Each point its own prompts: repeating them would hit the server's prefix cache.
     assert [c.seed for _, c in config.points()] == [0, 1]
+
+
+def test_a_run_in_which_no_request_completed_exits_1(capsys, tmp_path):
+    import grpc
+
+    from tests.client.fake_router import FakeServer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n' * 3)
+    fake = FakeServer()
+    try:
+        fake.servicer.abort_generate = (grpc.StatusCode.UNAVAILABLE, "decode worker died")
+        argv = ["bench", "load", "--target", fake.address, "--num-requests", "3", "--num-warmup",
+                "0", "--dataset", "jsonl", "--dataset-path", str(prompts), "--quiet"]  # fmt: skip
+        assert main(argv) == 1
+        out = capsys.readouterr().out
+        assert "0 completed, 3 failed" in out, out  # the table is printed all the same
+        fake.servicer.abort_generate = None
+        assert main(argv) == 0
+    finally:
+        fake.stop()

@@ -33,6 +33,17 @@ def test_round_trip_keeps_every_field():
     assert sampling_from_proto(sampling_to_proto(s)) == s
 
 
+def test_the_documented_bounds_pass_through_the_float32_fields():
+    # 1e-5 is 9.9999997e-06 in float32, 0.01 is 0.0099999998: just under the bounds.
+    edge = sampling_from_proto(tandem_pb2.SamplingParams(temperature=1e-5,
+                                                         repetition_penalty=0.01))  # fmt: skip
+    assert edge.temperature == pytest.approx(1e-5) and edge.repetition_penalty == pytest.approx(
+        0.01
+    )
+    with pytest.raises(InvalidRequestError, match="at least 1e-05, got 9.9e-06"):
+        sampling_from_proto(tandem_pb2.SamplingParams(temperature=9.9e-6))
+
+
 @pytest.mark.parametrize(
     "fields, field, message",
     [

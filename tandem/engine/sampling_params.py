@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from tandem.errors import InvalidRequestError
@@ -46,7 +47,7 @@ class SamplingParams:
             _bad("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             _bad("temperature", f"temperature must be finite and >= 0, got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t would overflow to inf
+        if 0 < self.temperature < _float32(MIN_TEMPERATURE):  # logits / t would overflow
             _bad(
                 "temperature",
                 f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
@@ -64,7 +65,7 @@ class SamplingParams:
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}",
             )
         low, high = REPETITION_PENALTY_RANGE  # beyond them logits overflow to inf
-        if not low <= self.repetition_penalty <= high:
+        if not _float32(low) <= self.repetition_penalty <= high:
             _bad(
                 "repetition_penalty",
                 f"repetition_penalty must be in [{low:g}, {high:g}], "
@@ -82,3 +83,9 @@ class SamplingParams:
 
 def _bad(field: str, message: str) -> None:
     raise InvalidRequestError(field, message)
+
+
+def _float32(bound: float) -> float:
+    """``bound`` as a float32 field carries it (the wire's sampling fields are float32:
+    1e-5 arrives as 9.9999997e-06), so that the documented bound itself is accepted."""
+    return struct.unpack("f", struct.pack("f", bound))[0]

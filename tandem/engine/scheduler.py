@@ -79,8 +79,9 @@ class Scheduler:
                     self.kv.free(seq)  # do not hold prefix blocks while waiting
                     break
             self.waiting.popleft()
-            if not swapped:
+            if not seq.admitted:  # a preempted one's own freed blocks are not prefix hits
                 self.kv.count_admission(seq)
+                seq.admitted = True
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.work.append((seq, n))

@@ -59,6 +59,7 @@ class Sequence:
     last_block_hash: int | None = None
     finish_reason: FinishReason | None = None
     prefill_only: bool = False  # stop after the first token and keep the KV (HELD)
+    admitted: bool = False  # scheduled once (its prefix lookup counted; a recompute is not)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -352,6 +352,9 @@ def test_newest_sequence_preempts_itself_and_resumes_from_its_cached_prefix() ->
     assert b.block_table == [2, 3, 4]
     h.run_to_completion()
     assert b.output_ids == [OUT] * 3
+    # Each prompt looked up once, when first admitted: b's own blocks found again after
+    # its preemption are not prefix-cache hits (the hit rate would rise with pressure).
+    assert (h.sched.kv.prefix_query_tokens, h.sched.kv.prefix_hit_tokens) == (16, 0)
     assert_drained(h)
 
 

@@ -582,6 +582,40 @@ def role_config(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     return from_dict(cls, values, where=where)
 
 
+# What a launcher (``tandem serve``, ``tandem ray up``) sets in each process's config
+# itself, so that a value in the file would be dropped without a word: why, by setting.
+LAUNCHER_SETS = {
+    "router": {
+        "model": "the router serves the workers' model: set engine.model",
+        "cache_dir": "set engine.cache_dir",
+        "prefill_workers": "the launcher registers the workers it starts",
+        "decode_workers": "the launcher registers the workers it starts",
+        "cluster": "set the top-level cluster: section",
+    },
+    **{pool: {
+        "engine": "every worker takes the top-level engine: section",
+        "port": "each worker takes a free port",
+        "cluster": "set the top-level cluster: section",
+    } for pool in ("prefill", "decode")},
+}  # fmt: skip
+LAUNCHER_SETS["decode"]["kv_port"] = "each worker takes a free port"
+
+
+def refuse_launcher_settings(values: dict[str, Any], where: str = "") -> None:
+    """A deployment file's role sections must not hold what the launcher sets itself."""
+    for role, owned in LAUNCHER_SETS.items():
+        given = values.get(role)
+        for name in sorted(set(given) & set(owned)) if isinstance(given, dict) else ():
+            raise ConfigError(f"{role}.{name} cannot be set in a deployment's config: "
+                              f"{owned[name]}{' (in ' + where + ')' if where else ''}")  # fmt: skip
+
+
+def router_context(router: int | None, engine: int | None) -> int | None:
+    """The router's ``max_model_len`` in a deployment: its own, within the workers'."""
+    given = [n for n in (router, engine) if n is not None]
+    return min(given) if given else None
+
+
 def save_yaml(path: str | Path, config: Any) -> None:
     """Write a config dataclass as YAML that ``role_config`` reads back."""
     import yaml

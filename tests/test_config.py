@@ -159,3 +159,29 @@ def test_numbers_and_empty_sections_take_their_natural_yaml_forms():
               "disaggregation": None}  # fmt: skip
     config = role_config(RouterConfig, values)
     assert config.queue_timeout_s == 5 and config.decode_workers == ("a:1",)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [({"prefill": {"engine": {"max_num_batched_tokens": 4096}}},
+      "prefill.engine cannot be set in a deployment's config: every worker takes the "
+      "top-level engine: section (in c.yaml)"),
+     ({"decode": {"kv_port": 7000}}, "decode.kv_port cannot be set"),
+     ({"router": {"model": "other"}}, "router.model cannot be set"),
+     ({"router": {"decode_workers": ["a:1"]}}, "router.decode_workers cannot be set")],
+)  # fmt: skip
+def test_a_deployment_refuses_what_its_launcher_sets_for_every_process(values, message):
+    # Each would be replaced by the launcher without a word (a pool's engine tuning).
+    from tandem.deploy.local import cluster_config
+    from tandem.deploy.ray_cluster.config import deploy_config
+
+    for build in (cluster_config, deploy_config):
+        with pytest.raises(ConfigError, match="^" + re.escape(message)):
+            build(values, "c.yaml")
+
+
+def test_the_routers_context_is_the_workers_when_the_engine_sets_one():
+    from tandem.config import router_context
+
+    assert router_context(None, 64) == 64 and router_context(32, 64) == 32
+    assert router_context(None, None) is None and router_context(128, None) == 128

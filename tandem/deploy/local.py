@@ -56,7 +56,9 @@ from tandem.config import (
     PrefillConfig,
     RouterConfig,
     from_dict,
+    refuse_launcher_settings,
     role_config,
+    router_context,
     save_yaml,
     section,
 )
@@ -124,6 +126,7 @@ class ClusterConfig:
 def cluster_config(values: dict, where: str = "") -> ClusterConfig:
     """A ClusterConfig from YAML-shaped values (role sections nest, as in role_config)."""
     values = dict(values)
+    refuse_launcher_settings(values, where)
     for key, cls in (("router", RouterConfig), ("prefill", PrefillConfig),
                      ("decode", DecodeConfig)):  # fmt: skip
         if key in values:
@@ -218,6 +221,7 @@ class LocalCluster:
                 cfg.router,
                 model=engine.model,
                 cache_dir=engine.cache_dir,
+                max_model_len=router_context(cfg.router.max_model_len, engine.max_model_len),
                 prefill_workers=tuple(p.ready["grpc"] for p in prefill),
                 decode_workers=tuple(p.ready["grpc"] for p in decode),
                 cluster=cluster,

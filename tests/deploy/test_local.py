@@ -40,7 +40,9 @@ def _config(**kw) -> ClusterConfig:
 
 
 def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tmp_path):
-    cluster = FakeCluster(_config(num_prefill=2, num_decode=1, threads_per_worker=1), tmp_path)
+    engine = EngineConfig(model="tiny-random", max_model_len=64)
+    config = ClusterConfig(engine=engine, num_prefill=2, num_decode=1, threads_per_worker=1)
+    cluster = FakeCluster(config, tmp_path)
     address = cluster.start()
     procs = list(cluster.processes)
     assert address.startswith("127.0.0.1:") and len(procs) == 4
@@ -48,6 +50,7 @@ def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tm
     workers = {p.name: p.ready["grpc"] for p in procs if p.name != "router"}
     assert router_cfg["prefill_workers"] == [workers["prefill-0"], workers["prefill-1"]]
     assert router_cfg["decode_workers"] == [workers["decode-0"]]
+    assert router_cfg["max_model_len"] == 64  # the workers' context: refused at the router
     assert yaml.safe_load((tmp_path / "decode-0.yaml").read_text())["engine"]["num_threads"] == 1
     assert all(alive(p) for p in cluster.started)
     cluster.stop()

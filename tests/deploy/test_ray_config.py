@@ -18,7 +18,7 @@ from tandem.deploy.ray_cluster.placement import actor_options
 from tandem.errors import ConfigError
 
 YAML = """
-engine: {model: tiny-random, num_blocks: 64}
+engine: {model: tiny-random, num_blocks: 64, max_model_len: 512}
 router: {port: 6000}
 decode: {kv_lease_s: 12}
 ray:
@@ -42,6 +42,7 @@ def test_yaml_sections_map_onto_the_deploy_config():
     assert decode.engine.num_threads == 4  # the worker's CPU share is its thread budget
     router = cfg.router_config()
     assert router.model == "tiny-random" and router.decode_workers == ()
+    assert router.max_model_len == 512  # the workers' context
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,9 @@ from tandem.config import (
     PrefillConfig,
     RouterConfig,
     from_dict,
+    refuse_launcher_settings,
     role_config,
+    router_context,
 )
 from tandem.deploy.autoscale import AutoscaleConfig, PoolPolicy
 from tandem.errors import ConfigError
@@ -228,6 +230,7 @@ class RayDeployConfig:
             self.router,
             model=self.engine.model,
             cache_dir=self.engine.cache_dir,
+            max_model_len=router_context(self.router.max_model_len, self.engine.max_model_len),
             prefill_workers=(),
             decode_workers=(),
             cluster=self.cluster,
@@ -245,6 +248,7 @@ def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
             f"unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
             f"{' in ' + where if where else ''} (known: {', '.join(sections)})"
         )
+    refuse_launcher_settings(values, where)
     out: dict[str, Any] = {}
     for key, cls in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
         if key in values:

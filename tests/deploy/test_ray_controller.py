@@ -47,9 +47,63 @@ def test_a_worker_the_router_does_not_take_is_killed_and_reported(killed):
     ctrl = _controller()
     ctrl.router.add_worker.fail = RuntimeError("router gone")
     reason = _run(ctrl, lambda: ctrl._start_worker("decode"))
-    assert reason == "decode-0 did not start: RuntimeError: router gone"
+    assert reason == "decode-0 did not start: the router did not take it: RuntimeError: router gone"
     assert ctrl.workers == {}
     assert killed == [ctrl._actor_classes["worker"].made["decode-0"]]
+
+
+def test_a_worker_whose_router_add_timed_out_but_arrived_leaves_the_router(killed, monkeypatch):
+    # The worker is killed: the router must not keep its address (nothing else would
+    # take it out, and the port may be another worker's later).
+    monkeypatch.setattr("tandem.deploy.ray_cluster.membership.CALL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("tandem.deploy.ray_cluster.state.CALL_TIMEOUT_S", 0.2)
+    ctrl = _controller()
+
+    async def add_then_hang(pool, address):
+        ctrl.router.members.add((pool, address))
+        await asyncio.Event().wait()
+
+    ctrl.router.add_worker.fn = add_then_hang
+    reason = _run(ctrl, lambda: ctrl._start_worker("decode"))
+    assert reason == "decode-0 did not start: the router did not take it: no answer within 0.2 s"
+    assert ctrl.router.members == set() and ctrl.workers == {} and len(killed) == 1
+
+
+def test_a_start_cancelled_while_its_placement_group_waits_frees_the_group(killed, monkeypatch):
+    # tandem ray down (shutdown) cancels a top-up: a detached group left behind would
+    # hold its resources on the cluster for good.
+    class PendingGroup:
+        async def ready(self):
+            await asyncio.Event().wait()
+
+    group = PendingGroup()
+    monkeypatch.setattr("tandem.deploy.ray_cluster.placement.reserve",
+                        lambda resources, name: ({}, group))  # fmt: skip
+    ctrl = _controller()
+
+    async def go():
+        start = asyncio.ensure_future(ctrl._start_worker("decode"))
+        await asyncio.sleep(0.1)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+
+    _run(ctrl, go)
+    assert killed == [group] and ctrl.workers == {}
+
+
+def test_an_actor_whose_constructor_refused_its_settings_is_reported_by_that_message():
+    from tandem.deploy.ray_cluster.state import _why
+    from tandem.errors import ConfigError
+
+    class TaskError(Exception):  # Ray's RayTaskError: the raised exception as ``cause``
+        def __init__(self, cause):
+            super().__init__("Traceback ...")
+            self.cause = cause
+
+    died = RuntimeError(TaskError(ConfigError("router.tls_cert_file: no such file")))
+    assert _why(died) == "router.tls_cert_file: no such file"  # not Ray's 6-line traceback
+    assert _why(RuntimeError("x")) == "RuntimeError: x"
 
 
 def test_a_worker_not_serving_in_time_is_killed_and_the_resources_are_named(killed):

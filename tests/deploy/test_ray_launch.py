@@ -73,3 +73,30 @@ def test_up_refuses_an_open_router_before_it_starts_anything(tmp_path, monkeypat
     with pytest.raises(RayDeployError, match=r"without TLS: .* or pass --insecure"):
         launch.up(RayDeployConfig(), None, tmp_path / "state.json")
     assert not started and not (tmp_path / "state.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_down_removes_the_deployments_placement_groups_left_behind():
+    # A start cut short (shutdown, a controller's death) leaves a detached group that
+    # would hold its resources for good; another deployment's groups stay.
+    import types
+
+    import ray as real
+
+    removed = []
+    ids = {name: real.PlacementGroupID.from_random().hex() for name in "abcd"}
+    table = {
+        ids["a"]: {"name": "tandem-prod-decode-3", "state": "PENDING"},
+        ids["b"]: {"name": "tandem-prod-decode-1", "state": "REMOVED"},
+        ids["c"]: {"name": "tandem-staging-decode-1", "state": "CREATED"},
+        ids["d"]: {"name": "someone-elses", "state": "CREATED"},
+    }
+    fake = types.SimpleNamespace(
+        PlacementGroupID=real.PlacementGroupID,
+        util=types.SimpleNamespace(
+            placement_group_table=lambda: table,
+            remove_placement_group=lambda group: removed.append(group.id.hex()),
+        ),
+    )
+    assert launch.remove_placement_groups(fake, "prod") == ["tandem-prod-decode-3"]
+    assert removed == [ids["a"]]

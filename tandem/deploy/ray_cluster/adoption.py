@@ -60,7 +60,8 @@ async def adopt_all(ctrl: Controller) -> None:
     now, later = time.monotonic(), []
     for name, handle, info in zip(names, handles, infos, strict=True):
         pool = recovery.WORKER_NAME.match(name).group(1)
-        w = _Worker(name, pool, handle, recovery.placement_group(name), last_seen=now)
+        group = recovery.placement_group(ctrl.config.namespace, name)
+        w = _Worker(name, pool, handle, group, last_seen=now)
         ctrl.workers[name] = w
         if isinstance(info, BaseException):
             later.append(adopt(ctrl, w))  # stays "starting" until it answers
@@ -98,6 +99,9 @@ async def adopt(ctrl: Controller, w: _Worker) -> None:
     except Exception as exc:
         reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(w.pool))
         ctrl._event(f"{w.name} lost: {reason}")
+        if w.address:  # an add that timed out may have arrived: not for a killed worker
+            w.state = "draining"
+            await membership.leave_router(ctrl, w)
         lifecycle.free(ctrl, w)
         return
     w.state, w.last_seen = "serving", time.monotonic()

@@ -283,7 +283,27 @@ def stop_deployment(state: dict[str, Any], grace: float = 30.0) -> list[str]:
             if time.monotonic() > deadline:
                 raise RayDeployError(f"actors still alive after `down`: {', '.join(left)}")
             time.sleep(0.2)
+        remove_placement_groups(ray, namespace)
         return [f"deployment in namespace {namespace!r} on {state['address']}"]
+
+
+def remove_placement_groups(ray, namespace: str) -> list[str]:
+    """Remove the deployment's placement groups that are left: detached, they would hold
+    their resources on the cluster for good (a worker's start that a shutdown or a
+    controller's death cut short frees none). Returns their names."""
+    from ray.util.placement_group import PlacementGroup
+
+    from tandem.deploy.ray_cluster.placement import group_prefix
+
+    removed = []
+    for pg_id, info in ray.util.placement_group_table().items():
+        name = info.get("name", "")
+        if name.startswith(group_prefix(namespace)) and info.get("state") != "REMOVED":
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+            removed.append(name)
+    if removed:
+        log.info("removed placement groups left behind: %s", ", ".join(sorted(removed)))
+    return removed
 
 
 def tandem_actors(ray, namespace: str) -> list[str]:

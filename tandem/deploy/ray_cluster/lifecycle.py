@@ -30,20 +30,37 @@ async def start_worker(ctrl: Controller, pool: str) -> str | None:
     name = f"{pool}-{ctrl._next_id}"
     ctrl._next_id += 1
     ctrl._save()
-    options, pg = reserve(cfg.pool(pool), name)
+    options, pg = reserve(cfg.pool(pool), name, cfg.namespace)
     w = _Worker(name, pool, handle=None, placement_group=pg)
     try:
         await asyncio.wait_for(_launch(ctrl, w, options), cfg.startup_timeout_s)
-        await membership.route(ctrl, w)
-    except Exception as exc:
-        reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(pool))
-        log.error("%s did not start: %r", name, exc)
-        ctrl._event(f"{name} did not start: {reason}")
+    except BaseException as exc:  # a cancelled start (shutdown) frees its group too
         free(ctrl, w)
-        return f"{name} did not start: {reason}"
+        if not isinstance(exc, Exception):
+            raise
+        reason = _why(exc, cfg.startup_timeout_s, "ray.startup_timeout_s", cfg.pool(pool))
+        return _not_started(ctrl, name, exc, reason)
+    try:
+        await membership.route(ctrl, w)
+    except BaseException as exc:
+        # An add that timed out may have arrived: the router must not keep the address
+        # of a worker that is killed now (nothing else would take it out).
+        w.state = "draining"
+        if isinstance(exc, Exception):
+            await membership.leave_router(ctrl, w)
+        free(ctrl, w)
+        if not isinstance(exc, Exception):
+            raise
+        return _not_started(ctrl, name, exc, f"the router did not take it: {_why(exc)}")
     w.state, w.last_seen = "serving", time.monotonic()
     ctrl._event(f"{name} serving on {w.address} (node {w.info['node_ip']})")
     return None
+
+
+def _not_started(ctrl: Controller, name: str, exc: Exception, reason: str) -> str:
+    log.error("%s did not start: %r", name, exc)
+    ctrl._event(f"{name} did not start: {reason}")
+    return f"{name} did not start: {reason}"
 
 
 async def _launch(ctrl: Controller, w: _Worker, options: dict[str, Any]) -> None:

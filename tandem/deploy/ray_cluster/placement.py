@@ -29,7 +29,17 @@ def actor_options(res: ActorResources) -> dict[str, Any]:
     }
 
 
-def reserve(res: ActorResources, name: str) -> tuple[dict[str, Any], Any]:
+def group_name(namespace: str, worker: str) -> str:
+    """A worker's placement group's name: the deployment's own, so that ``down`` finds
+    every group it made (one whose start was cut short too)."""
+    return f"{group_prefix(namespace)}{worker}"
+
+
+def group_prefix(namespace: str) -> str:
+    return f"tandem-{namespace}-"
+
+
+def reserve(res: ActorResources, name: str, namespace: str) -> tuple[dict[str, Any], Any]:
     """``(options, placement_group or None)``; the caller waits for ``pg.ready()``."""
     options = actor_options(res)
     if not res.uses_placement_group:
@@ -40,7 +50,10 @@ def reserve(res: ActorResources, name: str) -> tuple[dict[str, Any], Any]:
     # One bundle with all the worker's devices, on one node. The group outlives
     # restarts of the actor, so a restarted worker finds its devices free.
     pg = placement_group(
-        [res.bundle()], strategy="STRICT_PACK", name=f"tandem-{name}", lifetime="detached"
+        [res.bundle()],
+        strategy="STRICT_PACK",
+        name=group_name(namespace, name),
+        lifetime="detached",
     )
     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=0

@@ -103,12 +103,14 @@ def worker_names(namespace: str) -> list[str]:
     )
 
 
-def placement_group(name: str) -> Any:
+def placement_group(namespace: str, name: str) -> Any:
     """The worker's placement group (``placement.reserve`` names it), or None."""
     import ray
 
+    from tandem.deploy.ray_cluster.placement import group_name
+
     try:
-        return ray.util.get_placement_group(f"tandem-{name}")
+        return ray.util.get_placement_group(group_name(namespace, name))
     except ValueError:
         return None
 

@@ -45,15 +45,37 @@ class _Worker:
         return self.info.get("address", "")
 
 
-def _why(exc: BaseException, timeout_s: float, setting: str, res: Any) -> str:
-    """What an operator reads when an actor did not start (``res``: its ActorResources)."""
+def _why(exc: BaseException, timeout_s: float = 0, setting: str = "", res: Any = None) -> str:
+    """What an operator reads when an actor did not start (``res``: its ActorResources;
+    without it, a timeout is a call's, ``CALL_TIMEOUT_S``)."""
     # Python 3.10's asyncio.wait_for raises asyncio.TimeoutError, not yet the builtin.
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        if res is None:
+            return f"no answer within {CALL_TIMEOUT_S:g} s"
         return (
             f"not serving within {timeout_s:g} s ({setting}): does the cluster have the "
             f"resources {res.bundle()} free? (`ray status` lists them)"
         )
+    cause = _creation_error(exc)
+    if cause is not None:  # the actor's constructor refused its settings: say only that
+        return str(cause)
     return f"{type(exc).__name__}: {exc}"
+
+
+def _creation_error(exc: BaseException) -> BaseException | None:
+    """The TandemError an actor's constructor raised, inside Ray's ActorDiedError."""
+    from tandem.errors import TandemError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, TandemError):
+            return exc
+        # ActorDiedError holds the creation task's RayTaskError as its first argument,
+        # and a RayTaskError the exception raised as its ``cause``.
+        inner = [getattr(exc, "cause", None), *exc.args[:1], exc.__cause__]
+        exc = next((e for e in inner if isinstance(e, BaseException)), None)
+    return None
 
 
 def _log_crash(task: asyncio.Task) -> None:

@@ -38,7 +38,10 @@ class StepCost:
         if prompt_tokens <= 0:
             self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
             return
-        per_token = max(0.0, seconds - self.decode_step_seconds) / prompt_tokens
+        extra = seconds - self.decode_step_seconds
+        # A step no slower than the mean decode step (noise, a busy machine's decode
+        # steps): its time over all its tokens, rather than 0, which reads "not measured".
+        per_token = extra / prompt_tokens if extra > 0 else seconds / tokens
         self.prefill_token_seconds = _mean(self.prefill_token_seconds, per_token)
 
 

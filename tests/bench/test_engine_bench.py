@@ -33,9 +33,11 @@ def test_each_row_is_against_the_fastest_hf_dtype_timed():
     for row in ("batch1", "batch16", "mixed"):
         assert result[f"{row}_tandem"] > 0 and result[f"{row}_hf"] > 0
         assert result[f"{row}_hf_dtype"] in ("float32", "bfloat16")
-        # The rates are rounded to 2 decimals, the ratio (of the unrounded rates) to 3.
-        ratio = result[f"{row}_tandem"] / result[f"{row}_hf"]
-        assert result[f"{row}_ratio"] == pytest.approx(ratio, abs=2e-3)
+        # The rates are rounded to 2 decimals, the ratio (of the unrounded rates) to 3: on
+        # a slow, busy machine the rates' rounding alone moves their ratio by more than 2e-3.
+        tandem, hf = result[f"{row}_tandem"], result[f"{row}_hf"]
+        rounding = tandem / hf * (0.005 / tandem + 0.005 / hf) + 5e-4
+        assert result[f"{row}_ratio"] == pytest.approx(tandem / hf, abs=rounding * 1.01)
 
 
 def test_one_hf_dtype_is_the_one_reported():

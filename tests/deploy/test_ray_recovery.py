@@ -52,7 +52,7 @@ def cluster(monkeypatch):
     monkeypatch.setattr(
         recovery, "worker_names", lambda ns: sorted(n for n in actors if n != "router")
     )
-    monkeypatch.setattr(recovery, "placement_group", lambda name: None)
+    monkeypatch.setattr(recovery, "placement_group", lambda namespace, name: None)
     monkeypatch.setattr(adoption, "CALL_TIMEOUT_S", 0.3)  # the silent worker's first ask
     monkeypatch.setattr(recovery, "load", lambda ns: {"targets": {"decode": 2}, "next_id": 5})
     return actors, killed

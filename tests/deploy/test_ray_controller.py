@@ -78,7 +78,7 @@ def test_a_start_cancelled_while_its_placement_group_waits_frees_the_group(kille
 
     group = PendingGroup()
     monkeypatch.setattr("tandem.deploy.ray_cluster.placement.reserve",
-                        lambda resources, name: ({}, group))  # fmt: skip
+                        lambda resources, name, namespace: ({}, group))  # fmt: skip
     ctrl = _controller()
 
     async def go():
@@ -338,3 +338,37 @@ def test_a_colocated_deployment_runs_no_prefill_pool_and_scales_only_decode(kill
     assert sorted(made) == ["decode-0", "decode-1", "decode-2"]
     assert {pool for pool, _ in ctrl.router.members} == {"decode"}
     assert ctrl.autoscaler.pools == ("decode",)  # nothing grows a prefill pool back
+
+
+def test_a_worker_adopted_but_not_answering_yet_counts_toward_its_pool(killed):
+    # After a controller restart a worker whose node restarts it is "starting" until it
+    # answers; a scale or autoscale round meanwhile must not start a replacement.
+    from tandem.deploy.ray_cluster import adoption
+    from tandem.deploy.ray_cluster.state import _Worker
+    from tests.deploy.fake_actors import FakeWorker
+
+    ctrl = _controller()
+
+    async def go():
+        ctrl.targets.update(prefill=0, decode=2)
+        first = FakeWorker("decode", "decode-0", port=5000)
+        ctrl.workers["decode-0"] = _Worker("decode-0", "decode", first, state="serving",
+                                           info=first.current, routed=first.current["address"])  # fmt: skip
+        slow, answer = FakeWorker("decode", "decode-1", port=5001), asyncio.Event()
+
+        async def info_later():
+            await answer.wait()
+            return dict(slow.current)
+
+        slow.info.fn = info_later
+        ctrl.workers["decode-1"] = adopted = _Worker("decode-1", "decode", slow)
+        ctrl._next_id = 2
+        adopting = asyncio.ensure_future(adoption.adopt(ctrl, adopted))
+        await asyncio.sleep(0.05)
+        await ctrl.scale(decode=2)
+        answer.set()
+        await adopting
+        return sorted(n for n, w in ctrl.workers.items() if w.state == "serving")
+
+    assert _run(ctrl, go) == ["decode-0", "decode-1"]
+    assert ctrl._actor_classes["worker"].made == {}  # nothing started

@@ -276,9 +276,13 @@ class Controller:
             jobs = []
             for pool in POOLS:
                 live = [w for w in self.workers.values() if w.pool == pool and w.state == "serving"]
-                missing = self.targets[pool] - len(live)
+                # Adopted after a restart and not answering yet: it serves soon, or it is
+                # lost and freed (adoption.py); started again here, the pool overshoots.
+                starting = [w for w in self.workers.values()
+                            if w.pool == pool and w.state == "starting"]  # fmt: skip
+                missing = self.targets[pool] - len(live) - len(starting)
                 jobs += [self._start_worker(pool) for _ in range(missing)]
-                for w in self._pick_for_removal(live, -missing):
+                for w in self._pick_for_removal(live, len(live) - self.targets[pool]):
                     w.state = "draining"
                     jobs.append(self._stop_worker(w, self.config.drain_timeout_s))
             # Every job runs to its end whatever another does; each failure is reported.

@@ -352,8 +352,10 @@ def test_a_worker_adopted_but_not_answering_yet_counts_toward_its_pool(killed):
     async def go():
         ctrl.targets.update(prefill=0, decode=2)
         first = FakeWorker("decode", "decode-0", port=5000)
-        ctrl.workers["decode-0"] = _Worker("decode-0", "decode", first, state="serving",
-                                           info=first.current, routed=first.current["address"])  # fmt: skip
+        address = first.current["address"]
+        ctrl.workers["decode-0"] = _Worker(
+            "decode-0", "decode", first, state="serving", info=first.current, routed=address
+        )
         slow, answer = FakeWorker("decode", "decode-1", port=5001), asyncio.Event()
 
         async def info_later():

@@ -20,9 +20,43 @@ def test_down_stops_a_recorded_local_head_whatever_the_shutdown_raised(tmp_path,
         raise TimeoutError("shutdown did not return")  # as ray's GetTimeoutError is
 
     monkeypatch.setattr(launch, "stop_deployment", stuck)
+    monkeypatch.setattr(launch, "head_processes", lambda s: ["the head"])  # alive
     monkeypatch.setattr(launch, "stop_head", lambda s: heads.append(s["head_pid"]))
     assert launch.down(state_file) == ["local Ray head (pid 4242)"]
     assert heads == [4242] and not state_file.exists()
+
+
+def test_down_after_the_local_head_died_forgets_the_deployment_at_once(tmp_path, monkeypatch):
+    # A reboot or a crash: connecting would retry for many minutes, and `up` refuses
+    # while the file records a deployment.
+    state_file = tmp_path / "ray-state.json"
+    state = {"address": "127.0.0.1:1", "namespace": "tandem", "head_pid": 4242,
+             "router": "127.0.0.1:50051"}  # fmt: skip
+    state_file.write_text(json.dumps(state))
+    cleaned = []
+
+    def unreachable(*args):
+        raise AssertionError("no connection to a dead head")
+
+    monkeypatch.setattr(launch, "stop_deployment", unreachable)
+    monkeypatch.setattr(launch, "head_processes", lambda s: [])  # gone
+    monkeypatch.setattr(launch, "stop_head", lambda s: cleaned.append(s["head_pid"]))
+    assert launch.down(state_file) == []
+    assert cleaned == [4242] and not state_file.exists()  # its temp dir and token too
+
+
+def test_an_address_nobody_answers_at_fails_at_once():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed
+    start = time.monotonic()
+    with pytest.raises(launch.RayDeployError, match=f"cannot reach the Ray cluster at "
+                       f"127.0.0.1:{port}: .* \\(is its head running"):  # fmt: skip
+        launch._probe(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 5
 
 
 def test_down_without_a_local_head_reports_the_error(tmp_path, monkeypatch):
@@ -48,6 +82,37 @@ def test_a_head_that_fails_to_start_reports_rays_own_words(tmp_path, monkeypatch
         start_head(1, {"CPU": 1.0}, token)  # Ray refuses CPU as a custom resource
     assert "exited" in str(info.value)
     assert not token.exists()  # nothing of the failed head is left
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_ctrl_c_while_the_head_starts_leaves_no_head_behind(tmp_path, monkeypatch):
+    # The head is in a session of its own, and recorded nowhere until it is up: an
+    # interrupted `tandem ray up` would leave a whole Ray head running.
+    import subprocess
+
+    import psutil
+
+    from tandem.deploy.ray_cluster import head
+
+    started = []
+    popen = subprocess.Popen
+
+    def record(*args, **kw):
+        started.append(popen(*args, **kw))
+        return started[-1]
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(head.subprocess, "Popen", record)
+    monkeypatch.setattr(head.time, "sleep", interrupt)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(KeyboardInterrupt):
+        head.start_head(1, {}, tmp_path / "ray-state.token")
+    (proc,) = started
+    assert proc.poll() is not None  # stopped and reaped
+    assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == "zombie"
+    assert not (tmp_path / "ray-state.token").exists()
 
 
 def test_a_local_head_keeps_its_token_beside_the_state_file(tmp_path):

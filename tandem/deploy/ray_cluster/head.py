@@ -150,14 +150,17 @@ def start_head(
     }
     ready = Path(temp_dir) / "ray_current_cluster"  # written once the head serves
     deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            why = "exited" if popen.poll() is not None else f"was not up after {timeout_s:g} s"
-            # Read before stop_head, which removes the temp dir and the log with it.
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            stop_head(state)
-            raise RayDeployError(f"the local Ray head {why}; the end of its log:\n{tail}")
-        time.sleep(0.2)
+    try:
+        while not ready.exists():
+            if popen.poll() is not None or time.monotonic() > deadline:
+                why = "exited" if popen.poll() is not None else f"was not up after {timeout_s:g} s"
+                # Read before stop_head, which removes the temp dir and the log with it.
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+                raise RayDeployError(f"the local Ray head {why}; the end of its log:\n{tail}")
+            time.sleep(0.2)
+    except BaseException:  # a failed start, or Ctrl-C: the head is recorded nowhere yet
+        stop_head(state)
+        raise
     return state
 
 

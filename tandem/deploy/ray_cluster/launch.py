@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from tandem.deploy.ray_cluster.controller import Controller
 from tandem.deploy.ray_cluster.head import (
     RayDeployError,
     auth_env,
+    head_processes,
     read_state,
     start_head,
     stop_head,
@@ -60,6 +62,7 @@ def connected(state: dict[str, Any]) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
+    _probe(address)
     try:
         ray.init(address=address, namespace=state["namespace"], logging_level=logging.WARNING,
                  log_to_driver=False)  # fmt: skip
@@ -69,6 +72,20 @@ def connected(state: dict[str, Any]) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once when nothing answers at a ``host:port`` address: ``ray.init`` would
+    retry for many minutes (a rebooted machine, a head that crashed)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", ray://...: Ray's to resolve
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RayDeployError(
+            f"cannot reach the Ray cluster at {address}: {exc} (is its head running?)"
+        ) from exc
 
 
 def _use_auth(state: dict[str, Any]) -> None:
@@ -242,7 +259,11 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
     """
     state = _state(state_file, address, required=False)
     stopped: list[str] = []
-    if state.get("address"):
+    head_gone = bool(state.get("head_pid")) and not head_processes(state)
+    if head_gone:  # a reboot or a crash took the local head, and its actors with it
+        log.warning("the local Ray head (pid %s) is gone; forgetting its deployment",
+                    state["head_pid"])  # fmt: skip
+    elif state.get("address"):
         try:
             stopped += stop_deployment(state, grace)
         except Exception as exc:
@@ -251,8 +272,9 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
             # The head goes anyway, and every actor with it.
             log.warning("stopping the deployment: %s: %s", type(exc).__name__, exc)
     if state.get("head_pid"):
-        stop_head(state)
-        stopped.append(f"local Ray head (pid {state['head_pid']})")
+        stop_head(state)  # and its temp dir and token, even when it is gone
+        if not head_gone:
+            stopped.append(f"local Ray head (pid {state['head_pid']})")
     if state_file.exists():
         state_file.unlink()
     return stopped

@@ -93,6 +93,10 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
         ({"messages": [{"role": "user", "content": "ok \ud83d"}]}, 400,
          "messages[0].content", "not valid Unicode: a lone surrogate at character 3"),
         ({"stop": ["a", "\udc00"]}, 400, "stop[1]", "lone surrogate"),
+        # Not served: refused rather than ignored (the output would lack what was asked).
+        ({"presence_penalty": 1.5}, 400, "presence_penalty", "not supported by this server"),
+        ({"logit_bias": {"50256": -100}}, 400, "logit_bias", "not supported"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field_in_openais_error_body(frontend, body, status, param, words):
@@ -356,3 +360,12 @@ def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(front
     chat = protocol.Shaper(protocol.parse({"model": MODEL, "messages": CHAT}, True, MODEL),
                            MODEL, tok.token_bytes).logprobs(logprobs)  # fmt: skip
     assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == "aé€b".encode()
+
+
+def test_unserved_options_at_their_neutral_values_are_accepted():
+    from tandem.router.http import protocol
+
+    body = {"model": MODEL, "prompt": "hi", "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "best_of": 1, "echo": False, "response_format": {"type": "text"},
+            "tools": [], "user": "u-1", "some_future_field": 7}  # fmt: skip
+    assert protocol.parse(body, chat=False, model_id=MODEL).request.prompt == "hi"

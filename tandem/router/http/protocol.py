@@ -5,8 +5,11 @@ request path then checks its values as it does for gRPC); responses are built
 from ``GenerateResponse``s in OpenAI's exact shapes. What is checked here is
 only what ``tandem.v1`` cannot express: JSON types, ``model``, ``n``, the
 choice between ``max_tokens`` and ``max_completion_tokens``, the content-part
-form of chat messages. Unknown fields are ignored, as OpenAI does; ``user`` is
-accepted and ignored. Errors are ``ApiError``: an HTTP status and OpenAI's body
+form of chat messages. Parameters that would change the output and are not
+served (``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``best_of``,
+``echo``, ``suffix``, ``response_format``, ``tools``) are refused unless neutral;
+other unknown fields are ignored, as OpenAI does; ``user`` is accepted and
+ignored. Errors are ``ApiError``: an HTTP status and OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -116,6 +119,9 @@ def parse(body: Any, chat: bool, model_id: str) -> Parsed:
     n = _field(body, "n", int)
     if n is not None and n != 1:
         raise bad("n", f"n must be 1 (one choice per request), got {n}")
+    for name, is_default in _UNSUPPORTED.items():
+        if name in body and not is_default(body[name]):
+            raise bad(name, f"{name} is not supported by this server; leave it out")
     request = tandem_pb2.GenerateRequest(request_id=uuid.uuid4().hex)
     if chat:
         _messages(body, request)
@@ -127,6 +133,23 @@ def parse(body: Any, chat: bool, model_id: str) -> Parsed:
     options = _field(body, "stream_options", dict) or {}
     include_usage = bool(_field(options, "include_usage", bool, "stream_options."))
     return Parsed(chat, request, stream, include_usage, param)
+
+
+# OpenAI parameters that would change the output, which this server does not honour:
+# refused unless at their neutral value, rather than ignored (a client asking for a
+# penalty or JSON mode would get output without it, and no error). Unknown fields are
+# still ignored, as OpenAI does.
+_UNSUPPORTED = {
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: not v,
+    "response_format": lambda v: not v or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+}
 
 
 def _messages(body: dict, request: tandem_pb2.GenerateRequest) -> None:

@@ -34,7 +34,8 @@ An *attempt* is one decode reservation plus one prefill:
 
 **Migration.** The router owns the request until its last token. When an
 attempt is lost after its reservation was made (the decode worker dies or its
-link breaks mid-stream, the prefill worker dies, or the KV transfer between them
+link breaks mid-stream, its engine fails a step holding the request (a chunk with
+finish_reason ERROR), the prefill worker dies, or the KV transfer between them
 fails), a new attempt starts on another decode worker with the original prompt
 plus every token already streamed (``output_token_ids``), and on another prefill
 worker: the lost attempt's workers are taken again only when their pool has no
@@ -45,8 +46,10 @@ workers where there are any). The prefill recomputes their
 KV and samples the next token, and the stream goes on with no token duplicated or
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
-is exactly that of an undisturbed run. At most ``max_migrations`` new attempts;
-then the client gets the last attempt's error (UNAVAILABLE). Each attempt has its
+is that of an undisturbed run (exactly so where a step's numbers do not depend on
+its batch: float32, or ``int4_max_rows: 0``; see EngineConfig). At most
+``max_migrations`` new attempts; then the client gets the last attempt's error
+(UNAVAILABLE; INTERNAL for an engine's failure). Each attempt has its
 own worker-side request id (``<id>/<attempt>``): a worker still cleaning up the
 lost attempt never sees the next one as a duplicate.
 
@@ -591,6 +594,13 @@ class Relay:
                     Code.INTERNAL, f"decode worker {worker.address} sent a second KvDestination"
                 )
             chunk = message.chunk
+            if chunk.finish_reason == tandem_pb2.FINISH_REASON_ERROR:
+                # A failed engine step (its device still works, or the worker would have
+                # exited): the request goes on elsewhere, from what the client has.
+                raise AttemptLost(RouterError(
+                    Code.INTERNAL, f"decode worker {worker.address} failed the request in "
+                    "its engine",
+                ))  # fmt: skip
             streamed.extend(chunk.token_ids)
             response = _response(req, chunk.token_ids, chunk.text, chunk.finish_reason,
                                  chunk.logprobs)  # fmt: skip

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
 from tandem.router.placement import Pool
 from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, wait_until
@@ -248,6 +249,25 @@ def test_a_decode_worker_dying_mid_stream_is_migrated_without_a_gap(frontend):
             assert c.router.relay.migrations == 1
             done = await c.client.complete("hello")  # the next request avoids the dead one
             assert done.token_ids == (10, 11, 12, 13, 14) and len(dying.calls) == 1
+
+    run(scenario())
+
+
+def test_a_request_a_decode_workers_engine_failed_goes_on_elsewhere(frontend):
+    # A failed engine step ends the worker's stream with finish_reason ERROR (status
+    # OK): the client got that as its answer. It is a lost attempt like any other, and
+    # once the migrations run out, a status (INTERNAL), not a finish reason.
+    async def scenario():
+        failing = FakeDecode(chunks=[([11], 0), ([], tandem_pb2.FINISH_REASON_ERROR)],
+                             kv_blocks_free=5000)  # fmt: skip
+        async with cluster(frontend, decode=[failing, FakeDecode()]) as c:
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14) and done.finish_reason == "length"
+            assert c.router.relay.migrations == 1
+        async with cluster(frontend, decode=[failing], max_migrations=0) as c:
+            with pytest.raises(TandemClientError, match="failed the request in its engine") as e:
+                await c.client.complete("hello")
+            assert e.value.code is grpc.StatusCode.INTERNAL
 
     run(scenario())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -305,6 +306,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         raise InvalidRequestError("prompt", "prompt must not be empty")
     params = sampling_params(args)  # validate flags before any model or connection
+    _refuse_flags_of_the_other_mode(args)
     if args.router:
         return _generate_remote(args.router, args.prompt, args.raw, params,
                                 connect=client_kwargs(args))  # fmt: skip
@@ -324,6 +326,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+# generate's flags that only one of its modes reads: given to the other, they would be
+# ignored without a word (a --model that the router does not serve).
+_ENGINE_FLAGS = ("model", "dtype", "device", "attention_backend", "kv_cache_dtype", "kv_window",
+                 "kv_sinks", "threads", "tensor_parallel_size", "config")  # fmt: skip
+_CLIENT_FLAGS = ("tls", "tls_ca", "tls_cert", "tls_key", "api_key_file")
+
+
+def _refuse_flags_of_the_other_mode(args: argparse.Namespace) -> None:
+    unused = _ENGINE_FLAGS if args.router else _CLIENT_FLAGS
+    given = [name for name in unused if getattr(args, name, None) not in (None, False)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        where = ("the router's workers run their own engine settings" if args.router
+                 else "--colocated connects to no router")  # fmt: skip
+        raise TandemError(f"{flag} is not used with {'--router' if args.router else '--colocated'}"
+                          f": {where}")  # fmt: skip
+    if args.kv_sinks is not None and args.kv_window is None:
+        raise TandemError("--kv-sinks is used only with --kv-window")
 
 
 def _generate_remote(
@@ -511,8 +533,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_top(args: argparse.Namespace) -> int:
     from tandem.metrics.top import run
 
-    if args.interval <= 0:
-        raise ConfigError(f"--interval must be > 0, got {args.interval}")
+    if not math.isfinite(args.interval) or args.interval <= 0:
+        raise ConfigError(f"--interval must be a number > 0, got {args.interval}")
     return run(args.target, args.file, args.interval, once=args.once)
 
 

@@ -38,3 +38,18 @@ def test_a_stream_without_its_final_response_is_an_error_not_a_traceback(fake, c
     assert err.splitlines()[-1] == (
         "tandem: error: INTERNAL: the stream ended without a final response"
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--router", "127.0.0.1:1", "--model", "m.gguf"],
+      "--model is not used with --router: the router's workers run their own engine settings"),
+     (["--router", "127.0.0.1:1", "--config", "c.yaml"], "--config is not used with --router"),
+     (["--colocated", "--api-key-file", "key"],
+      "--api-key-file is not used with --colocated: --colocated connects to no router"),
+     (["--colocated", "--kv-sinks", "8"], "--kv-sinks is used only with --kv-window")],
+)  # fmt: skip
+def test_a_flag_the_chosen_mode_would_ignore_is_refused(capsys, argv, message):
+    assert main(["generate", *argv, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem: error: {message}") and err.count("\n") == 1, err

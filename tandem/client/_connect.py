@@ -56,6 +56,12 @@ class Connection:
         key = api_key if api_key is not None else environ.get(API_KEY_ENV, "")
         key = key.strip()
         metadata: tuple[tuple[str, str], ...] = ()
+        if key and not (key.isascii() and key.isprintable()):
+            source = "api_key" if api_key is not None else f"${API_KEY_ENV}"
+            raise ConfigError(
+                f"{source}: an API key is printable ASCII (metadata cannot carry other "
+                "characters); check the key's file or variable"
+            )
         if key:
             if credentials is None and not tls.is_loopback(_host(address)):
                 raise ConfigError(

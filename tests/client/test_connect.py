@@ -122,3 +122,12 @@ def test_client_flags_become_client_arguments(tmp_path):
     assert client_kwargs(parser.parse_args(["--tls"])) == {
         "tls": True, "ca_file": None, "cert_file": None, "key_file": None, "api_key": None
     }  # fmt: skip
+
+
+def test_a_key_gRPC_metadata_cannot_carry_is_named_not_sent():
+    from tandem.client._connect import Connection
+
+    with pytest.raises(ConfigError, match=r"^api_key: an API key is printable ASCII"):
+        Connection.make("127.0.0.1:1", api_key="clé-" + "x" * 20)
+    with pytest.raises(ConfigError, match=r"^\$TANDEM_API_KEY: an API key is printable ASCII"):
+        Connection.make("127.0.0.1:1", environ={"TANDEM_API_KEY": "abc\x01def" * 3})

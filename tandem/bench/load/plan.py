@@ -66,6 +66,9 @@ class Hardware:
         if not self.device_memory_gib > 0:
             raise InvalidRequestError("device_memory_gib", "--device-memory-gib must be > 0, "
                                       f"got {self.device_memory_gib}")  # fmt: skip
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size", "--block-size must be a power of two >= 1 "
+                                      f"(as engine.block_size), got {self.block_size}")  # fmt: skip
         if min(self.devices_per_worker, self.prefill_devices_per_worker, self.block_size) < 1:
             raise InvalidRequestError("hardware", "--decode-tp, --prefill-tp and --block-size "
                                       "must be >= 1")  # fmt: skip

@@ -45,6 +45,8 @@ def test_argparse_errors_exit_2_with_the_argument_named(capsys, argv, message):
       "bench sweep needs --out DIR"),
      (["plan", "--sweep", "s.json"], "--sweep and --target-rate go together"),
      (["plan", "--kv-dtype", "int3"], "--kv-dtype must be one of"),
+     (["plan", "--block-size", "3"], "--block-size must be a power of two >= 1"),
+     (["top", "--target", "127.0.0.1:1", "--interval", "nan"], "--interval must be a number > 0"),
      (["plan", "--model", "no-such-model"], "unknown model 'no-such-model'")],
 )  # fmt: skip
 def test_bad_values_end_with_one_line_and_exit_2(capsys, argv, message):

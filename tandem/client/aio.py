@@ -42,8 +42,24 @@ class AsyncTandemClient:
             api_key=api_key,
         )  # fmt: skip
         self._metadata = connection.metadata
-        self._channel = connection.aio_channel()
-        self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+        self._connection = connection
+        # Made on first use, in the event loop that uses it: a gRPC aio channel belongs to
+        # the loop it was made in, and a client is often made before any loop runs (at
+        # import, then used under asyncio.run).
+        self._aio_channel: grpc.aio.Channel | None = None
+        self._aio_stub: tandem_pb2_grpc.TandemStub | None = None
+
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        if self._aio_channel is None:
+            self._aio_channel = self._connection.aio_channel()
+            self._aio_stub = tandem_pb2_grpc.TandemStub(self._aio_channel)
+        return self._aio_channel
+
+    @property
+    def _stub(self) -> tandem_pb2_grpc.TandemStub:
+        self._channel  # noqa: B018 (made on first use)
+        return self._aio_stub
 
     def generate(
         self,
@@ -107,7 +123,8 @@ class AsyncTandemClient:
         return list(response.token_ids)
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._aio_channel is not None:
+            await self._aio_channel.close()
 
     async def __aenter__(self) -> AsyncTandemClient:
         return self

@@ -95,3 +95,15 @@ def test_async_client(fake):
         assert fake.servicer.cancelled.wait(30)
 
     asyncio.run(scenario())
+
+
+def test_an_async_client_made_before_the_event_loop_runs_works_in_it(fake):
+    # The usual module-level client: a gRPC aio channel belongs to the loop it was made
+    # in, so it is made on first use.
+    client = AsyncTandemClient(fake.address, timeout=10)
+
+    async def use():
+        async with client:
+            return await client.complete("hi")
+
+    assert asyncio.run(use()).text == "Hello"

@@ -572,7 +572,10 @@ class LLMEngine:
         held = None
         if reason is not None:
             if not req.stops.stopped:
-                text += req.stops.push(req.detok.flush())[0] + req.stops.flush()
+                rest, stopped = req.stops.push(req.detok.flush())
+                text += rest + req.stops.flush()
+                if stopped:  # the held-back text held a stop string: that ended it
+                    reason = FinishReason.STOP
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]

@@ -143,7 +143,9 @@ class IncrementalDetokenizer:
     with context rather than the lone new token keeps the spaces that SentencePiece
     and byte-level BPE attach to a token's neighbours. Text ending in U+FFFD is the
     start of a character whose other bytes are still to come, so it is held back and
-    the offsets stay put until the character is complete.
+    the offsets stay put until the character is complete; the complete characters
+    before it go out at once (a stop string they end must not wait for the next
+    character: the request would run on past it).
 
     The concatenated deltas equal ``tokenizer.decode(generated ids)`` whenever that
     decode has no U+FFFD of its own, with one exception: a SentencePiece tokenizer
@@ -157,22 +159,32 @@ class IncrementalDetokenizer:
         # they are dropped, and prefix_offset is always 0; of the prompt only the tail is kept.
         self._ids: list[int] = list(prompt_ids[-_PROMPT_WINDOW:])
         self._read_offset = len(self._ids)  # ids before this have been emitted as text
+        # Characters after the read offset's text already emitted: those before a
+        # character whose bytes are not all here yet.
+        self._ahead = 0
 
     def add(self, token_id: int) -> str:
         """Returns the text that ``token_id`` completes, possibly ""."""
         self._ids.append(token_id)
         prefix_text, new_text = self._decode_window()
+        start = len(prefix_text) + self._ahead
+        if new_text.endswith(REPLACEMENT_CHAR):  # a character's first bytes: hold them
+            complete = new_text.rstrip(REPLACEMENT_CHAR)
+            delta = complete[start:]
+            self._ahead += len(delta)
+            return delta
         # Equal lengths: a skipped special token. It stays in the window and decodes to "".
-        if new_text.endswith(REPLACEMENT_CHAR) or len(new_text) <= len(prefix_text):
+        if len(new_text) <= start:
             return ""
         self._advance()
-        return new_text[len(prefix_text) :]
+        return new_text[start:]
 
     def flush(self) -> str:
         """At the end of the stream, returns what was held back, U+FFFD and all."""
         prefix_text, new_text = self._decode_window()
+        start = len(prefix_text) + self._ahead
         self._advance()
-        return new_text[len(prefix_text) :]
+        return new_text[start:]
 
     def _decode_window(self) -> tuple[str, str]:
         decode = self._tokenizer.decode
@@ -183,6 +195,7 @@ class IncrementalDetokenizer:
         # starts at the old read offset: the tokens just emitted give the new ones context.
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
+        self._ahead = 0
 
 
 class StopStringMatcher:

@@ -211,6 +211,22 @@ def test_prompt_tail_starting_inside_a_character(byte_tok):
     ]
 
 
+def test_the_characters_before_an_unfinished_one_go_out_with_its_token(smol):
+    # A token can end a word and start a character (b" \xe2\x80", the first bytes of
+    # a curly quote): its complete text must not wait for the character's last bytes,
+    # or a stop string it completes is seen a token late (the request runs past it).
+    start = next(i for i in range(smol.vocab_size) if smol.token_bytes(i) == b" \xe2\x80")
+    end = next(i for i in range(smol.vocab_size) if smol.token_bytes(i) == b"\x9c")
+    ids = [*smol.encode("Answer: yes"), start, end, *smol.encode("ok")]
+    deltas = stream(smol, ids)
+    assert deltas[-4:] == [" ", "\u201c", "ok", ""]  # " " with its token, then the quote
+    assert "".join(deltas) == smol.decode(ids)
+    matcher = StopStringMatcher(["yes "])
+    detok = IncrementalDetokenizer(smol)
+    texts = [matcher.push(detok.add(i)) for i in ids[: len(ids) - 2]]
+    assert texts[-1] == ("", True) and "".join(t for t, _ in texts) == "Answer: "
+
+
 def test_flush_releases_an_unfinished_character(byte_tok):
     detok = IncrementalDetokenizer(byte_tok)
     assert [detok.add(i) for i in byte_tok.encode("a你")[:-1]] == ["a", "", ""]

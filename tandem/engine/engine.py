@@ -180,6 +180,7 @@ class LLMEngine:
                 config.kv_window_tokens,
                 config.kv_sink_tokens,
                 host_blocks,
+                config.max_num_batched_tokens,
             )
         except BaseException:
             self.close()
@@ -623,7 +624,9 @@ class LLMEngine:
         if len(ids) < 2:
             return []
         chunk = chunk_tokens or self.config.max_num_batched_tokens
-        seq = Sequence("score", ids, len(ids), SamplingParams(max_tokens=1))
+        # One prompt token: under a window the chunks here are the caller's, each sliding
+        # after it (KVCache.slide), not a served prompt's fixed segments.
+        seq = Sequence("score", ids, 1, SamplingParams(max_tokens=1))
         logps: list[float] = []
         try:
             while seq.num_computed < len(ids) - 1:

@@ -50,15 +50,20 @@ class KVCache:
         window_tokens: int | None = None,
         sink_tokens: int = 0,
         host_blocks: int = 0,
+        window_step_tokens: int = 0,
     ) -> None:
         """``allocate``: makes the zeroed cache tensor (default ``torch.zeros``); a KV
         transfer backend may place it where its peers can read it in place.
-        ``window_tokens`` and ``sink_tokens``: see ``slide``. ``host_blocks``: the
-        size of a host-memory tier behind the cache (host_tier.py; 0: none)."""
+        ``window_tokens``, ``sink_tokens`` and ``window_step_tokens`` (the engine's step
+        budget): see ``slide``. ``host_blocks``: the size of a host-memory tier behind
+        the cache (host_tier.py; 0: none)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window_tokens = window_tokens
         self.sink_blocks = -(-sink_tokens // block_size)
+        # A prompt under a window is computed in segments of this many tokens (whole
+        # blocks) that slide only at their ends: see ``slide``.
+        self.window_step = max(block_size, window_step_tokens // block_size * block_size)
         self.window_evicted_blocks = 0  # counter: blocks freed by the window
         self.pool = BlockPool(num_blocks, block_size)
         # Prefix-cache counters (for the hit-rate metric): prompt tokens looked up, found.
@@ -108,18 +113,36 @@ class KVCache:
         of tokens (the block table's order); their K were rotated at their original
         positions, so the gap is only missing context. A prefill-only sequence keeps
         all its KV: it is shipped whole.
+
+        What a token sees must not depend on how its prompt was cut into chunks (that
+        follows the step budget other requests leave): a prompt slides only at the
+        ends of fixed segments of ``window_step`` tokens from its start, and no chunk
+        crosses one (``window_chunk``), so each prompt token sees the window as it was
+        at its segment's start, then its segment up to itself; each generated token is
+        computed alone and sees the window as of itself.
         """
         if self.window_tokens is None or seq.prefill_only:
             return 0
+        upto = seq.num_computed
+        if upto < seq.num_prompt_tokens:
+            upto -= upto % self.window_step
         bs, freed = self.block_size, 0
-        while self.table_index(seq, seq.num_computed) - (self.sink_blocks + 1) * bs >= (
-            self.window_tokens
-        ):
+        while self.table_index(seq, upto) - (self.sink_blocks + 1) * bs >= self.window_tokens:
             self.pool.free([seq.block_table.pop(self.sink_blocks)])
             seq.num_evicted_blocks += 1
             freed += 1
         self.window_evicted_blocks += freed
         return freed
+
+    def window_chunk(self, seq: Sequence, n: int) -> int:
+        """How many of ``n`` tokens ``seq`` may compute in its next step (see ``slide``):
+        under a window, up to its prompt segment's end, or a generated token alone."""
+        if self.window_tokens is None or seq.prefill_only:
+            return n
+        done = seq.num_computed
+        if done >= seq.num_prompt_tokens:  # generated tokens (recomputed after preemption)
+            return min(n, 1)
+        return min(n, self.window_step - done % self.window_step, seq.num_prompt_tokens - done)
 
     def match_prefix(self, seq: Sequence) -> None:
         """Reuse cached blocks for the longest run of full blocks already computed elsewhere.

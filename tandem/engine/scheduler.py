@@ -59,7 +59,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._reserve(seq, min(seq.num_uncomputed, budget), batch)
+            n = self.kv.window_chunk(seq, min(seq.num_uncomputed, budget))
+            n = self._reserve(seq, n, batch)
             if n:
                 batch.work.append((seq, n))
                 budget -= n
@@ -68,13 +69,13 @@ class Scheduler:
             seq = self.waiting[0]
             swapped = seq.host_blocks is not None
             if swapped:  # preempted by swapping: back in, its computed KV with it
-                n = min(seq.num_uncomputed, budget)
+                n = self.kv.window_chunk(seq, min(seq.num_uncomputed, budget))
                 if not self.kv.swap_in(seq, seq.num_computed + n):
                     break
             else:
                 self.kv.match_prefix(seq)
                 self.kv.slide(seq)  # a cached prefix longer than a KV window
-                n = min(seq.num_uncomputed, budget)
+                n = self.kv.window_chunk(seq, min(seq.num_uncomputed, budget))
                 if not self.kv.ensure(seq, seq.num_computed + n):
                     self.kv.free(seq)  # do not hold prefix blocks while waiting
                     break

@@ -133,3 +133,29 @@ def test_kv_held_whole_that_cannot_fit_is_refused_by_name(tiny_engine):
     with pytest.raises(InvalidRequestError, match="reserves the KV of 44 tokens whole: 11 KV"):
         engine.reserve(prompt, params, "d")
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_what_a_windowed_prompt_sees_does_not_depend_on_its_batch_or_the_cache(tiny_engine):
+    # Its chunks follow the step budget that running decodes leave: the window used to
+    # slide between them, so each token's context (and the greedy tokens) changed
+    # with the traffic, and with a cached prefix.
+    prompt = tiny_engine.tokenizer.encode("The quick brown fox jumps over the lazy dog, again")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = dict(num_blocks=256, max_num_batched_tokens=8)
+    alone = _window_engine(enable_prefix_caching=False, **options).generate([prompt], params)[0]
+
+    busy = _window_engine(enable_prefix_caching=False, **options)
+    for text in ("a" * 10, "b" * 12, "c" * 9):
+        busy.add_request(tiny_engine.tokenizer.encode(text), SamplingParams(
+            max_tokens=40, temperature=0, ignore_eos=True))  # fmt: skip
+    for _ in range(3):
+        busy.step()
+    rid, got = busy.add_request(prompt, params), []
+    while busy.has_unfinished():
+        got += [t for out in busy.step() if out.request_id == rid for t in out.token_ids]
+    assert got == alone
+
+    warm = _window_engine(**options)
+    warm.generate([prompt[:40]], SamplingParams(max_tokens=1, temperature=0))
+    assert warm.generate([prompt], params)[0] == alone
+    assert warm.kv.prefix_hit_tokens > 0

@@ -6,8 +6,8 @@ helps a decode worker on this machine, side by side in one run.
 
 1. Cost per block of 16 tokens (the cost model behind "swap when the tier has room"):
    swapping ``--blocks`` blocks out to the tier and back in (two copies of their
-   bytes), against recomputing their tokens (one prefill of ``--blocks`` x 16 tokens,
-   ``LLMEngine.score``). Median of 5.
+   bytes), against recomputing their tokens (one prefill of ``--blocks`` x 16 tokens
+   and its next token, as a preempted sequence's recompute runs). Median of 5.
 2. bench/reserve_capacity.py's run (``--requests`` chat requests at once, each asking
    for 512 tokens, reserving only 16 ahead so that sequences outgrow the pool and
    are preempted) with: ``--num-blocks`` and no tier (preemption recomputes); the
@@ -34,6 +34,7 @@ def cost_per_block(args: argparse.Namespace) -> dict:
     from tandem.config import EngineConfig
     from tandem.engine.engine import LLMEngine
     from tandem.engine.kv_cache import bytes_per_block
+    from tandem.engine.sampling_params import SamplingParams
 
     probe = LLMEngine(EngineConfig(model=args.model, device="cpu", num_blocks=1))
     per_block = bytes_per_block(probe.model_config, probe.kv.block_size, probe.kv_dtype)
@@ -55,7 +56,8 @@ def cost_per_block(args: argparse.Namespace) -> dict:
         host.swap_in(moved, kv.tensor, blocks)
 
     ids = engine.tokenizer.encode("The history of the lighthouse keeper. " * 200)
-    tokens = ids[: args.blocks * 16 + 1]
+    tokens = ids[: args.blocks * 16]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def timed(fn) -> float:
         fn()
@@ -67,7 +69,9 @@ def cost_per_block(args: argparse.Namespace) -> dict:
         return 1e3 * statistics.median(runs) / args.blocks
 
     swap_ms = timed(swap)
-    recompute_ms = timed(lambda: engine.score(tokens, chunk_tokens=len(tokens)))
+    # What a recomputed sequence costs: one prefill step and its next token (no prefix
+    # cache here), not a scoring pass, whose LM head runs on every row.
+    recompute_ms = timed(lambda: engine.generate([tokens], one))
     kv.pool.free(blocks)
     return {
         "block_bytes": per_block,

@@ -39,7 +39,7 @@ def measure(model: str, tp: int, args: argparse.Namespace) -> dict:
     from tandem.engine.engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
 
-    threads = max(1, (os.cpu_count() or 1) // tp)
+    threads = max(1, len(os.sched_getaffinity(0)) // tp)  # the CPUs it may run on, as serve
     started = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(

@@ -49,6 +49,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         server = self.server
         loop, admission = server.loop, server.admission
         logs.request_id.set(request.request.request_id)  # this handler's log lines carry it
+        await loop.ended(request.request.request_id)  # an earlier call's, cancelled
         try:
             req = parse_request(request.request, server.engine)
             if req.request_id in self._active:
@@ -95,8 +96,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     self._count(out)
                 yield _chunk(out)
         finally:
-            loop.unsubscribe(rid)
-            loop.submit(lambda e: admission.end(e, rid))
+            loop.end(rid, lambda e: admission.end(e, rid))
             self._active.discard(rid)
 
     async def _refuse(self, context, exc: OutOfBlocksError | InvalidRequestError) -> None:
@@ -150,8 +150,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 if out.finished:
                     return
         finally:
-            loop.unsubscribe(rid)
-            loop.submit(lambda e: owned and e.abort(rid))
+            loop.end(rid, lambda e: owned and e.abort(rid))
             self._active.discard(rid)
 
     def _count(self, out: RequestOutput) -> None:

@@ -76,6 +76,9 @@ class EngineLoop:
             queue.SimpleQueue()
         )
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Request ids whose handler ended and whose clean-up on the engine thread has not
+        # run yet (``end``); touched on the event loop's thread only.
+        self._ending: dict[str, asyncio.Future] = {}
         self._hooks: list[Callable[[LLMEngine], None]] = []
         self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
         self._stop = threading.Event()
@@ -146,6 +149,28 @@ class EngineLoop:
 
     def unsubscribe(self, request_id: str) -> None:
         self._subscribers.pop(request_id, None)
+
+    def end(self, request_id: str, cleanup: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """A handler is done with ``request_id`` (from the event loop, in its ``finally``,
+        even a cancelled one): no more outputs for it, and ``cleanup(engine)`` queued.
+        Until that has run, a step may still hold the old request and deliver its
+        outputs: a new call with the id waits (``ended``) rather than receive them."""
+        self.unsubscribe(request_id)
+        ending = asyncio.wrap_future(self.submit(cleanup))
+        self._ending[request_id] = ending
+
+        def forget(done: asyncio.Future) -> None:
+            if self._ending.get(request_id) is done:
+                del self._ending[request_id]
+
+        ending.add_done_callback(forget)
+        return ending
+
+    async def ended(self, request_id: str) -> None:
+        """Wait for an earlier call's clean-up of ``request_id`` (one step at most)."""
+        ending = self._ending.get(request_id)
+        if ending is not None:
+            await asyncio.wait((ending,))
 
     # ---- engine thread ---------------------------------------------------------------
 

@@ -230,7 +230,12 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
-        """Stop sending a request; its future fails with reason "aborted"."""
+        """Stop sending a request; its future fails with reason "aborted". The id stays
+        refused (a late ``send_layers`` must not restart it) until ``forget``."""
+
+    @abc.abstractmethod
+    def forget(self, request_id: str) -> None:
+        """A new request takes an aborted one's id: it may be sent again."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -157,6 +157,12 @@ class SenderBase(KVSender):
         self._finish(out, TransferError("aborted", f"request {request_id} aborted by sender"))
         self._notify_abort(out)
 
+    def forget(self, request_id: str) -> None:
+        """A new request with an aborted one's id starts (its owner has ended the old
+        one, so no late ``send_layers`` for it can come): the id may send again."""
+        with self._lock:
+            self._aborted.pop(request_id, None)
+
     def _remember_abort(self, request_id: str) -> None:
         self._aborted[request_id] = None
         while len(self._aborted) > _ABORTED_MEMORY:

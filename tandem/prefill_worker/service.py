@@ -109,6 +109,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 f"prefill worker {self.server.worker_id} has {len(self._active)} requests, "
                 f"its limit (max_queue={limit}); try another worker",
             )
+        await loop.ended(request.request.request_id)  # an earlier call's, cancelled
         try:
             req = parse_request(request.request, engine)
             dest = parse_destination(
@@ -164,13 +165,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
-            loop.unsubscribe(rid)
-            self._active.discard(rid)
             # Queued behind a send still in flight on the engine thread, so it sees it; and
             # awaited, so the caller hears how the call ended only once its blocks are free.
-            ended = loop.submit(lambda e: self._end(e, rid))
+            ended = loop.end(rid, lambda e: self._end(e, rid))
+            self._active.discard(rid)
             try:
-                await asyncio.shield(asyncio.wrap_future(ended))
+                await asyncio.shield(ended)
             except Exception:  # the call's own outcome stands
                 log.exception("freeing the blocks of %s failed", rid)
 
@@ -180,6 +180,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     # ---- engine thread --------------------------------------------------------------
 
     def _add(self, engine: LLMEngine, req: WorkRequest, dest: Destination) -> None:
+        # An earlier call with this id that was aborted has ended (``ended``): its id
+        # may be sent again.
+        self.server.sender.forget(req.request_id)
         engine.add_request(
             req.prompt_ids, req.params, req.request_id, prefill_only=True, output_ids=req.output_ids
         )

@@ -352,3 +352,38 @@ def test_a_prefill_here_cancelled_before_its_handler_heard_back_is_aborted():
         assert not loop.submit(lambda e: e.has_unfinished()).result(5)
     finally:
         loop.stop()
+
+
+def test_a_request_id_reused_while_a_step_still_holds_the_old_one_gets_its_own_tokens(
+    tiny_engine, pair, monkeypatch
+):
+    # A client cancels (or times out) and at once sends another request under the same
+    # id, while a step that holds the old request runs: its outputs used to land in the
+    # new stream (a token of the other prompt, one too many), as a success.
+    decode = pair.decode
+    engine = decode.server.engine
+    short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    old, new = list(range(10, 40)), list(range(100, 117))
+    expected = [t for c in _here(decode, request(new, short, rid="ref"))[1] for t in c.token_ids]
+    step, slow = engine.step, []
+
+    def slow_step():
+        outputs = step()
+        if slow:
+            time.sleep(0.4)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    slow.append(True)
+    first = decode.stub.Decode(
+        worker_pb2.DecodeRequest(request=request(old, PARAMS, rid="X"), prefill_here=True),
+        timeout=TIMEOUT,
+    )
+    next(first), next(first)  # the destination, the first token: X is running
+    time.sleep(0.1)  # inside a step that holds X
+    first.cancel()
+    time.sleep(0.05)
+    _, chunks = _here(decode, request(new, short, rid="X"))
+    slow.clear()
+    assert [t for c in chunks for t in c.token_ids] == expected
+    wait_until(lambda: engine.kv.pool.num_used == 0, what="blocks back")

@@ -134,3 +134,13 @@ def test_a_prefix_the_decode_worker_holds_is_not_sent_again(tiny_engine, pair):
     prompt_blocks = -(-len(second_prompt) // 16)
     per_block = first.prefill.kv_bytes // -(-(len(system) + 2) // 16)
     assert pre.kv_bytes == per_block * (prompt_blocks - cached)
+
+
+def test_an_id_whose_first_token_ended_it_can_be_sent_again(tiny_engine, pair):
+    # Its layer-wise transfer was aborted when the first token ended it, and the
+    # sender refused that id for good: the next request under it failed ABORTED.
+    prompt = tiny_engine.tokenizer.encode("hello there")
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    assert len(drive(pair, request(prompt, one, rid="X")).tokens) == 1
+    again = drive(pair, request(prompt, GREEDY, rid="X"))
+    assert again.tokens == _colocated(tiny_engine, prompt, GREEDY)[0]

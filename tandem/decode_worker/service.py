@@ -49,6 +49,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         server = self.server
         loop, admission = server.loop, server.admission
         logs.request_id.set(request.request.request_id)  # this handler's log lines carry it
+        if server.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"decode worker {server.worker_id} is draining"
+            )
         await loop.ended(request.request.request_id)  # an earlier call's, cancelled
         try:
             req = parse_request(request.request, server.engine)

@@ -102,6 +102,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> AsyncIterator[worker_pb2.PrefillResponse]:
         loop, engine = self.server.loop, self.server.engine
         logs.request_id.set(request.request.request_id)  # this handler's log lines carry it
+        if self.server.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.server.worker_id} is draining"
+            )
         limit = self.server.config.max_queue
         if len(self._active) >= limit:
             await context.abort(

@@ -4,8 +4,9 @@
               the KV transfer endpoint, bind the port (0: any free one) with mutual
               TLS, start the engine thread and the server, then report SERVING on
               grpc.health.v1 ("" and the role's service)
-    stop()    NOT_SERVING first (routers stop placing here), no new RPCs, in-flight
-              ones get ``grace`` seconds and are then cancelled; whatever is left
+    stop()    NOT_SERVING first (routers stop placing here), no new Prefill or
+              Decode calls (RenewLease and Status still answer), in-flight ones get
+              ``grace`` seconds and are then cancelled; whatever is left
               in the engine is aborted (blocks freed) before its thread stops (an
               engine that does not answer within 10 s is hung: the worker stops
               without it, its other ranks killed)
@@ -114,6 +115,9 @@ class WorkerServer(abc.ABC):
         self.loop: EngineLoop | None = None
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
+        # Set by stop(): new Prefill/Decode calls are refused (UNAVAILABLE: the router
+        # places them elsewhere) while the port still serves RenewLease and Status.
+        self.draining = False
         self._health = health_aio.HealthServicer()
         self.served = 0  # requests completed successfully (event loop thread writes)
         self.prefilled_here = 0  # decode: requests prefilled here (event loop thread writes)
@@ -247,7 +251,15 @@ class WorkerServer(abc.ABC):
             return
         grace = self.config.drain_timeout_s if grace is None else grace
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        # The port stays open while the calls in flight finish: a reservation waiting for
+        # its KV must still have its lease renewed (gRPC's own graceful stop refuses
+        # every new call, RenewLease included, so such a stream's lease ran out).
+        self.draining = True
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + grace
+        while self._calls_in_flight() and clock() < deadline:
+            await asyncio.sleep(0.05)
+        await self._server.stop(max(0.0, deadline - clock()))
         self._server = None
         # Cancelled handlers queued their clean-up first; this runs after it (FIFO).
         join_s = 10.0
@@ -354,6 +366,10 @@ class WorkerServer(abc.ABC):
     def _waiting_outside_engine(self) -> int:
         """Requests accepted but not yet in the engine's queue (engine thread)."""
         return 0
+
+    def _calls_in_flight(self) -> int:
+        """Prefill or Decode calls this worker is serving now (event loop)."""
+        return len(self.service._active)
 
     @abc.abstractmethod
     def _add_servicer(self, server: grpc.aio.Server) -> None: ...

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
-from tandem.config import DecodeConfig
+from tandem.config import DecodeConfig, PrefillConfig
 from tandem.engine.sampling_params import SamplingParams
 from tests.workers import (
     TIMEOUT,
@@ -387,3 +387,32 @@ def test_a_request_id_reused_while_a_step_still_holds_the_old_one_gets_its_own_t
     slow.clear()
     assert [t for c in chunks for t in c.token_ids] == expected
     wait_until(lambda: engine.kv.pool.num_used == 0, what="blocks back")
+
+
+def test_a_draining_decode_worker_keeps_renewing_leases_and_finishes_its_streams(bg):
+    # A reservation whose prefill is still queued elsewhere when the worker is told to
+    # stop: the router renews its lease during the drain, and gRPC's graceful stop
+    # refused those calls, so the stream ended "lease expired" although it had time.
+    prefill_worker = start_worker(bg, PrefillConfig(engine=engine_config(), kv_backend="inproc"))
+    decode = start_worker(bg, DecodeConfig(engine=engine_config(), kv_backend="inproc",
+                                           kv_lease_s=1.0))  # fmt: skip
+    try:
+        req = request(list(range(5, 30)), SamplingParams(max_tokens=4, temperature=0), rid="D")
+        stream = decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
+        dest = next(stream).destination
+        stopping = asyncio.run_coroutine_threadsafe(decode.server.stop(grace=8.0), bg.loop)
+        for _ in range(4):  # 2 s: twice the lease
+            time.sleep(0.5)
+            renewed = decode.stub.RenewLease(worker_pb2.RenewLeaseRequest(request_id="D"))
+            assert renewed.renewed
+        with pytest.raises(grpc.RpcError) as refused:  # new work goes elsewhere
+            next(decode.stub.Decode(worker_pb2.DecodeRequest(request=request(
+                [7, 8, 9], PARAMS, rid="late")), timeout=TIMEOUT))  # fmt: skip
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "draining" in refused.value.details()
+        prefill(prefill_worker, req, dest)
+        assert sum(len(r.chunk.token_ids) for r in stream) == 3  # the rest after the first
+        stopping.result(30)
+    finally:
+        decode.channel.close()
+        stop_worker(bg, prefill_worker)

@@ -9,6 +9,7 @@ from tandem.config import DecodeConfig
 from tandem.decode_worker.admission import KvAdmission
 from tandem.decode_worker.service import DecodeService
 from tandem.engine.engine import LLMEngine
+from tandem.errors import ConfigError, TandemError
 from tandem.kv_transfer import KVReceiver, make_receiver
 from tandem.security.cluster import ClusterCredentials
 from tandem.worker.server import WorkerServer
@@ -40,17 +41,23 @@ class DecodeServer(WorkerServer):
 
     def _open_transfer(self) -> None:
         cfg, engine = self.config, self.engine
-        self.receiver = make_receiver(
-            cfg.kv_backend,
-            engine.kv.tensor,
-            engine.kv_fingerprint(),
-            cfg.host,
-            cfg.kv_port,
-            metrics=self.transfer_metrics,
-            secret=self.kv_secret,
-            # The largest reservation a request can need (and so a header may name).
-            max_request_blocks=engine.kv.blocks_for(engine.max_model_len),
-        )
+        try:
+            self.receiver = make_receiver(
+                cfg.kv_backend,
+                engine.kv.tensor,
+                engine.kv_fingerprint(),
+                cfg.host,
+                cfg.kv_port,
+                metrics=self.transfer_metrics,
+                secret=self.kv_secret,
+                # The largest reservation a request can need (and so a header may name).
+                max_request_blocks=engine.kv.blocks_for(engine.max_model_len),
+            )
+        except TandemError:
+            raise
+        except Exception as exc:  # the transport's own errors (UCX: "Device is busy")
+            raise ConfigError(f"cannot listen for KV on {cfg.host}:{cfg.kv_port} "
+                              f"(host/kv_port): {type(exc).__name__}: {exc}") from exc  # fmt: skip
         self.admission = KvAdmission(self.receiver, cfg.kv_lease_s)
         self.loop.add_hook(self.admission.poll)
         # A transfer's end wakes the engine thread, which admits (or fails) the request.

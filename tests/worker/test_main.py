@@ -95,3 +95,24 @@ def test_processes_serve_a_request_and_exit_0_on_sigterm(tmp_path, tiny_engine):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_kv_port_in_use_exits_2_naming_it(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "tandem.decode_worker", "--model", "tiny-random",
+             "--dtype", "float32", "--device", "cpu", "--num-blocks", "32", "--port", "0",
+             "--kv-port", str(port)],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"tandem: error: cannot listen for KV on 127.0.0.1:{port} (host/kv_port)"
+    )
+    assert "Traceback" not in run.stderr

@@ -254,15 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace):
     """EngineConfig from the YAML file (if any) overridden by the flags that were given."""
-    from tandem.config import EngineConfig, from_dict, load_yaml
+    from tandem.config import EngineConfig, from_dict, load_yaml, section
 
     values = {}
-    if args.config:
-        from tandem.deploy.local import cluster_config
-
+    if args.config:  # its engine: section (a serve, Ray or worker file alike)
         data = load_yaml(args.config)
-        cluster_config(data, where=args.config)  # the whole file checked, as serve does
-        values = dict(data.get("engine") or {})
+        values = dict(section(data, "engine", args.config)) if "engine" in data else {}
     for flag, field in (
         ("model", "model"),
         ("dtype", "dtype"),
@@ -276,7 +273,11 @@ def engine_config(args: argparse.Namespace):
     ):
         if getattr(args, flag, None) is not None:
             values[field] = getattr(args, flag)
-    return from_dict(EngineConfig, values, where=args.config or "")
+    config = from_dict(EngineConfig, values, where=args.config or "")
+    if getattr(args, "kv_sinks", None) is not None and config.kv_window_tokens is None:
+        raise TandemError("--kv-sinks is used only with a KV window (--kv-window, or "
+                          "kv_window_tokens in the config)")  # fmt: skip
+    return config
 
 
 def sampling_params(args: argparse.Namespace):
@@ -344,8 +345,6 @@ def _refuse_flags_of_the_other_mode(args: argparse.Namespace) -> None:
                  else "--colocated connects to no router")  # fmt: skip
         raise TandemError(f"{flag} is not used with {'--router' if args.router else '--colocated'}"
                           f": {where}")  # fmt: skip
-    if args.kv_sinks is not None and args.kv_window is None:
-        raise TandemError("--kv-sinks is used only with --kv-window")
 
 
 def _generate_remote(
@@ -428,10 +427,11 @@ def serve_config(args: argparse.Namespace):
     """ClusterConfig from the YAML file (if any) overridden by the flags that were given."""
     import dataclasses
 
-    from tandem.config import load_yaml
+    from tandem.config import load_yaml, section
     from tandem.deploy.local import cluster_config
 
     values = load_yaml(args.config) if args.config else {}
+    where = args.config or ""
     prefill, decode = args.prefill, args.decode
     mode = getattr(args, "disaggregation", None)  # serve's flags; demo has neither
     colocated = getattr(args, "colocated", None)
@@ -446,16 +446,18 @@ def serve_config(args: argparse.Namespace):
                "prefill_tensor_parallel_size", "decode_tensor_parallel_size")))  # fmt: skip
     values.update({key: value for key, value in flags if value is not None})
     if mode is not None:
-        router_values = dict(values.get("router") or {})
-        router_values["disaggregation"] = {**(router_values.get("disaggregation") or {}),
-                                           "mode": mode}  # fmt: skip
+        router_values = dict(section(values, "router", where)) if "router" in values else {}
+        disaggregation = section(router_values, "disaggregation", f"{where} router".strip()) \
+            if "disaggregation" in router_values else {}  # fmt: skip
+        router_values["disaggregation"] = {**disaggregation, "mode": mode}
         values["router"] = router_values
     engine = {k: v for k, v in (("model", args.model),
               ("tensor_parallel_size", getattr(args, "tensor_parallel_size", None)))
               if v is not None}  # fmt: skip
     if engine:
-        values["engine"] = {**(values.get("engine") or {}), **engine}
-    cfg = cluster_config(values, where=args.config or "")
+        values["engine"] = {**(section(values, "engine", where) if "engine" in values else {}),
+                            **engine}  # fmt: skip
+    cfg = cluster_config(values, where=where)
     given = (("host", args.host), ("port", args.port),
              ("http_port", getattr(args, "http_port", None)))  # fmt: skip
     router = {k: v for k, v in given if v is not None}

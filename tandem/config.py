@@ -601,9 +601,13 @@ LAUNCHER_SETS = {
 LAUNCHER_SETS["decode"]["kv_port"] = "each worker takes a free port"
 
 
-def refuse_launcher_settings(values: dict[str, Any], where: str = "") -> None:
-    """A deployment file's role sections must not hold what the launcher sets itself."""
+def refuse_launcher_settings(
+    values: dict[str, Any], where: str = "", also: dict[str, dict[str, str]] | None = None
+) -> None:
+    """A deployment file's role sections must not hold what the launcher sets itself
+    (``also``: a launcher's own, by role)."""
     for role, owned in LAUNCHER_SETS.items():
+        owned = {**owned, **(also or {}).get(role, {})}
         given = values.get(role)
         for name in sorted(set(given) & set(owned)) if isinstance(given, dict) else ():
             raise ConfigError(f"{role}.{name} cannot be set in a deployment's config: "

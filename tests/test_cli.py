@@ -186,9 +186,8 @@ EARLY_ERRORS = {
     "attention_backend": "attention_backend must be one of auto, torch, cpu, triton, got 'cuda'",
     "unknown_model": "unknown model 'nope': expected one of smollm2-135m-instruct, tiny-random, "
     "a Hugging Face directory or a .gguf file",
-    "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value} engine)",
-    "yaml_quoted_number": "block_size must be a whole number, got '16' (str) "
-    "(in {quoted_number} engine)",
+    "yaml_bad_value": "block_size must be a power of two >= 1, got 3 (in {bad_value})",
+    "yaml_quoted_number": "block_size must be a whole number, got '16' (str) (in {quoted_number})",
     "yaml_engine_not_a_mapping": "engine must be a mapping of settings, got 'smollm' (str) "
     "(in {not_a_mapping})",
     "no_colocated": "generate needs exactly one of --colocated (prefill and decode in this "
@@ -220,7 +219,7 @@ def test_unknown_yaml_key_is_listed_with_the_file(runs, config_files):
     assert run.stdout == ""
     assert run.stderr == (
         _error(
-            f"unknown setting bogus_setting in {config_files['unknown_key']} engine "
+            f"unknown setting bogus_setting in {config_files['unknown_key']} "
             f"(known: {KNOWN_SETTINGS})"
         )
         + "\n"

@@ -47,7 +47,8 @@ def test_a_stream_without_its_final_response_is_an_error_not_a_traceback(fake, c
      (["--router", "127.0.0.1:1", "--config", "c.yaml"], "--config is not used with --router"),
      (["--colocated", "--api-key-file", "key"],
       "--api-key-file is not used with --colocated: --colocated connects to no router"),
-     (["--colocated", "--kv-sinks", "8"], "--kv-sinks is used only with --kv-window")],
+     (["--colocated", "--model", "tiny-random", "--kv-sinks", "8"],
+      "--kv-sinks is used only with a KV window")],
 )  # fmt: skip
 def test_a_flag_the_chosen_mode_would_ignore_is_refused(capsys, argv, message):
     assert main(["generate", *argv, "hi"]) == 2

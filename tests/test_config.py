@@ -185,3 +185,21 @@ def test_the_routers_context_is_the_workers_when_the_engine_sets_one():
 
     assert router_context(None, 64) == 64 and router_context(32, 64) == 32
     assert router_context(None, None) is None and router_context(128, None) == 128
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [({"decode": 5}, "decode must be a mapping of settings, got 5 (int)"),
+     ({"router": ["a"]}, "router must be a mapping of settings"),
+     ({"ray": 3}, "ray must be a mapping of settings"),
+     ({"ray": {"prefill": 2}},
+      "prefill must be a mapping of settings, got 2 (int) (in r.yaml ray)"),
+     ({"ray": {"autoscale": [1]}}, "autoscale must be a mapping of settings"),
+     ({"prefill": {"host": "10.1.2.3"}},
+      "prefill.host cannot be set in a deployment's config: each worker listens on its node's")],
+)  # fmt: skip
+def test_a_ray_deployment_names_what_is_wrong_with_its_sections(values, message):
+    from tandem.deploy.ray_cluster.config import deploy_config
+
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        deploy_config(values, "r.yaml")

@@ -323,6 +323,8 @@ class LLMEngine:
         seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix, transfer=True)
         if reuse_prefix:
             self.kv.count_admission(seq)
+        else:  # no lookup: nothing to count, now or when a preemption brings it back
+            seq.admitted = True
         self._register(seq)
         self.scheduler.reserve(seq)
         return list(seq.block_table), seq.num_computed // self.kv.block_size

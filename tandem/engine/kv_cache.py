@@ -216,7 +216,11 @@ class KVCache:
         return self.ensure(seq, num_tokens)
 
     def count_admission(self, seq: Sequence) -> None:
-        """Account a just-admitted sequence's prefix hit (its computed tokens so far)."""
+        """Account a just-admitted sequence's prefix hit (its computed tokens so far),
+        once: a preempted one admitted again finds its own freed blocks, no prefix hit."""
+        if seq.admitted:
+            return
+        seq.admitted = True
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += seq.num_computed
 

@@ -80,9 +80,7 @@ class Scheduler:
                     self.kv.free(seq)  # do not hold prefix blocks while waiting
                     break
             self.waiting.popleft()
-            if not seq.admitted:  # a preempted one's own freed blocks are not prefix hits
-                self.kv.count_admission(seq)
-                seq.admitted = True
+            self.kv.count_admission(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.work.append((seq, n))

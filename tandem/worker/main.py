@@ -31,6 +31,7 @@ from tandem.config import (
     PrefillConfig,
     load_yaml,
     role_config,
+    section,
 )
 from tandem.errors import TandemError
 from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
@@ -46,10 +47,21 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _field_type(cls: type, name: str) -> type:
+def _boolean(text: str) -> bool:
+    """A bool flag's value, as YAML spells it."""
+    words = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}  # fmt: skip
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return words[text.lower()]
+
+
+def _field_type(cls: type, name: str):
     default = next(f for f in dataclasses.fields(cls) if f.name == name)
     value = default.default
-    if isinstance(value, bool) or value is None or value is dataclasses.MISSING:
+    if isinstance(value, bool):
+        return _boolean
+    if value is None or value is dataclasses.MISSING:
         ints = ("num_threads", "num_blocks", "max_model_len", "metrics_port")
         return int if name in ints else str
     return type(value)
@@ -91,13 +103,15 @@ def build_parser(role: str) -> argparse.ArgumentParser:
 
 def load_config(role: str, args: argparse.Namespace) -> PrefillConfig | DecodeConfig:
     values = dict(load_yaml(args.config)) if args.config else {}
-    nested = {name: dict(values.get(name) or {}) for name in ("engine", "cluster")}
+    where = args.config or "flags"
+    nested = {name: dict(section(values, name, where)) if name in values else {}
+              for name in ("engine", "cluster")}  # fmt: skip
     for key, value in vars(args).items():
         if value is None or key in ("config", "verbose"):
             continue
-        section, _, field = key.rpartition(".")
-        if section:
-            nested[section][field] = value
+        part, _, field = key.rpartition(".")
+        if part:
+            nested[part][field] = value
         else:
             values[key] = value
     values.update(nested)

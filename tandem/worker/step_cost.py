@@ -22,6 +22,7 @@ from __future__ import annotations
 
 # The weight of the newest step: about the last ten steps count.
 WEIGHT = 0.2
+MEASURED_FLOOR_S = 1e-9  # the least a measured prompt token costs
 
 
 class StepCost:
@@ -38,10 +39,11 @@ class StepCost:
         if prompt_tokens <= 0:
             self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
             return
+        # A step no slower than the mean decode step (noise, a busy machine) says the
+        # prompt tokens cost about nothing: a nanosecond each, not 0, which reads "not
+        # measured yet".
         extra = seconds - self.decode_step_seconds
-        # A step no slower than the mean decode step (noise, a busy machine's decode
-        # steps): its time over all its tokens, rather than 0, which reads "not measured".
-        per_token = extra / prompt_tokens if extra > 0 else seconds / tokens
+        per_token = max(extra / prompt_tokens, MEASURED_FLOOR_S)
         self.prefill_token_seconds = _mean(self.prefill_token_seconds, per_token)
 
 

@@ -149,12 +149,13 @@ def test_down_removes_the_deployments_placement_groups_left_behind():
     import ray as real
 
     removed = []
-    ids = {name: real.PlacementGroupID.from_random().hex() for name in "abcd"}
+    ids = {name: real.PlacementGroupID.from_random().hex() for name in "abcde"}
     table = {
         ids["a"]: {"name": "tandem-prod-decode-3", "state": "PENDING"},
         ids["b"]: {"name": "tandem-prod-decode-1", "state": "REMOVED"},
         ids["c"]: {"name": "tandem-staging-decode-1", "state": "CREATED"},
         ids["d"]: {"name": "someone-elses", "state": "CREATED"},
+        ids["e"]: {"name": "tandem-prod-eu-decode-1", "state": "CREATED"},  # "prod-eu"'s
     }
     fake = types.SimpleNamespace(
         PlacementGroupID=real.PlacementGroupID,

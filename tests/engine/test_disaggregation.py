@@ -321,3 +321,16 @@ def test_a_decode_worker_runs_its_preempted_requests_again_before_new_ones():
     assert "preempted requests wait to run again first" in refused
     decode.abort_all()
     assert decode.kv.pool.num_used == 0
+
+
+def test_a_decode_side_prompt_is_looked_up_in_the_prefix_cache_once_however_often_preempted():
+    # prefill_here counts its lookup; a preemption recomputed later must not count the
+    # sequence's own freed blocks as hits (the hit rate would grow with memory pressure).
+    engine = make_engine(num_blocks=6, reserve_output_tokens=1, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.prefill_here(list(range(100, 132)), params, "a")
+    engine.prefill_here(list(range(200, 232)), params, "b")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.preemptions > 0
+    assert (engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens) == (64, 0)

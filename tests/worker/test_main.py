@@ -28,6 +28,14 @@ def test_flags_override_the_yaml_file(tmp_path):
     assert (config.engine.model, config.engine.num_blocks, config.engine.num_threads) == ("m", 7, 2)
 
 
+def test_a_boolean_flag_takes_true_or_false():
+    from tandem.worker.main import build_parser, load_config
+
+    for word, value in (("false", False), ("true", True), ("no", False)):
+        args = build_parser("prefill").parse_args(["--kv-layerwise", word])
+        assert load_config("prefill", args).kv_layerwise is value
+
+
 def test_bad_settings_exit_2_with_one_line(capsys):
     assert main("prefill", ["--kv-ack-timeout-s", "0"]) == 2
     err = capsys.readouterr().err.strip()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.worker.step_cost import WEIGHT, StepCost
+from tandem.worker.step_cost import MEASURED_FLOOR_S, WEIGHT, StepCost
 
 
 def test_decode_steps_and_prompt_tokens_are_told_apart():
@@ -31,10 +31,19 @@ def test_the_figures_follow_the_recent_steps():
 
 def test_a_step_faster_than_the_decode_figure_costs_no_negative_time_nor_none():
     # Noise (a busy machine's slow decode steps): not negative, and not 0, which
-    # reads "never prefilled" and so makes the router count a prefill here as free.
+    # reads "never prefilled".
     cost = StepCost()
     cost.observe(0.5, 1, 1)
     cost.observe(0.2, 1, 65)
-    assert cost.prefill_token_seconds == pytest.approx(0.2 / 65)
+    assert cost.prefill_token_seconds == MEASURED_FLOOR_S
     cost.observe(0, 0, 0)  # an empty step changes nothing
     assert cost.decode_step_seconds == 0.5
+
+
+def test_a_step_just_slower_than_the_decode_figure_is_no_cheaper_than_one_just_faster():
+    # No cliff at the decode mean: the step's time over its tokens is the floor.
+    below, above = StepCost(), StepCost()
+    for cost, seconds in ((below, 0.0099999), (above, 0.0100001)):
+        cost.observe(0.01, 1, 1)
+        cost.observe(seconds, 1, 65)
+    assert above.prefill_token_seconds == pytest.approx(below.prefill_token_seconds, abs=1e-8)

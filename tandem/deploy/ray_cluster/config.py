@@ -58,6 +58,7 @@ from tandem.config import (
     refuse_launcher_settings,
     role_config,
     router_context,
+    section,
 )
 from tandem.deploy.autoscale import AutoscaleConfig, PoolPolicy
 from tandem.errors import ConfigError
@@ -248,33 +249,39 @@ def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
             f"unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
             f"{' in ' + where if where else ''} (known: {', '.join(sections)})"
         )
-    refuse_launcher_settings(values, where)
+    on_nodes = {"host": "each worker listens on its node's address"}
+    refuse_launcher_settings(values, where, also={"prefill": on_nodes, "decode": on_nodes})
     out: dict[str, Any] = {}
     for key, cls in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
         if key in values:
-            out[key] = from_dict(cls, values[key] or {}, where=where)
+            out[key] = from_dict(cls, section(values, key, where), where=where)
     if "router" in values:
         out["router"] = role_config(
-            RouterConfig, {"host": "0.0.0.0", **(values["router"] or {})}, where=where
+            RouterConfig, {"host": "0.0.0.0", **section(values, "router", where)}, where=where
         )
     for key, cls in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
         if key in values:
-            out[key] = role_config(cls, values[key] or {}, where=where)
-    ray = dict(values.get("ray") or {})
+            out[key] = role_config(cls, section(values, key, where), where=where)
+    ray = dict(section(values, "ray", where)) if "ray" in values else {}
+    here = f"{where} ray".strip()
     for key, name in (("prefill", "prefill_pool"), ("decode", "decode_pool")):
         if key in ray:
-            section = {"resources": {key: 1}, **(ray.pop(key) or {})}
-            ray[name] = from_dict(ActorResources, section, where=f"{where} ray.{key}")
+            pool = {"resources": {key: 1}, **section(ray, key, here)}
+            ray.pop(key)
+            ray[name] = from_dict(ActorResources, pool, where=f"{where} ray.{key}")
     if "router" in ray:
-        section = {"resources": HEAD_NODE, "strategy": "DEFAULT", **(ray.pop("router") or {})}
-        ray["router_actor"] = from_dict(ActorResources, section, where=f"{where} ray.router")
+        actor = {"resources": HEAD_NODE, "strategy": "DEFAULT", **section(ray, "router", here)}
+        ray.pop("router")
+        ray["router_actor"] = from_dict(ActorResources, actor, where=f"{where} ray.router")
     if "autoscale" in ray:
-        scale = dict(ray.pop("autoscale") or {})
+        scale = dict(section(ray, "autoscale", here))
+        ray.pop("autoscale")
         defaults = AutoscaleConfig()
         for pool in ("prefill", "decode"):
             if pool in scale:
                 base = dataclasses.asdict(getattr(defaults, pool))
-                scale[pool] = from_dict(PoolPolicy, {**base, **(scale[pool] or {})}, where=where)
+                given = section(scale, pool, f"{where} ray.autoscale")
+                scale[pool] = from_dict(PoolPolicy, {**base, **given}, where=where)
         ray["autoscale"] = from_dict(AutoscaleConfig, scale, where=f"{where} ray.autoscale")
     for name in ("prefill_pool", "decode_pool", "router_actor", "autoscale"):
         if name in ray and not dataclasses.is_dataclass(ray[name]):

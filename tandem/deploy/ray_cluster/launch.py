@@ -315,12 +315,12 @@ def remove_placement_groups(ray, namespace: str) -> list[str]:
     controller's death cut short frees none). Returns their names."""
     from ray.util.placement_group import PlacementGroup
 
-    from tandem.deploy.ray_cluster.placement import group_prefix
+    from tandem.deploy.ray_cluster.placement import is_group_of
 
     removed = []
     for pg_id, info in ray.util.placement_group_table().items():
         name = info.get("name", "")
-        if name.startswith(group_prefix(namespace)) and info.get("state") != "REMOVED":
+        if is_group_of(name, namespace) and info.get("state") != "REMOVED":
             ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
             removed.append(name)
     if removed:

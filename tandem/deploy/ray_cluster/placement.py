@@ -13,6 +13,7 @@ process (Ray restarts it; see recovery.py). ``tandem ray down`` ends them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tandem.deploy.ray_cluster.config import ActorResources
@@ -32,11 +33,13 @@ def actor_options(res: ActorResources) -> dict[str, Any]:
 def group_name(namespace: str, worker: str) -> str:
     """A worker's placement group's name: the deployment's own, so that ``down`` finds
     every group it made (one whose start was cut short too)."""
-    return f"{group_prefix(namespace)}{worker}"
+    return f"tandem-{namespace}-{worker}"
 
 
-def group_prefix(namespace: str) -> str:
-    return f"tandem-{namespace}-"
+def is_group_of(name: str, namespace: str) -> bool:
+    """Whether ``name`` is a worker's group in ``namespace`` exactly (namespace "prod"
+    must not take "prod-eu"'s groups: placement groups are the whole cluster's)."""
+    return re.fullmatch(rf"tandem-{re.escape(namespace)}-(prefill|decode)-\d+", name) is not None
 
 
 def reserve(res: ActorResources, name: str, namespace: str) -> tuple[dict[str, Any], Any]:

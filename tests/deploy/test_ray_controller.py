@@ -374,3 +374,24 @@ def test_a_worker_adopted_but_not_answering_yet_counts_toward_its_pool(killed):
 
     assert _run(ctrl, go) == ["decode-0", "decode-1"]
     assert ctrl._actor_classes["worker"].made == {}  # nothing started
+
+
+def test_a_worker_ray_will_not_restart_is_replaced_at_the_next_round(killed, monkeypatch):
+    # Its restarts used up (or none allowed): Ray says DEAD at once, and waiting
+    # startup_timeout_s (600 s) for it left the pool short that long.
+    from tandem.deploy.ray_cluster import recovery
+
+    ctrl = _controller()
+    made = ctrl._actor_classes["worker"].made
+
+    async def go():
+        assert await ctrl._reconcile() == []
+        dead = made["decode-1"]
+        dead.stats.fail = RuntimeError("ActorDiedError")
+        monkeypatch.setattr(recovery, "dead_for_good", lambda handle: handle is dead)
+        await ctrl._monitor_once()
+        assert await ctrl._top_up == []
+
+    _run(ctrl, go)
+    assert sorted(ctrl.workers) == ["decode-2", "prefill-0"]
+    assert any("decode-1 lost: Ray will not restart it" in e for e in ctrl.events)

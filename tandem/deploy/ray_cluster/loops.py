@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tandem.deploy.autoscale import POOLS
-from tandem.deploy.ray_cluster import membership
+from tandem.deploy.ray_cluster import membership, recovery
 from tandem.deploy.ray_cluster.state import _log_crash
 from tandem.deploy.ray_cluster.status import write_targets
 
@@ -48,8 +48,11 @@ async def monitor_once(ctrl: Controller) -> None:
             continue  # a drain began meanwhile, or news newer than these stats came
         w.answering = not isinstance(stats, BaseException)
         if not w.answering:
-            # Restarting (or gone): the router stops placing on it by itself.
-            if now - w.last_seen > ctrl.config.startup_timeout_s:
+            # Restarting (or gone): the router stops placing on it by itself. One that
+            # Ray will not restart is replaced now, not after startup_timeout_s.
+            if now - w.last_seen > ctrl.config.startup_timeout_s or recovery.dead_for_good(
+                w.handle
+            ):
                 lost.append(w)
             continue
         if stats["incarnation"] != w.info.get("incarnation"):
@@ -57,7 +60,9 @@ async def monitor_once(ctrl: Controller) -> None:
         w.stats, w.last_seen = stats, now
     await membership.leave_dead_nodes(ctrl, [w for w in serving if not w.answering])
     for w in lost:
-        ctrl._event(f"{w.name} lost: no answer for {ctrl.config.startup_timeout_s:g} s")
+        why = ("Ray will not restart it" if recovery.dead_for_good(w.handle)
+               else f"no answer for {ctrl.config.startup_timeout_s:g} s")  # fmt: skip
+        ctrl._event(f"{w.name} lost: {why}")
         await ctrl._stop_worker(w, grace=0)
     await membership.check_router(ctrl)
     # Only answering workers: a silent one's address may be a dead node's.

@@ -122,3 +122,20 @@ def dead_nodes() -> set[str]:
     if not ray.is_initialized():
         return set()
     return {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+
+
+def dead_for_good(handle: Any) -> bool:
+    """Whether Ray has given the actor up (its restarts used up, or none allowed): its
+    state in the cluster's own table is DEAD, not RESTARTING. False when that cannot be
+    told (outside Ray, a handle without an id, another Ray's table)."""
+    import ray
+
+    actor_id = getattr(handle, "_actor_id", None)
+    if actor_id is None or not ray.is_initialized():
+        return False
+    try:
+        from ray._private import state
+
+        return state.actors(actor_id.hex()).get("State") == "DEAD"
+    except Exception:  # a private table: a Ray without it only waits the longer way
+        return False

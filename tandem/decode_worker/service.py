@@ -169,4 +169,6 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.RenewLeaseResponse(renewed=renewed)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
+        if self.server.draining:  # out of placement until it has gone (router: down)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         return self.server.status()

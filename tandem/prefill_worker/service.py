@@ -179,6 +179,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 log.exception("freeing the blocks of %s failed", rid)
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
+        if self.server.draining:  # out of placement until it has gone (router: down)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         return self.server.status()
 
     # ---- engine thread --------------------------------------------------------------

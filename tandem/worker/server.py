@@ -5,7 +5,8 @@
               TLS, start the engine thread and the server, then report SERVING on
               grpc.health.v1 ("" and the role's service)
     stop()    NOT_SERVING first (routers stop placing here), no new Prefill or
-              Decode calls (RenewLease and Status still answer), in-flight ones get
+              Decode calls and Status UNAVAILABLE (a router takes the worker out of
+              placement and leaves it out: RenewLease still answers), in-flight ones get
               ``grace`` seconds and are then cancelled; whatever is left
               in the engine is aborted (blocks freed) before its thread stops (an
               engine that does not answer within 10 s is hung: the worker stops
@@ -118,6 +119,7 @@ class WorkerServer(abc.ABC):
         # Set by stop(): new Prefill/Decode calls are refused (UNAVAILABLE: the router
         # places them elsewhere) while the port still serves RenewLease and Status.
         self.draining = False
+        self._stopping: asyncio.Future | None = None
         self._health = health_aio.HealthServicer()
         self.served = 0  # requests completed successfully (event loop thread writes)
         self.prefilled_here = 0  # decode: requests prefilled here (event loop thread writes)
@@ -246,9 +248,16 @@ class WorkerServer(abc.ABC):
             )
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain for ``grace`` seconds (None: the config's drain_timeout_s), then stop."""
-        if self._server is None:
-            return
+        """Drain for ``grace`` seconds (None: the config's drain_timeout_s), then stop.
+        A second call while the first drains waits for it (a restarted Ray controller
+        asks again)."""
+        if self._stopping is None:
+            if self._server is None:
+                return
+            self._stopping = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float | None) -> None:
         grace = self.config.drain_timeout_s if grace is None else grace
         await self._health.enter_graceful_shutdown()
         # The port stays open while the calls in flight finish: a reservation waiting for

@@ -405,6 +405,13 @@ def test_a_draining_decode_worker_keeps_renewing_leases_and_finishes_its_streams
             time.sleep(0.5)
             renewed = decode.stub.RenewLease(worker_pb2.RenewLeaseRequest(request_id="D"))
             assert renewed.renewed
+        # Status fails, so that a router marks it down once and leaves it down (one that
+        # answered was taken back at each poll and sent new calls, refused in turn).
+        with pytest.raises(grpc.RpcError) as status:
+            decode.stub.Status(worker_pb2.StatusRequest())
+        assert status.value.code() is grpc.StatusCode.UNAVAILABLE
+        # A second stop (a restarted Ray controller asks again) waits for the first.
+        again = asyncio.run_coroutine_threadsafe(decode.server.stop(grace=1.0), bg.loop)
         with pytest.raises(grpc.RpcError) as refused:  # new work goes elsewhere
             next(decode.stub.Decode(worker_pb2.DecodeRequest(request=request(
                 [7, 8, 9], PARAMS, rid="late")), timeout=TIMEOUT))  # fmt: skip
@@ -413,6 +420,7 @@ def test_a_draining_decode_worker_keeps_renewing_leases_and_finishes_its_streams
         prefill(prefill_worker, req, dest)
         assert sum(len(r.chunk.token_ids) for r in stream) == 3  # the rest after the first
         stopping.result(30)
+        again.result(30)
     finally:
         decode.channel.close()
         stop_worker(bg, prefill_worker)

@@ -259,7 +259,7 @@ def engine_config(args: argparse.Namespace):
     values = {}
     if args.config:  # its engine: section (a serve, Ray or worker file alike)
         data = load_yaml(args.config)
-        values = dict(section(data, "engine", args.config)) if "engine" in data else {}
+        values = dict(section(data, "engine", args.config))
     for flag, field in (
         ("model", "model"),
         ("dtype", "dtype"),
@@ -446,17 +446,15 @@ def serve_config(args: argparse.Namespace):
                "prefill_tensor_parallel_size", "decode_tensor_parallel_size")))  # fmt: skip
     values.update({key: value for key, value in flags if value is not None})
     if mode is not None:
-        router_values = dict(section(values, "router", where)) if "router" in values else {}
-        disaggregation = section(router_values, "disaggregation", f"{where} router".strip()) \
-            if "disaggregation" in router_values else {}  # fmt: skip
+        router_values = dict(section(values, "router", where))
+        disaggregation = section(router_values, "disaggregation", f"{where} router".strip())
         router_values["disaggregation"] = {**disaggregation, "mode": mode}
         values["router"] = router_values
     engine = {k: v for k, v in (("model", args.model),
               ("tensor_parallel_size", getattr(args, "tensor_parallel_size", None)))
               if v is not None}  # fmt: skip
     if engine:
-        values["engine"] = {**(section(values, "engine", where) if "engine" in values else {}),
-                            **engine}  # fmt: skip
+        values["engine"] = {**section(values, "engine", where), **engine}
     cfg = cluster_config(values, where=where)
     given = (("host", args.host), ("port", args.port),
              ("http_port", getattr(args, "http_port", None)))  # fmt: skip

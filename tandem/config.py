@@ -139,9 +139,6 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     """Build a config dataclass, rejecting unknown keys and values of the wrong type
     by name: YAML's ``insecure: "false"`` is a string, which Python would take as true,
     and ``port: 50051.9`` or ``block_size: "16"`` would fail later with a traceback."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{cls.__name__} settings must be a mapping, got "
-                          f"{_kind(values)}{' in ' + where if where else ''}")  # fmt: skip
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - names)
     if unknown:
@@ -162,9 +159,9 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
 
 
 def section(values: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
-    """``values[key]``, a section of settings: a mapping, and an empty one (null in
-    YAML) holds the defaults."""
-    value = values[key]
+    """``values[key]``, a section of settings: a mapping, and an absent or empty one
+    (null in YAML) holds the defaults."""
+    value = values.get(key)
     if value is None:
         return {}
     if not isinstance(value, dict):

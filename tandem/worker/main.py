@@ -104,8 +104,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
 def load_config(role: str, args: argparse.Namespace) -> PrefillConfig | DecodeConfig:
     values = dict(load_yaml(args.config)) if args.config else {}
     where = args.config or "flags"
-    nested = {name: dict(section(values, name, where)) if name in values else {}
-              for name in ("engine", "cluster")}  # fmt: skip
+    nested = {name: dict(section(values, name, where)) for name in ("engine", "cluster")}
     for key, value in vars(args).items():
         if value is None or key in ("config", "verbose"):
             continue

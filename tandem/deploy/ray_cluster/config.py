@@ -262,7 +262,7 @@ def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
     for key, cls in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
         if key in values:
             out[key] = role_config(cls, section(values, key, where), where=where)
-    ray = dict(section(values, "ray", where)) if "ray" in values else {}
+    ray = dict(section(values, "ray", where))
     here = f"{where} ray".strip()
     for key, name in (("prefill", "prefill_pool"), ("decode", "decode_pool")):
         if key in ray:

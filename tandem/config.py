@@ -596,6 +596,8 @@ LAUNCHER_SETS = {
     } for pool in ("prefill", "decode")},
 }  # fmt: skip
 LAUNCHER_SETS["decode"]["kv_port"] = "each worker takes a free port"
+for _owned in LAUNCHER_SETS.values():
+    _owned["drain_timeout_s"] = "every process drains for the top-level drain_timeout_s"
 
 
 def refuse_launcher_settings(

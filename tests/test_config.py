@@ -168,7 +168,8 @@ def test_numbers_and_empty_sections_take_their_natural_yaml_forms():
       "top-level engine: section (in c.yaml)"),
      ({"decode": {"kv_port": 7000}}, "decode.kv_port cannot be set"),
      ({"router": {"model": "other"}}, "router.model cannot be set"),
-     ({"router": {"decode_workers": ["a:1"]}}, "router.decode_workers cannot be set")],
+     ({"router": {"decode_workers": ["a:1"]}}, "router.decode_workers cannot be set"),
+     ({"decode": {"drain_timeout_s": 120}}, "decode.drain_timeout_s cannot be set")],
 )  # fmt: skip
 def test_a_deployment_refuses_what_its_launcher_sets_for_every_process(values, message):
     # Each would be replaced by the launcher without a word (a pool's engine tuning).
@@ -196,7 +197,9 @@ def test_the_routers_context_is_the_workers_when_the_engine_sets_one():
       "prefill must be a mapping of settings, got 2 (int) (in r.yaml ray)"),
      ({"ray": {"autoscale": [1]}}, "autoscale must be a mapping of settings"),
      ({"prefill": {"host": "10.1.2.3"}},
-      "prefill.host cannot be set in a deployment's config: each worker listens on its node's")],
+      "prefill.host cannot be set in a deployment's config: each worker listens on its node's"),
+     ({"router": {"drain_timeout_s": 5}},
+      "router.drain_timeout_s cannot be set in a deployment's config: set ray.drain_timeout_s")],
 )  # fmt: skip
 def test_a_ray_deployment_names_what_is_wrong_with_its_sections(values, message):
     from tandem.deploy.ray_cluster.config import deploy_config

@@ -11,8 +11,8 @@ started last, with the workers' addresses, and its READY line gives the address
 clients use. A process that exits or stays silent past ``startup_timeout_s``
 fails the start with the tail of its log, and everything already started is
 stopped. Shutdown: SIGTERM to the router first (it drains in-flight requests),
-then to the workers, then SIGKILL for anything still alive after the drain
-timeout. Each process logs to ``<run dir>/<name>.log``.
+then to the workers, each draining for ``drain_timeout_s``, then SIGKILL for
+anything still alive a few seconds after that. Each process logs to ``<run dir>/<name>.log``.
 
 Inside, the cluster is encrypted with zero set-up: ``start`` creates a
 throw-away CA, a member certificate and a KV secret for this run (in
@@ -70,6 +70,9 @@ from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
 
+# After its drain, what a process may take to exit before it is killed.
+EXIT_GRACE_S = 5.0
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -90,6 +93,8 @@ class ClusterConfig:
     prefill_tensor_parallel_size: int | None = None
     decode_tensor_parallel_size: int | None = None
     startup_timeout_s: float = 600.0  # the first start may dequantise the model
+    # On stop, each process gets this long to finish its in-flight requests (the
+    # router first, then the workers), and a little more to exit before it is killed.
     drain_timeout_s: float = 30.0
     # Every process serves Prometheus metrics on a free port (a role section's own
     # metrics_port wins); False: only where a role section sets one.
@@ -197,6 +202,7 @@ class LocalCluster:
                 engine=dataclasses.replace(engine, tensor_parallel_size=cfg.width("prefill")),
                 port=0,
                 cluster=cluster,
+                drain_timeout_s=cfg.drain_timeout_s,
                 **self._metrics(cfg.prefill),
             )
             decode_cfg = dataclasses.replace(
@@ -205,6 +211,7 @@ class LocalCluster:
                 port=0,
                 kv_port=0,
                 cluster=cluster,
+                drain_timeout_s=cfg.drain_timeout_s,
                 **self._metrics(cfg.decode),
             )
             prefill = [
@@ -225,6 +232,7 @@ class LocalCluster:
                 prefill_workers=tuple(p.ready["grpc"] for p in prefill),
                 decode_workers=tuple(p.ready["grpc"] for p in decode),
                 cluster=cluster,
+                drain_timeout_s=cfg.drain_timeout_s,
                 **self._metrics(cfg.router),
             )
             router = self._spawn("router", self.modules["router"], router_cfg)
@@ -336,7 +344,7 @@ class LocalCluster:
                     if p.popen.poll() is None:
                         _signal_group(p, signal.SIGCONT)
                         p.popen.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + self.config.drain_timeout_s
+                deadline = time.monotonic() + self.config.drain_timeout_s + EXIT_GRACE_S
                 for p in group:
                     try:
                         p.popen.wait(max(0.0, deadline - time.monotonic()))

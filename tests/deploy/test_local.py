@@ -41,7 +41,8 @@ def _config(**kw) -> ClusterConfig:
 
 def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tmp_path):
     engine = EngineConfig(model="tiny-random", max_model_len=64)
-    config = ClusterConfig(engine=engine, num_prefill=2, num_decode=1, threads_per_worker=1)
+    config = ClusterConfig(engine=engine, num_prefill=2, num_decode=1, threads_per_worker=1,
+                           drain_timeout_s=42)  # fmt: skip
     cluster = FakeCluster(config, tmp_path)
     address = cluster.start()
     procs = list(cluster.processes)
@@ -52,6 +53,8 @@ def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tm
     assert router_cfg["decode_workers"] == [workers["decode-0"]]
     assert router_cfg["max_model_len"] == 64  # the workers' context: refused at the router
     assert yaml.safe_load((tmp_path / "decode-0.yaml").read_text())["engine"]["num_threads"] == 1
+    for name in ("router", "prefill-0", "decode-0"):  # each drains as long as it is given
+        assert yaml.safe_load((tmp_path / f"{name}.yaml").read_text())["drain_timeout_s"] == 42
     assert all(alive(p) for p in cluster.started)
     cluster.stop()
     assert all(p.popen.poll() is not None for p in procs)

@@ -250,7 +250,9 @@ def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
             f"{' in ' + where if where else ''} (known: {', '.join(sections)})"
         )
     on_nodes = {"host": "each worker listens on its node's address"}
-    refuse_launcher_settings(values, where, also={"prefill": on_nodes, "decode": on_nodes})
+    drain = {"drain_timeout_s": "set ray.drain_timeout_s (scale-down) or `tandem ray down --grace`"}
+    refuse_launcher_settings(values, where, also={"router": drain, "prefill": {**on_nodes, **drain},
+                                                  "decode": {**on_nodes, **drain}})  # fmt: skip
     out: dict[str, Any] = {}
     for key, cls in (("engine", EngineConfig), ("cluster", ClusterSecurityConfig)):
         if key in values:

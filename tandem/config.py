@@ -411,6 +411,11 @@ class RouterConfig:
     # least loaded) when it has more than this many requests waiting and running
     # beyond the least loaded worker's.
     prefix_imbalance_max: int = 8
+    # Each API key's prompts have a prefix cache of their own on the workers, so that a
+    # key's caller cannot tell from its time to first token whether a prompt was sent
+    # recently under another key. True: keys share cached prefixes (where every key
+    # belongs to one party and they share long system prompts).
+    prefix_cache_across_keys: bool = False
     disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
     max_queue: int = 256  # requests admitted and not finished; beyond: RESOURCE_EXHAUSTED
     # An admitted request that finds every decode worker full waits this long for room

@@ -96,11 +96,14 @@ def worker_request(
     prompt_ids: list[int],
     params: SamplingParams,
     output_ids: list[int] | None = None,
+    cache_salt: str = "",
 ) -> worker_pb2.WorkerRequest:
-    """``output_ids``: tokens already streamed to the client, for a worker to continue after."""
+    """``output_ids``: tokens already streamed to the client, for a worker to continue
+    after; ``cache_salt``: the prefix cache's namespace (``LLMEngine.add_request``)."""
     return worker_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling_to_proto(params),
         output_token_ids=output_ids or [],
+        cache_salt=cache_salt,
     )

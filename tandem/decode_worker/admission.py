@@ -68,7 +68,7 @@ class KvAdmission:
         cached, which ``Destination.skip_blocks`` counts). Raises OutOfBlocksError."""
         rid = req.request_id
         block_ids, cached = engine.reserve_for_transfer(
-            req.prompt_ids, req.params, rid, req.output_ids
+            req.prompt_ids, req.params, rid, req.output_ids, cache_salt=req.cache_salt
         )
         try:
             dest = self.receiver.expect(rid, block_ids[cached:], self.lease_s)

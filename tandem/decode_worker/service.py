@@ -133,7 +133,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         owned: list[bool] = []
 
         def start(e: LLMEngine) -> list[int]:
-            blocks = e.prefill_here(req.prompt_ids, req.params, rid, req.output_ids)
+            blocks = e.prefill_here(
+                req.prompt_ids, req.params, rid, req.output_ids, cache_salt=req.cache_salt
+            )
             owned.append(True)
             return blocks
 

@@ -33,6 +33,15 @@ def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def prefix_root(cache_salt: str) -> int | None:
+    """The hash a sequence's block chain starts from (``hash_block``'s first parent):
+    sequences with different salts never share a cached block, and ``""`` is the
+    unsalted chain."""
+    if not cache_salt:
+        return None
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:

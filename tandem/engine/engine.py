@@ -42,6 +42,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import gguf_int4, k_balance, parallel
+from tandem.engine.block_manager import prefix_root
 from tandem.engine.device import keep_step_buffers_mapped, resolve_device, resolve_dtype
 from tandem.engine.kv_cache import KVAllocator, KVCache, bytes_per_block, kv_cache_dtype
 from tandem.engine.loader import gguf_file, load_state_dict, read_config, resolve_model
@@ -277,15 +278,18 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         output_ids: Seq[int] = (),
+        cache_salt: str = "",
     ) -> str:
         """Queue a request. ``prefill_only``: stop after the first token, keep the KV.
 
         ``output_ids``: tokens this request already generated (and streamed) elsewhere;
         it continues after them exactly as if it had generated them here.
+        ``cache_salt``: the prefix cache's namespace; only requests with the same salt
+        share cached blocks (a router gives each API key its own).
         """
         if prefill_only:  # its KV is shipped whole: no window applies
             self._check_fits_whole(len(prompt_ids) + len(output_ids), "a prefill worker ships")
-        seq = self._new_sequence(prompt_ids, params, request_id, output_ids)
+        seq = self._new_sequence(prompt_ids, params, request_id, output_ids, cache_salt=cache_salt)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         return seq.request_id
@@ -296,6 +300,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         output_ids: Seq[int] = (),
+        cache_salt: str = "",
     ) -> list[int]:
         """Decode side: blocks for the sequence so far and the output to come, the first
         to be filled by a KV transfer.
@@ -305,7 +310,7 @@ class LLMEngine:
         RESOURCE_EXHAUSTED); the request runs only after ``admit``.
         """
         return self.reserve_for_transfer(
-            prompt_ids, params, request_id, output_ids, reuse_prefix=False
+            prompt_ids, params, request_id, output_ids, reuse_prefix=False, cache_salt=cache_salt
         )[0]
 
     def reserve_for_transfer(
@@ -315,12 +320,15 @@ class LLMEngine:
         request_id: str,
         output_ids: Seq[int] = (),
         reuse_prefix: bool = True,
+        cache_salt: str = "",
     ) -> tuple[list[int], int]:
         """``reserve``; with ``reuse_prefix``, the first full blocks that this engine's
         prefix cache holds are shared, not filled by the transfer. Returns (the
         sequence's blocks, how many of the first are already cached): the sender skips
         those."""
-        seq = self._reserve(prompt_ids, params, request_id, output_ids, reuse_prefix, transfer=True)
+        seq = self._reserve(
+            prompt_ids, params, request_id, output_ids, reuse_prefix, True, cache_salt
+        )
         if reuse_prefix:
             self.kv.count_admission(seq)
         else:  # no lookup: nothing to count, now or when a preemption brings it back
@@ -335,12 +343,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         output_ids: Seq[int] = (),
+        cache_salt: str = "",
     ) -> list[int]:
         """Decode side, no KV transfer: reserve as ``reserve`` does (the prompt's cached
         prefix blocks shared, not copied) and run the request from its prefill on, in
         this engine's batch. Returns its blocks. Raises OutOfBlocksError when it does
         not fit now."""
-        seq = self._reserve(prompt_ids, params, request_id, output_ids, match_prefix=True)
+        seq = self._reserve(
+            prompt_ids, params, request_id, output_ids, match_prefix=True, cache_salt=cache_salt
+        )
         self.kv.count_admission(seq)
         self._register(seq)
         self.scheduler.add_running(seq)
@@ -354,6 +365,7 @@ class LLMEngine:
         output_ids: Seq[int],
         match_prefix: bool = False,
         transfer: bool = False,
+        cache_salt: str = "",
     ) -> Sequence:
         """A sequence with blocks for its tokens so far and ``reserve_output_tokens`` more
         (at least one, at most up to max_tokens; all of max_tokens when None), not yet
@@ -369,7 +381,9 @@ class LLMEngine:
             output = min(output, len(output_ids) + ahead)
         total = len(prompt_ids) + output
         self._check_fits_whole(total, "a decode worker reserves")
-        seq = self._new_sequence(prompt_ids, params, request_id, output_ids, register=False)
+        seq = self._new_sequence(
+            prompt_ids, params, request_id, output_ids, register=False, cache_salt=cache_salt
+        )
         if match_prefix:
             self.kv.match_prefix(seq)
             if not transfer:  # a transfer fills the blocks after the cached ones: slid in admit
@@ -465,6 +479,7 @@ class LLMEngine:
         request_id: str | None,
         output_ids: Seq[int] = (),
         register: bool = True,
+        cache_salt: str = "",
     ) -> Sequence:
         self.validate(prompt_ids, params, output_ids)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -477,6 +492,7 @@ class LLMEngine:
             params=params,
             seed=None if params.greedy else new_seed(params.seed),
         )
+        seq.cache_root = seq.last_block_hash = prefix_root(cache_salt)
         if register:
             self._register(seq)
         return seq

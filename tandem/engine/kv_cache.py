@@ -152,7 +152,7 @@ class KVCache:
         if not self.enable_prefix_caching or seq.block_table:
             return
         bs = self.block_size
-        parent = None
+        parent = seq.cache_root
         for i in range((len(seq.token_ids) - 1) // bs):
             h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             block = self.pool.lookup(h)
@@ -265,4 +265,4 @@ class KVCache:
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
         seq.num_evicted_blocks = 0
-        seq.last_block_hash = None
+        seq.last_block_hash = seq.cache_root

@@ -56,6 +56,9 @@ class Sequence:
     # Preempted and swapped out: its computed blocks, in table order, in the host tier
     # (KVCache.swap_out); num_computed is kept.
     host_blocks: list[int] | None = None
+    # Where its chain of block hashes starts (block_manager.prefix_root: the request's
+    # cache salt) and the hash of its last hashed block.
+    cache_root: int | None = None
     last_block_hash: int | None = None
     finish_reason: FinishReason | None = None
     prefill_only: bool = False  # stop after the first token and keep the KV (HELD)

@@ -190,8 +190,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         # may be sent again.
         self.server.sender.forget(req.request_id)
         engine.add_request(
-            req.prompt_ids, req.params, req.request_id, prefill_only=True, output_ids=req.output_ids
-        )
+            req.prompt_ids, req.params, req.request_id, prefill_only=True,
+            output_ids=req.output_ids, cache_salt=req.cache_salt,
+        )  # fmt: skip
         self._destinations[req.request_id] = dest  # for ship_layer
 
     def ship_layer(self, layer: int, done: list[tuple[str, list[int]]]) -> None:

@@ -26,7 +26,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.engine.block_manager import hash_block
+from tandem.engine.block_manager import hash_block, prefix_root
 from tandem.errors import ConfigError
 
 
@@ -60,12 +60,19 @@ class PlacementPolicy(abc.ABC):
 
     @abc.abstractmethod
     def pick(
-        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+        self,
+        pool: Pool,
+        candidates: Sequence[WorkerLoad],
+        token_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> WorkerLoad:
         """One of ``candidates`` (never empty, in registration order) for a request whose
-        tokens so far (prompt, and output of a migrated request) are ``token_ids``."""
+        tokens so far (prompt, and output of a migrated request) are ``token_ids``, in
+        the workers' prefix-cache namespace ``cache_salt``."""
 
-    def finished(self, pool: Pool, address: str, token_ids: Sequence[int]) -> None:
+    def finished(
+        self, pool: Pool, address: str, token_ids: Sequence[int], cache_salt: str = ""
+    ) -> None:
         """A request on ``address`` ended with ``token_ids`` (prompt and every output
         token): what its worker now holds, for policies that track it."""
         return None
@@ -78,7 +85,11 @@ class LeastLoaded(PlacementPolicy):
         self._turn = {pool: 0 for pool in Pool}
 
     def pick(
-        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+        self,
+        pool: Pool,
+        candidates: Sequence[WorkerLoad],
+        token_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> WorkerLoad:
         if pool is Pool.DECODE:
             most = max(w.kv_blocks_free for w in candidates)
@@ -102,7 +113,11 @@ class RoundRobin(PlacementPolicy):
         self._next = {pool: 0 for pool in Pool}
 
     def pick(
-        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+        self,
+        pool: Pool,
+        candidates: Sequence[WorkerLoad],
+        token_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> WorkerLoad:
         # A counter modulo the current size: membership changes shift the turn,
         # but every placeable worker still gets one request in each len() in a row.
@@ -153,9 +168,13 @@ class PrefixAware(PlacementPolicy):
         self._capacity: dict[str, int] = {}
 
     def pick(
-        self, pool: Pool, candidates: Sequence[WorkerLoad], token_ids: Sequence[int] = ()
+        self,
+        pool: Pool,
+        candidates: Sequence[WorkerLoad],
+        token_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> WorkerLoad:
-        hashes = self._hashes(token_ids)
+        hashes = self._hashes(token_ids, cache_salt)
         history = self._history[pool]
         matched = {w.address: self._matched(history.get(w.address), hashes) for w in candidates}
         best = max(matched.values(), default=0)
@@ -174,13 +193,16 @@ class PrefixAware(PlacementPolicy):
         self._remember(pool, choice.address, hashes)
         return choice
 
-    def finished(self, pool: Pool, address: str, token_ids: Sequence[int]) -> None:
+    def finished(
+        self, pool: Pool, address: str, token_ids: Sequence[int], cache_salt: str = ""
+    ) -> None:
         if address in self._capacity:
-            self._remember(pool, address, self._hashes(token_ids))
+            self._remember(pool, address, self._hashes(token_ids, cache_salt))
 
-    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """Chained hashes of the full blocks a worker could reuse (not the last token's)."""
-        bs, parent, out = self.block_size, None, []
+    def _hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
+        """Chained hashes of the full blocks a worker could reuse (not the last token's),
+        as the workers' prefix caches compute them."""
+        bs, parent, out = self.block_size, prefix_root(cache_salt), []
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             out.append(parent)

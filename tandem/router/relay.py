@@ -169,8 +169,10 @@ class Relay:
         kv_path_cooldown_s: float = 60.0,
         routing: PrefillRouting | None = None,
         metrics: RouterMetrics | None = None,
+        prefix_cache_across_keys: bool = False,
     ) -> None:
         self.registry = registry
+        self.prefix_cache_across_keys = prefix_cache_across_keys
         self.metrics = metrics or RouterMetrics("")
         self.policy = policy
         self.routing = routing or PrefillRouting(DisaggregationConfig())
@@ -218,7 +220,7 @@ class Relay:
         for attempt in range(self.max_migrations + 1):
             worker_id = req.worker_id if attempt == 0 else f"{req.worker_id}/{attempt}"
             worker_req = wire.worker_request(
-                worker_id, req.prompt_ids, req.params, output_ids=streamed
+                worker_id, req.prompt_ids, req.params, streamed, self._cache_salt(req)
             )
             try:
                 queued = arrived if attempt == 0 else None
@@ -383,7 +385,7 @@ class Relay:
                 break
             if tried:  # the last one failed at its door: given to another
                 self.metrics.retried(Pool.DECODE.value)
-            worker = self._pick(Pool.DECODE, candidates, tokens)
+            worker = self._pick(Pool.DECODE, candidates, tokens, worker_req.cache_salt)
             tried.append(worker)
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
@@ -463,7 +465,7 @@ class Relay:
                 raise error or self._none_available(Pool.PREFILL)
             if tried:  # the last one failed at its door: given to another
                 self.metrics.retried(Pool.PREFILL.value)
-            worker = self._pick(Pool.PREFILL, candidates, tokens)
+            worker = self._pick(Pool.PREFILL, candidates, tokens, request.request.cache_salt)
             tried.append(worker)
             used.append(worker)
             timeout = _remaining(deadline)
@@ -607,7 +609,9 @@ class Relay:
             if chunk.finish_reason:
                 # The worker's count includes tokens it held back (a stop string).
                 _set_usage(response, req, chunk.completion_tokens, len(streamed))
-                self.policy.finished(Pool.DECODE, worker.address, [*req.prompt_ids, *streamed])
+                self.policy.finished(
+                    Pool.DECODE, worker.address, [*req.prompt_ids, *streamed], self._cache_salt(req)
+                )
                 yield response
                 return
             yield response
@@ -639,10 +643,16 @@ class Relay:
         fresh = self.registry.placeable(pool, exclude=tried)
         return [w for w in fresh if w not in avoid] or fresh
 
-    def _pick(self, pool: Pool, candidates: list[Worker], token_ids) -> Worker:
+    def _pick(self, pool: Pool, candidates: list[Worker], token_ids, cache_salt: str) -> Worker:
         by_address = {w.address: w for w in candidates}
         loads = [w.load() for w in candidates]
-        return by_address[self.policy.pick(pool, loads, token_ids).address]
+        return by_address[self.policy.pick(pool, loads, token_ids, cache_salt).address]
+
+    def _cache_salt(self, req: PreparedRequest) -> str:
+        """The workers' prefix-cache namespace for ``req``: its API key's, so that a
+        key's caller cannot tell from its time to first token whether a prompt was
+        recently sent under another key (unless ``prefix_cache_across_keys``)."""
+        return "" if self.prefix_cache_across_keys else req.tenant
 
     def _failed(self, worker: Worker, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client's status for a failed worker call; a dead worker is marked down."""

@@ -73,6 +73,7 @@ class Router:
             kv_path_cooldown_s=config.kv_path_cooldown_s,
             routing=PrefillRouting(config.disaggregation),
             metrics=self.metrics,
+            prefix_cache_across_keys=config.prefix_cache_across_keys,
         )
         self.metrics.watch(self.registry.workers, self.relay)
         self._metrics_endpoint: MetricsEndpoint | None = None

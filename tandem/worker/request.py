@@ -11,6 +11,7 @@ from tandem.errors import InvalidRequestError
 from tandem.wire import sampling_from_proto
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class WorkRequest:
     # Tokens already generated and streamed (a request moved off a failed worker):
     # the engine continues after them; they count towards params.max_tokens.
     output_ids: list[int]
+    cache_salt: str = ""  # the prefix cache's namespace (LLMEngine.add_request)
 
 
 def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest:
@@ -36,8 +38,14 @@ def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest
             "request_id",
             f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}",
         )
+    if len(p.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            "cache_salt",
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+            f"got {len(p.cache_salt)}",
+        )
     params = sampling_from_proto(p.sampling)
     prompt = list(p.prompt_token_ids)
     output = list(p.output_token_ids)
     engine.validate(prompt, params, output)
-    return WorkRequest(rid, prompt, params, output)
+    return WorkRequest(rid, prompt, params, output, p.cache_salt)

@@ -79,6 +79,26 @@ def test_prefix_cache_hit_gives_the_same_tokens(tiny_engine):
     assert no_cache.generate([prompt], GREEDY)[0] == first
 
 
+def test_a_cache_salt_shares_cached_prefixes_only_with_its_own_salt(tiny_engine):
+    # A router gives each API key its salt: another key's prompt is never a hit.
+    prompt = tiny_engine.tokenizer.encode("a system prompt for one key only " * 6)
+
+    def run(salt: str) -> tuple[int, list[int]]:
+        hits = tiny_engine.kv.prefix_hit_tokens
+        rid = tiny_engine.add_request(prompt, GREEDY, cache_salt=salt)
+        tokens = []
+        while tiny_engine.has_unfinished():
+            tokens += [t for o in tiny_engine.step() if o.request_id == rid for t in o.token_ids]
+        return tiny_engine.kv.prefix_hit_tokens - hits, tokens
+
+    first_hits, first = run("alice")
+    assert first_hits == 0
+    assert run("alice") == ((len(prompt) - 1) // 16 * 16, first)
+    assert run("bob") == (0, first)
+    assert run("")[1] == first
+    tiny_engine.kv.pool.check_integrity()
+
+
 def test_stream_text_concatenates_to_the_decoded_output(tiny_engine):
     prompt = tiny_engine.tokenizer.encode("héllo 你好 🎉")
     outs = list(tiny_engine.stream(prompt, GREEDY))

@@ -346,5 +346,18 @@ def test_request_ids_are_each_keys_own(frontend, keys_file):
             keys = {k.name: k for k in ApiKeys.load(RouterConfig(api_keys_file=keys_file)).keys}
             tenants = [keys["alice"].tenant, keys["bob"].tenant]
             assert on_workers == [f"{tenant}~job-1" for tenant in tenants]
+            # ... and their own prefix cache on the workers.
+            assert [call.request.request.cache_salt for call in decode.calls] == tenants
+
+    run(scenario())
+
+
+def test_keys_share_cached_prefixes_only_when_the_config_says_so(frontend, keys_file):
+    async def scenario():
+        decode = FakeDecode()
+        shared = {"api_keys_file": keys_file, "prefix_cache_across_keys": True}
+        async with cluster(frontend, decode=[decode], connect={"api_key": ALICE}, **shared) as c:
+            await c.client.complete("hello")
+            assert [call.request.request.cache_salt for call in decode.calls] == [""]
 
     run(scenario())

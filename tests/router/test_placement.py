@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.engine.block_manager import prefix_root
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
 from tandem.errors import ConfigError
 from tandem.router.placement import (
     LeastLoaded,
@@ -14,6 +17,7 @@ from tandem.router.placement import (
     make_policy,
 )
 from tandem.router.registry import Worker
+from tests.engine.factories import make_kv
 
 
 def load(address: str, **numbers) -> WorkerLoad:
@@ -121,6 +125,26 @@ def test_prefix_aware_follows_the_prefix_and_spreads_what_is_new():
         assert policy.pick(Pool.PREFILL, ws, _prompt(2, 8, tail=tail)).address == second
     # The pools keep separate histories: the decode pool has seen nothing yet.
     assert policy._history[Pool.DECODE] == {}
+
+
+def test_prefix_aware_matches_within_a_cache_salt_as_the_workers_do():
+    # The workers' prefix caches are per salt (an API key's): a prompt placed under
+    # one salt is no cached prefix for another, and the chain is the workers' own.
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
+    prompt = _prompt(1, 8, tail=3)
+    home = policy.pick(Pool.PREFILL, ws, prompt, "alice").address
+    policy.pick(Pool.PREFILL, ws, prompt, "bob")
+    assert policy.cached_tokens == 0
+    assert policy.pick(Pool.PREFILL, ws, prompt, "alice").address == home
+    assert policy.cached_tokens == 8 * 16
+    seq = Sequence("r", list(prompt), len(prompt), SamplingParams())
+    seq.cache_root = seq.last_block_hash = prefix_root("alice")
+    kv = make_kv(num_blocks=16, block_size=16)
+    assert kv.ensure(seq, len(prompt))
+    seq.num_computed = len(prompt)
+    kv.commit(seq)
+    assert [kv.pool.block_hash[b] for b in seq.block_table[:8]] == policy._hashes(prompt, "alice")
 
 
 def test_prefix_aware_takes_the_longest_match():

@@ -30,16 +30,18 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, renewed: _Optional[bool] = ...) -> None: ...
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _tandem_pb2.SamplingParams
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("address", "request_id", "block_ids", "lease_seconds", "skip_blocks")

@@ -6,6 +6,7 @@ tensor read directly); rogue senders run in another process or as raw endpoints.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -241,3 +242,36 @@ def test_the_right_secret_over_a_raw_client_is_accepted(decode) -> None:
     assert torch.equal(side.kv[:2, :, dst_ids], cache.kv[:2, :, :2])
     ep.abort()
     cache.close()
+
+
+def test_peers_that_connect_and_stay_silent_cannot_crowd_out_a_sender(decode, monkeypatch):
+    # Each silent peer holds its slot until handshake_timeout_s; past the bound a new
+    # connection is dropped at once, and a slot freed is a slot a sender can use.
+    from tandem.kv_transfer.ucx import receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "MAX_HANDSHAKING", 2)
+    _, receiver, _ = decode
+
+    async def scenario():
+        silent = [await ucx_raw.connect(receiver.address) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while receiver._handshaking < 2:
+            assert time.monotonic() < deadline, "the silent peers never reached the receiver"
+            await asyncio.sleep(0.01)
+        crowded = await ucx_raw.connect(receiver.address)
+        with pytest.raises(Exception, match="Connection reset"):  # ucxx's own error type
+            await asyncio.wait_for(
+                ucx_raw.handshake(crowded, fingerprint(), receiver.address, secret=SECRET), 10
+            )
+        crowded.abort()
+        silent.pop().abort()
+        while receiver._handshaking > 1:
+            assert time.monotonic() < deadline, "the silent peer's slot was never freed"
+            await asyncio.sleep(0.01)
+        sender = await ucx_raw.connect(receiver.address)
+        reply = await ucx_raw.handshake(sender, fingerprint(), receiver.address, secret=SECRET)
+        for ep in (*silent, sender):
+            ep.abort()
+        return reply
+
+    assert ucx_raw.run(scenario(), timeout=30).error == ""

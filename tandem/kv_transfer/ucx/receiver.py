@@ -73,6 +73,11 @@ _CLOSE_WAIT_S = rma.READ_TIMEOUT_S + 5
 MAX_QUEUED_FRAMES = 4096
 # How long an ack may wait for room in a full mailbox before the sender is dropped.
 _ACK_ROOM_S = 10.0
+# Connections not yet through their handshake, each held up to handshake_timeout_s;
+# beyond it a new one is dropped at once, so that peers which connect and stay silent
+# cannot take the receiver's memory and descriptors. A sender opens one connection
+# per receiver, so only a crowd of strangers comes near it.
+MAX_HANDSHAKING = 256
 
 
 class _Connection:
@@ -124,6 +129,7 @@ class UcxReceiver(CoreReceiver):
         self._rt = get_runtime()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-recv")
         self._connections: set[_Connection] = set()
+        self._handshaking = 0
         self._closed = False
         try:
             bound = self._rt.submit(self._start(host, port)).result(timeout=30)
@@ -160,10 +166,21 @@ class UcxReceiver(CoreReceiver):
         if self._closed:
             ep.abort()
             return
+        if self._handshaking >= MAX_HANDSHAKING:
+            log.warning("KV receiver %s dropped a connection from %s: %d connections are "
+                        "in their handshake", self.address, sockets.peer_address(ep),
+                        self._handshaking)  # fmt: skip
+            ep.abort()
+            return
         conn = _Connection(ep)
         self._connections.add(conn)
         try:
-            if await self._handshake(conn):
+            self._handshaking += 1
+            try:
+                accepted = await self._handshake(conn)
+            finally:
+                self._handshaking -= 1
+            if accepted:
                 await self._read_frames(conn)
         except asyncio.CancelledError:
             raise

@@ -117,31 +117,36 @@ class DecodeCapacity:
     ``notify`` is called when room may have appeared (a request released its decode
     worker, a Status poll came back); it wakes the longest waiter, which tries again
     and, if it got a reservation, passes the wake-up on. So a freed slot costs one
-    Decode call, not one per waiting request.
+    Decode call, not one per waiting request. Requests moving off a lost worker
+    (``urgent``) are woken before any new one: their clients hold tokens already.
     """
 
     def __init__(self) -> None:
+        self._urgent: collections.deque[asyncio.Future[None]] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._urgent) + len(self._waiters)
 
     def notify(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        for line in (self._urgent, self._waiters):
+            while line:
+                fut = line.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
 
-    async def wait(self, timeout: float, first: bool = False) -> bool:
+    async def wait(self, timeout: float, first: bool = False, urgent: bool = False) -> bool:
         """Wait for a ``notify`` (False after ``timeout`` seconds); ``first``: ahead of
-        the others (a request that was woken and still found no room keeps its turn)."""
+        the others in its line (a request that was woken and still found no room keeps
+        its turn); ``urgent``: in the line that is woken first."""
         fut = asyncio.get_running_loop().create_future()
+        line = self._urgent if urgent else self._waiters
         if first:
-            self._waiters.appendleft(fut)
+            line.appendleft(fut)
         else:
-            self._waiters.append(fut)
+            line.append(fut)
         try:
             # Not asyncio.wait_for: before Python 3.12 it returns a future that is done
             # when the cancel comes, and a client that left would go on to reserve.
@@ -183,7 +188,7 @@ class Relay:
         # (prefill worker, KV destination) -> when a transfer between them failed.
         self._failed_paths: dict[tuple[str, str], float] = {}
         self.capacity = DecodeCapacity()
-        self.migrations = 0  # attempts started after a lost one, since start
+        self.migrations = 0  # attempts that took over a lost one on a new worker, since start
         self._active: set[str] = set()  # worker ids (PreparedRequest.worker_id) in flight
 
     async def generate(
@@ -232,7 +237,6 @@ class Relay:
             except AttemptLost as lost:
                 if attempt == self.max_migrations:
                     raise lost.error from None
-                self.migrations += 1
                 log.warning(
                     "request %s: %s; migrating after %d tokens (attempt %d of %d)",
                     req.request_id, lost.error.message, len(streamed), attempt + 2,
@@ -252,10 +256,15 @@ class Relay:
         worker itself); appends each relayed token to ``streamed``. Raises AttemptLost
         once the reservation exists, having added the workers it called to ``avoid``
         (which it places on only when their pool has no other). ``queued_since``: the
-        first attempt's arrival."""
-        decode, stream, destination = await self._open_decode(worker_req, deadline, avoid)
+        first attempt's arrival; None for an attempt that takes over a lost one."""
+        migrating = queued_since is None
+        decode, stream, destination = await self._open_decode(
+            worker_req, deadline, avoid, migrating
+        )
         used = [decode]
-        if queued_since is not None:
+        if migrating:
+            self.migrations += 1
+        else:
             self.metrics.queue_time.observe(time.monotonic() - queued_since)
         here = not destination.address  # the decode worker prefills: no KV to ship
         renewing = None if here else asyncio.ensure_future(self._renew_lease(decode, destination))
@@ -323,10 +332,18 @@ class Relay:
         return exc
 
     async def _open_decode(
-        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None, avoid: list[Worker]
+        self,
+        worker_req: worker_pb2.WorkerRequest,
+        deadline: float | None,
+        avoid: list[Worker],
+        migrating: bool = False,
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination]:
+        """A decode reservation, waiting in line for room when every worker is full. A
+        ``migrating`` request (its client may hold tokens already) waits in a line of
+        its own that is woken first: room goes to a lost worker's requests before
+        newcomers."""
         queued_at: float | None = None
-        if self.capacity.waiting:  # others wait for room already: in line behind them
+        if self.capacity.waiting and not migrating:  # others wait already: behind them
             queued_at = time.monotonic()
             await self._wait_for_room(queued_at, deadline, False, "requests queued ahead")
         while True:
@@ -343,16 +360,16 @@ class Relay:
             # that was woken and still found none keeps its place at the front).
             first = queued_at is not None
             queued_at = queued_at or time.monotonic()
-            await self._wait_for_room(queued_at, deadline, first, error.message)
+            await self._wait_for_room(queued_at, deadline, first, error.message, migrating)
 
     async def _wait_for_room(
-        self, queued_at: float, deadline: float | None, first: bool, why: str
+        self, queued_at: float, deadline: float | None, first: bool, why: str, urgent=False
     ) -> None:
         now = time.monotonic()
         left = self.queue_timeout_s - (now - queued_at)
         if deadline is not None:
             left = min(left, deadline - now)
-        if left > 0 and await self.capacity.wait(left, first=first):
+        if left > 0 and await self.capacity.wait(left, first, urgent):
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise RouterError(

@@ -229,6 +229,47 @@ def test_waiting_requests_get_room_in_arrival_order(frontend):
     run(scenario())
 
 
+def test_a_request_moving_off_a_lost_worker_gets_room_before_newcomers(frontend):
+    # Its client holds tokens already: behind the newcomers it could wait out
+    # queue_timeout_s and fail mid-stream, where a newcomer only waits longer.
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)
+        full = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        async with cluster(frontend, decode=[dying, full], status_interval_s=60) as c:
+            stream = c.client.generate("hello", request_id="A")
+            assert [(await anext(stream)).token_ids for _ in range(2)] == [(10,), (11,)]
+            dying.open_error = grpc.StatusCode.RESOURCE_EXHAUSTED  # no room for more
+            newcomer = asyncio.ensure_future(c.client.complete("hello", request_id="B"))
+            await wait_until(lambda: c.router.relay.capacity.waiting == 1, what="B queued")
+            await dying.stop()
+            await wait_until(lambda: c.router.relay.capacity.waiting == 2, what="A queued")
+            full.open_error = None
+            c.router.relay.capacity.notify()  # room for one, as a finished request makes
+            rest = [t async for chunk in stream for t in chunk.token_ids]
+            assert rest == [12, 13, 14]
+            assert (await asyncio.wait_for(newcomer, 10)).token_ids == (10, 11, 12, 13, 14)
+            served = [call.request.request.request_id for call in full.calls[-2:]]
+            assert served == ["A/1", "B"]
+            assert c.router.relay.migrations == 1
+
+    run(scenario())
+
+
+def test_a_request_lost_with_no_worker_to_move_to_is_no_migration(frontend):
+    async def scenario():
+        only = FakeDecode(hang=True, chunks=[([11], 0)])
+        async with cluster(frontend, decode=[only]) as c:
+            stream = c.client.generate("hello")
+            assert [(await anext(stream)).token_ids for _ in range(2)] == [(10,), (11,)]
+            await only.stop()
+            with pytest.raises(Unavailable):
+                async for _ in stream:
+                    pass
+            assert c.router.relay.migrations == 0
+
+    run(scenario())
+
+
 def test_a_decode_worker_dying_mid_stream_is_migrated_without_a_gap(frontend):
     async def scenario():
         dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)

@@ -46,8 +46,11 @@ workers where there are any). The prefill recomputes their
 KV and samples the next token, and the stream goes on with no token duplicated or
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
-is that of an undisturbed run (exactly so where a step's numbers do not depend on
-its batch: float32, or ``int4_max_rows: 0``; see EngineConfig). At most
+is that of an undisturbed run: exactly so in float32. In bfloat16 the streamed
+tokens' KV, recomputed in one prefill where the lost worker computed it a decode
+step at a time, rounds differently, and greedy text can drift after the move (a
+near-tie tipped: the review behind this measured 2 of 3 moves diverging, with or
+without ``int4_max_rows``). At most
 ``max_migrations`` new attempts; then the client gets the last attempt's error
 (UNAVAILABLE; INTERNAL for an engine's failure). Each attempt has its
 own worker-side request id (``<id>/<attempt>``): a worker still cleaning up the

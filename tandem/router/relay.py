@@ -49,8 +49,8 @@ stop-string matcher, and seeded sampling draws from (seed, position), so the tex
 is that of an undisturbed run: exactly so in float32. In bfloat16 the streamed
 tokens' KV, recomputed in one prefill where the lost worker computed it a decode
 step at a time, rounds differently, and greedy text can drift after the move (a
-near-tie tipped: the review behind this measured 2 of 3 moves diverging, with or
-without ``int4_max_rows``). At most
+near-tie tipped: 2 of 3 moves of one default-model stream diverged, with or without
+``int4_max_rows``). At most
 ``max_migrations`` new attempts; then the client gets the last attempt's error
 (UNAVAILABLE; INTERNAL for an engine's failure). Each attempt has its
 own worker-side request id (``<id>/<attempt>``): a worker still cleaning up the

@@ -511,8 +511,9 @@ class RouterConfig:
         for name in ("prefill_timeout_s", "kv_path_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_migrations < 0:
-            raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        for name in ("max_migrations", "prefix_imbalance_max"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.drain_timeout_s < 0:

@@ -107,8 +107,10 @@ def test_router_intervals_must_be_positive(field):
         RouterConfig(**{field: 0})
 
 
-@pytest.mark.parametrize("field", ["queue_timeout_s", "prefill_timeout_s"])
-def test_router_timeouts_must_not_be_negative(field):
+@pytest.mark.parametrize(
+    "field", ["queue_timeout_s", "prefill_timeout_s", "max_migrations", "prefix_imbalance_max"]
+)
+def test_router_bounds_must_not_be_negative(field):
     from tandem.config import RouterConfig
 
     with pytest.raises(ConfigError, match=f"{field} must be >= 0, got -1"):

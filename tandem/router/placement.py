@@ -77,6 +77,11 @@ class PlacementPolicy(abc.ABC):
         token): what its worker now holds, for policies that track it."""
         return None
 
+    def forget(self, pool: Pool, address: str) -> None:
+        """The worker at ``address`` went down, restarted or was removed: whatever it
+        held is gone."""
+        return None
+
 
 class LeastLoaded(PlacementPolicy):
     name = "least-loaded"
@@ -149,8 +154,10 @@ class PrefixAware(PlacementPolicy):
     worker's history is an LRU of chained block hashes (those of the engines' prefix
     cache: ``hash_block`` over 16-token blocks) bounded by the worker's own KV pool
     size, so that what the worker must have evicted is forgotten too. Blocks shared
-    with another router's requests are not seen; a worker that restarted or evicted
-    early is found out at its next placement (the hit is lower, nothing breaks).
+    with another router's requests are not seen; a worker that evicted early is found
+    out at its next placement (the hit is lower, nothing breaks). A worker taken
+    down, removed, or found restarted (its counters since start went back) is
+    forgotten (``forget``), so that no decision counts on a cache that is gone.
     """
 
     name = "prefix-aware"
@@ -177,12 +184,18 @@ class PrefixAware(PlacementPolicy):
         hashes = self._hashes(token_ids, cache_salt)
         history = self._history[pool]
         matched = {w.address: self._matched(history.get(w.address), hashes) for w in candidates}
-        best = max(matched.values(), default=0)
+        # A decode worker short of KV blocks (outside least-loaded's band) would refuse
+        # the reservation, however much of the prompt it holds.
+        eligible = candidates
+        if pool is Pool.DECODE:
+            most = max(w.kv_blocks_free for w in candidates)
+            eligible = [w for w in candidates if w.kv_blocks_free >= KV_BAND * most]
+        best = max((matched[w.address] for w in eligible), default=0)
         choice = None
         if best and best >= self.min_match * len(hashes):
             load = {w.address: w.queue_depth + w.running for w in candidates}
             least = min(load.values())
-            holders = [w for w in candidates if matched[w.address] == best]
+            holders = [w for w in eligible if matched[w.address] == best]
             holder = min(holders, key=lambda w: (load[w.address], w.inflight))
             if load[holder.address] - least <= self.imbalance_max:
                 choice = holder
@@ -198,6 +211,11 @@ class PrefixAware(PlacementPolicy):
     ) -> None:
         if address in self._capacity:
             self._remember(pool, address, self._hashes(token_ids, cache_salt))
+
+    def forget(self, pool: Pool, address: str) -> None:
+        self._history[pool].pop(address, None)
+        if not any(address in history for history in self._history.values()):
+            self._capacity.pop(address, None)
 
     def _hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
         """Chained hashes of the full blocks a worker could reuse (not the last token's),

@@ -24,7 +24,8 @@ sees a burst of requests as load at once. A poll resets those counts, as the
 worker's own numbers should include them from then on; they may not yet (a worker
 answers with the numbers from before its current engine step), so a worker's
 queue and running together are never taken as less than this router has in
-flight there.
+flight there (less, on a prefill worker, the calls whose first token is back and
+whose KV is only being shipped).
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ class Worker:
     prefill_token_seconds: float = 0.0
     worker_id: str = ""
     metrics_address: str = ""  # where Prometheus scrapes it ("": off)
+    prefix_query_tokens: int = 0  # since the worker started: a drop means it restarted
     # This router's own counts.
     inflight: int = 0
+    # Prefill workers: calls whose first token is back and whose KV is still on its way
+    # (the worker computes nothing more for them).
+    shipping: int = 0
     placed_since_poll: int = 0
     reserved_since_poll: int = 0  # decode: KV blocks named in destinations since the poll
     closing: list[asyncio.Task] = field(default_factory=list)
@@ -76,7 +81,7 @@ class Worker:
         # a worker in a long step (a long prompt's prefill) looks empty after every
         # poll and takes nearly every request. What this router has in flight there is
         # a floor on its load.
-        queue += max(0, self.inflight - queue - self.running)
+        queue += max(0, self.inflight - self.shipping - queue - self.running)
         return WorkerLoad(
             address=self.address,
             queue_depth=queue,
@@ -107,6 +112,9 @@ class WorkerRegistry:
         self._workers: dict[tuple[Pool, str], Worker] = {}
         self._poller: asyncio.Task | None = None
         self._polled: asyncio.Event | None = None  # set after each poll round, then replaced
+        # Called with (pool, address) when what a worker held may be gone: it went
+        # down, restarted or was removed (the placement policy forgets its history).
+        self.on_forget: Callable[[Pool, str], None] = lambda pool, address: None
 
     # Membership ----------------------------------------------------------------
 
@@ -137,6 +145,7 @@ class WorkerRegistry:
         if worker is None:
             return False
         worker.removed = True
+        self.on_forget(worker.pool, address)
         if worker.inflight == 0:
             self._close(worker)
         log.info("removed %s worker %s", worker.pool.value, address)
@@ -180,6 +189,7 @@ class WorkerRegistry:
     def mark_down(self, worker: Worker, reason: str) -> None:
         if worker.healthy:
             log.warning("%s worker %s is down: %s", worker.pool.value, worker.address, reason)
+            self.on_forget(worker.pool, worker.address)
         worker.healthy = False
 
     # Status polling ------------------------------------------------------------------
@@ -250,6 +260,10 @@ class WorkerRegistry:
                 f"but it was registered as a {worker.pool.value} worker",
             )
             return
+        if status.prefix_query_tokens < worker.prefix_query_tokens:
+            log.info("%s worker %s restarted", worker.pool.value, worker.address)
+            self.on_forget(worker.pool, worker.address)
+        worker.prefix_query_tokens = status.prefix_query_tokens
         worker.queue_depth = status.queue_depth
         worker.worker_id = status.worker_id
         worker.metrics_address = status.metrics_address

@@ -180,6 +180,7 @@ class Relay:
         prefix_cache_across_keys: bool = False,
     ) -> None:
         self.registry = registry
+        registry.on_forget = policy.forget
         self.prefix_cache_across_keys = prefix_cache_across_keys
         self.metrics = metrics or RouterMetrics("")
         self.policy = policy
@@ -540,8 +541,10 @@ class Relay:
             renewing.cancel()  # the KV is there or never will be: nothing to keep alive
             if not call.done():
                 call.cancel()
+            worker.shipping -= 1
             self.registry.release(worker)
 
+        worker.shipping += 1  # its first token is back: no longer a load on its engine
         shipped = asyncio.ensure_future(self._shipped(worker, call, request))
         shipped.add_done_callback(end)
         return shipped

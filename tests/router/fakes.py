@@ -43,6 +43,7 @@ class FakeWorker:
     queue_depth: int = 0
     running: int = 0
     kv_blocks_free: int = 1000
+    prefix_query_tokens: int = 0
     status_fails: bool = False
     calls: list[Call] = field(default_factory=list)
     server: grpc.aio.Server | None = None
@@ -59,6 +60,7 @@ class FakeWorker:
             kv_blocks_free=self.kv_blocks_free,
             kv_blocks_total=1000,
             kv_address="127.0.0.1:1",
+            prefix_query_tokens=self.prefix_query_tokens,
         )
 
     def _record(self, request, context) -> Call:

@@ -147,6 +147,23 @@ def test_prefix_aware_matches_within_a_cache_salt_as_the_workers_do():
     assert [kv.pool.block_hash[b] for b in seq.block_table[:8]] == policy._hashes(prompt, "alice")
 
 
+def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():
+    # It would refuse the reservation however much of the prompt it holds; with every
+    # holder full, the request waited out queue_timeout_s while a worker had room.
+    policy = PrefixAware()
+    roomy = {"kv_blocks_free": 1000, "kv_blocks_total": 1000}
+    prompt = _prompt(1, 8, tail=3)
+    home = policy.pick(Pool.DECODE, [load("a", **roomy), load("b", **roomy)], prompt).address
+    other = "b" if home == "a" else "a"
+    full = [load(home, kv_blocks_free=0, kv_blocks_total=1000), load(other, **roomy)]
+    assert policy.pick(Pool.DECODE, full, prompt).address == other
+    assert policy.pick(Pool.DECODE, [load(home, **roomy)], prompt).address == home
+    assert policy.cached_tokens == 8 * 16  # still held there
+    policy.forget(Pool.DECODE, home)
+    policy.pick(Pool.DECODE, [load(home, **roomy)], prompt)
+    assert policy.cached_tokens == 0
+
+
 def test_prefix_aware_takes_the_longest_match():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from tandem.router import Pool
+from tandem.router.registry import Worker
 from tests.router.fakes import FakeDecode, FakePrefill, cluster, serve, wait_until
 
 
@@ -152,5 +153,45 @@ def test_a_worker_whose_status_lags_its_requests_is_not_piled_onto(frontend):
                 await asyncio.sleep(0.05)  # a poll between any two
             await asyncio.gather(*tasks)
             assert 4 <= len(lagging.calls) <= 6, (len(lagging.calls), len(live.calls))
+
+    run(scenario())
+
+
+def test_a_prefill_worker_only_shipping_kv_is_not_counted_as_busy():
+    # Its first tokens are back: its engine computes nothing more for those calls.
+    worker = Worker("a", Pool.PREFILL, channel=None, stub=None, last_ok=0.0, inflight=4)
+    assert worker.load().queue_depth == 4  # waiting for their first tokens
+    worker.shipping = 3
+    assert worker.load().queue_depth == 1
+
+
+def test_a_worker_down_removed_or_restarted_is_forgotten_by_prefix_placement(frontend):
+    # Its prefix cache is gone: a decision counting on it (conditional prefill's
+    # "cached, so short") would cost the restarted worker a whole prompt's prefill.
+    async def scenario():
+        decode = [FakeDecode(prefix_query_tokens=500), FakeDecode(prefix_query_tokens=500)]
+        async with cluster(frontend, decode=decode, placement="prefix-aware",
+                           status_interval_s=0.02) as c:  # fmt: skip
+            history = c.router.relay.policy._history[Pool.DECODE]
+            prompt = "a prompt that fills several blocks " * 8
+
+            async def placed_on() -> str:
+                await c.client.complete(prompt)
+                (address,) = [w.address for w in decode if w.address in history]
+                return address
+
+            first = await placed_on()
+            worker = next(w for w in decode if w.address == first)
+            worker.prefix_query_tokens = 3  # its counters since start went back
+            await wait_until(lambda: first not in history, what="restart forgotten")
+            second = await placed_on()
+            worker = next(w for w in decode if w.address == second)
+            worker.status_fails = True
+            await wait_until(lambda: second not in history, what="down forgotten")
+            worker.status_fails = False
+            await wait_until(lambda: second in healthy(c, Pool.DECODE), what="back")
+            third = await placed_on()
+            assert c.router.registry.remove_worker(Pool.DECODE, third)
+            assert third not in history
 
     run(scenario())

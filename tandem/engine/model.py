@@ -86,7 +86,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.int4 is not None and rows <= self.int4_max_rows:
+        # No rows (the LM head of a step that samples nothing: a prompt's middle chunk)
+        # is torch's case: the codes' kernels take 1 row and more.
+        if self.int4 is not None and 0 < rows <= self.int4_max_rows:
             codes = self.int4
             if codes.f32_codes is not None:  # float32: the only form of the codes
                 if rows <= gguf_int4.F32_MAX_ROWS:

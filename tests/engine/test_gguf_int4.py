@@ -215,9 +215,9 @@ def test_float32_steps_of_up_to_f32_max_rows_read_the_codes_and_larger_ones_the_
     avx512 = "avx512f" in cpu_flags().split()
     assert gguf_int4.F32_MAX_ROWS == (8 if avx512 else 16)
     monkeypatch.setattr(gguf_int4, "F32_MAX_ROWS", 8)
-    for rows in (1, 8, 9, 16, 17):
+    for rows in (0, 1, 8, 9, 16, 17):
         x = torch.randn(rows, 96, generator=gen)
-        expected = gguf_int4.f32_linear(x, linear.int4, None) if rows <= 8 else dense(x)
+        expected = gguf_int4.f32_linear(x, linear.int4, None) if 0 < rows <= 8 else dense(x)
         assert torch.equal(linear(x), expected), rows
     capped = _linear_with_codes(codes, max_rows=2, dtype=torch.float32)  # max_rows caps it
     x = torch.randn(3, 96, generator=gen)
@@ -225,6 +225,22 @@ def test_float32_steps_of_up_to_f32_max_rows_read_the_codes_and_larger_ones_the_
     head = _linear_with_codes(_random_q8_0(48, 96, seed=11), max_rows=64, dtype=torch.float32)
     x = torch.randn(1, 96, generator=gen)
     assert torch.equal(head(x), gguf_int4.f32_linear(x, head.int4, None))
+
+
+@needs_f32
+def test_a_float32_step_that_samples_nothing_runs_on_the_codes_engine() -> None:
+    # A prompt longer than a step's token budget: its first chunk samples no token, so
+    # the LM head gets no rows. The float32 codes' kernel refused them, and the engine
+    # loop then failed every request of the worker (a prefill worker: any long prompt).
+    base = dict(model="smollm2-135m-instruct", device="cpu", dtype="float32", num_blocks=16,
+                max_num_batched_tokens=16)  # fmt: skip
+    prompt = list(range(100, 120))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    codes = LLMEngine(EngineConfig(**base))
+    assert codes.model.lm_head.int4 is not None
+    dense = LLMEngine(EngineConfig(**base, int4_max_rows=0))
+    assert codes.generate([prompt], params) == dense.generate([prompt], params)
+    assert codes.kv.pool.num_used == 0
 
 
 def _down_projections_with_codes(dtype: torch.dtype, amx: bool = False):

@@ -35,8 +35,9 @@ of each system prompt), on requests of its own: the seed is --seed plus the rate
 index, so no run finds its prompts cached by an earlier one, and every deployment
 gets the same requests at a given rate. Goodput counts requests that meet both SLOs
 (TTFT, and TPOT, the mean inter-token latency of the request). The prefix hit rate
-and the KV bytes moved per request come from the workers' ``Status`` counters after
-the warm-up and after the run; ``ceil`` is the hit rate one unbounded prefix cache
+(of the prompt tokens looked up where they are computed, those found cached: each
+request once) and the KV bytes moved per request come from the workers' ``Status``
+counters after the warm-up and after the run; ``ceil`` is the hit rate one unbounded prefix cache
 would reach on the chat requests as sent (``hit_ceiling``: what placement can hope
 for); ``local`` is the share of requests prefilled on the decode worker. With
 --out, ``compare.json`` and a plot of SLO
@@ -73,7 +74,8 @@ WORKLOADS = ("long-short", "short-long", "chat")
 # Warm-up requests of the synthetic workloads; the chat's are one per system prompt.
 WARMUP = 2
 CHAT_SYSTEMS = 4
-STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_total", "prefilled_here")
+STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "shipped_prefix_query_tokens",
+                 "shipped_prefix_hit_tokens", "kv_bytes_total", "prefilled_here")  # fmt: skip
 
 
 def chat_dataset(path: Path, requests: int, seed: int, systems: int = CHAT_SYSTEMS) -> None:
@@ -185,6 +187,15 @@ def _status_totals(cluster) -> dict[str, float]:
     return totals
 
 
+def _compute_hit_rate(d: dict[str, float]) -> float:
+    """Of the prompt tokens looked up where they are computed, those found cached:
+    each request once (a shipped prompt's lookup on its decode worker only decides
+    which blocks are sent)."""
+    query = d["prefix_query_tokens"] - d["shipped_prefix_query_tokens"]
+    hit = d["prefix_hit_tokens"] - d["shipped_prefix_hit_tokens"]
+    return hit / query if query else math.nan
+
+
 def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
     """``dataset``: (DatasetConfig, seed, warm-up), from ``_dataset``; with
     ``tokenizer``, the run's chats' ``hit_ceiling`` too (else nan). The workers'
@@ -214,9 +225,7 @@ def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
         itl_p50=s.itl_ms.median,
         itl_p99=s.itl_ms.p99,
         tpot_p50=s.tpot_ms.median,
-        hit_rate=d["prefix_hit_tokens"] / d["prefix_query_tokens"]
-        if d["prefix_query_tokens"]
-        else math.nan,
+        hit_rate=_compute_hit_rate(d),
         kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
         local=d["prefilled_here"] / served,
         hit_ceiling=math.nan

@@ -330,7 +330,7 @@ class LLMEngine:
             prompt_ids, params, request_id, output_ids, reuse_prefix, True, cache_salt
         )
         if reuse_prefix:
-            self.kv.count_admission(seq)
+            self.kv.count_admission(seq, shipped=True)
         else:  # no lookup: nothing to count, now or when a preemption brings it back
             seq.admitted = True
         self._register(seq)

@@ -69,6 +69,9 @@ class KVCache:
         # Prefix-cache counters (for the hit-rate metric): prompt tokens looked up, found.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # Of those, the lookups of sequences whose KV another engine sends (``shipped``).
+        self.shipped_query_tokens = 0
+        self.shipped_hit_tokens = 0
         # One block past the pool, never allocated and always zero, pads block tables.
         self.null_block = num_blocks
         # [layers, 2 (K, V), num_blocks + 1, block_size, kv_heads, head_dim]: a layer's
@@ -215,14 +218,18 @@ class KVCache:
         seq.host_blocks = None
         return self.ensure(seq, num_tokens)
 
-    def count_admission(self, seq: Sequence) -> None:
+    def count_admission(self, seq: Sequence, shipped: bool = False) -> None:
         """Account a just-admitted sequence's prefix hit (its computed tokens so far),
-        once: a preempted one admitted again finds its own freed blocks, no prefix hit."""
+        once: a preempted one admitted again finds its own freed blocks, no prefix hit.
+        ``shipped``: another engine computes its prompt and sends what is not cached."""
         if seq.admitted:
             return
         seq.admitted = True
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += seq.num_computed
+        if shipped:
+            self.shipped_query_tokens += len(seq.token_ids)
+            self.shipped_hit_tokens += seq.num_computed
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens; False if the pool is short."""

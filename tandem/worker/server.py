@@ -92,6 +92,8 @@ class EngineLoad(NamedTuple):
     kv_blocks_total: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    shipped_prefix_query_tokens: int = 0
+    shipped_prefix_hit_tokens: int = 0
     host_blocks_used: int = 0
     host_swaps_out_total: int = 0
     host_swaps_in_total: int = 0
@@ -366,6 +368,8 @@ class WorkerServer(abc.ABC):
             kv_blocks_total=pool.num_blocks,
             prefix_query_tokens=engine.kv.prefix_query_tokens,
             prefix_hit_tokens=engine.kv.prefix_hit_tokens,
+            shipped_prefix_query_tokens=engine.kv.shipped_query_tokens,
+            shipped_prefix_hit_tokens=engine.kv.shipped_hit_tokens,
             host_blocks_used=host.num_used if host else 0,
             host_swaps_out_total=host.swaps_out if host else 0,
             host_swaps_in_total=host.swaps_in if host else 0,

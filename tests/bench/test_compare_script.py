@@ -82,6 +82,14 @@ def test_the_hit_ceiling_counts_full_blocks_an_earlier_prompt_or_reply_began_wit
     assert 0.5 < compare.hit_ceiling(load_jsonl(path, 32), tokenizer, warmup=4) < 1
 
 
+def test_the_hit_rate_counts_each_prompt_where_it_is_computed(compare):
+    # One prompt shipped (looked up on the prefill worker, and on its decode worker
+    # for the blocks not to send) and one prefilled on the decode worker.
+    d = {"prefix_query_tokens": 320 + 321 + 320, "prefix_hit_tokens": 0 + 320 + 0,
+         "shipped_prefix_query_tokens": 320, "shipped_prefix_hit_tokens": 0}  # fmt: skip
+    assert compare._compute_hit_rate(d) == 320 / 641
+
+
 def test_unknown_names_are_refused(compare, capsys):
     with pytest.raises(SystemExit):
         compare.main(["--deployments", "colocated,bogus"])

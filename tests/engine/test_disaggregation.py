@@ -228,6 +228,22 @@ def test_prefill_here_reuses_the_decode_workers_prefix_cache(tiny_engine):
     assert got == _colocated(tiny_engine, second, params)
 
 
+def test_a_decode_workers_lookups_for_shipped_prompts_are_counted_apart():
+    # A hit there is a block not sent; the prefill worker counts the same prompt's
+    # lookup for what it computes. Summing both pools counted such a prompt twice.
+    decode = make_engine(num_blocks=64)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    system = [9] * 40
+    decode.prefill_here([*system, 1], params, "here")
+    while decode.has_unfinished():
+        decode.step()
+    decode.reserve_for_transfer([*system, 2], params, "shipped")
+    kv = decode.kv
+    assert (kv.prefix_query_tokens, kv.prefix_hit_tokens) == (82, 32)
+    assert (kv.shipped_query_tokens, kv.shipped_hit_tokens) == (41, 32)
+    decode.abort_all()
+
+
 def test_prefill_here_that_does_not_fit_keeps_no_block(tiny_engine):
     decode = make_engine(num_blocks=12)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

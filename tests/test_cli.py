@@ -247,3 +247,17 @@ def test_argparse_usage_errors_exit_2(runs):
     assert run.stderr_lines[-1] == (
         "tandem generate: error: argument --max-tokens: invalid int value: 'x'"
     )
+
+
+def test_the_command_line_starts_without_torch():
+    # Every command's flags, and the errors in them, come before any heavy import: a
+    # mistyped flag answers in a tenth of a second, not after torch's second or more.
+    code = (
+        "import sys, tandem.cli\n"
+        "tandem.cli.build_parser()\n"
+        "assert tandem.cli.main(['generate', '--colocated', '--top-p', '0', 'hi']) == 2\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'ucxx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -40,7 +40,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tandem.bench.kv_pair import round_trips
 from tandem.bench.ucx_pair import PROGRESS_MODES, Sender, crc32
 from tandem.errors import TandemError
 from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
@@ -206,7 +205,7 @@ def _bench_one_read(
 ) -> list[Row]:
     import torch
 
-    from tandem.bench.kv_pair import ReceiverProcess, fingerprint, kv_tensor
+    from tandem.bench.kv_pair import ReceiverProcess, fingerprint, kv_tensor, round_trips
     from tandem.kv_transfer import make_sender
 
     dtype = getattr(torch, args.dtype)

@@ -20,10 +20,12 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem.errors import ConfigError
+
+if TYPE_CHECKING:  # torch only where weights are read: the router needs none of it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ def _converted_gguf(gguf: Path, cache: Path) -> Path:
     target = cache / "models" / f"{gguf.stem}-{key}"
 
     def build(out: Path) -> None:
+        import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

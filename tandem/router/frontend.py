@@ -28,7 +28,7 @@ import jinja2
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.config import RouterConfig
-from tandem.engine.engine import check_request
+from tandem.engine.checks import check_request
 from tandem.engine.loader import read_config, resolve_model
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams

@@ -330,7 +330,8 @@ class LocalCluster:
         )
 
     def stop(self) -> None:
-        """Router first (it drains), then workers; SIGKILL after the drain timeout.
+        """Router first (it drains), then workers; SIGKILL ``EXIT_GRACE_S`` after the
+        drain timeout.
 
         Each process leads a process group of its own, with its tensor-parallel ranks
         in it: a stopped (SIGSTOP) member is continued so that it gets the SIGTERM,

@@ -91,8 +91,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("tandem_router_worker_retries_total", "counter", ("role",),
            "Worker calls that failed before any work and were given to another worker"),
     Metric("tandem_router_migrations_total", "counter", (),
-           "Attempts that took over a lost one on another worker (a worker or its KV "
-           "transfer was lost; a request moved twice counts twice)"),
+           "Attempts that took over a lost one (a worker or its KV transfer was lost; "
+           "a request moved twice counts twice)"),
     Metric("tandem_router_prefill_decisions_total", "counter", ("where", "reason"),
            "Where prompts were prefilled (prefill_pool or decode_worker) and why"),
     # ---- workers ----

@@ -184,12 +184,18 @@ class PrefixAware(PlacementPolicy):
         hashes = self._hashes(token_ids, cache_salt)
         history = self._history[pool]
         matched = {w.address: self._matched(history.get(w.address), hashes) for w in candidates}
-        # A decode worker short of KV blocks (outside least-loaded's band) would refuse
-        # the reservation, however much of the prompt it holds.
+        # A decode worker without room for the blocks the prompt adds to what it holds
+        # would refuse the reservation, however much of the prompt it holds (unless
+        # every worker is as short: least-loaded's band).
         eligible = candidates
         if pool is Pool.DECODE:
             most = max(w.kv_blocks_free for w in candidates)
-            eligible = [w for w in candidates if w.kv_blocks_free >= KV_BAND * most]
+            eligible = [
+                w
+                for w in candidates
+                if w.kv_blocks_free >= KV_BAND * most
+                or w.kv_blocks_free > len(hashes) + 1 - matched[w.address]
+            ]
         best = max((matched[w.address] for w in eligible), default=0)
         choice = None
         if best and best >= self.min_match * len(hashes):

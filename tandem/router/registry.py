@@ -178,10 +178,18 @@ class WorkerRegistry:
         worker.inflight += 1
         worker.placed_since_poll += 1
 
-    def release(self, worker: Worker) -> None:
+    def release(self, worker: Worker, shipping: bool = False) -> None:
+        """A call has ended (``shipping``: one that ``shipping`` counted)."""
         worker.inflight -= 1
+        worker.shipping -= shipping
         if worker.removed and worker.inflight == 0:
             self._close(worker)
+
+    def shipping(self, worker: Worker) -> None:
+        """A prefill worker's call has its first token back: its engine is done with
+        it, and only the KV is on its way (until ``release(worker, shipping=True)``)."""
+        worker.shipping += 1
+        worker.placed_since_poll = max(0, worker.placed_since_poll - 1)
 
     def reserved(self, worker: Worker, num_blocks: int) -> None:
         worker.reserved_since_poll += num_blocks

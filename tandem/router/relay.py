@@ -162,8 +162,8 @@ class DecodeCapacity:
         finally:
             if not fut.done():
                 fut.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            if fut in line:
+                line.remove(fut)
 
 
 class Relay:
@@ -541,10 +541,9 @@ class Relay:
             renewing.cancel()  # the KV is there or never will be: nothing to keep alive
             if not call.done():
                 call.cancel()
-            worker.shipping -= 1
-            self.registry.release(worker)
+            self.registry.release(worker, shipping=True)
 
-        worker.shipping += 1  # its first token is back: no longer a load on its engine
+        self.registry.shipping(worker)
         shipped = asyncio.ensure_future(self._shipped(worker, call, request))
         shipped.add_done_callback(end)
         return shipped

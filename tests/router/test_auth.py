@@ -18,6 +18,7 @@ from tandem.errors import ConfigError
 from tandem.router.admission import Admission, TokenBucket
 from tandem.router.auth import ApiKeys, bearer_token, digest, parse_line
 from tandem.router.errors import RouterError
+from tandem.router.placement import Pool
 from tests.router.fakes import FakeDecode, cluster, wait_until
 
 ALICE = "alice-" + "a" * 26
@@ -348,6 +349,30 @@ def test_request_ids_are_each_keys_own(frontend, keys_file):
             assert on_workers == [f"{tenant}~job-1" for tenant in tenants]
             # ... and their own prefix cache on the workers.
             assert [call.request.request.cache_salt for call in decode.calls] == tenants
+
+    run(scenario())
+
+
+def test_prefix_placement_counts_on_a_keys_own_cached_prefixes_only(frontend, keys_file):
+    async def scenario():
+        async with cluster(frontend, connect={"api_key": ALICE}, api_keys_file=keys_file,
+                           placement="prefix-aware") as c:  # fmt: skip
+            policy, found = c.router.relay.policy, []
+            pick = policy.pick
+
+            def spy(pool, *args):
+                chosen = pick(pool, *args)
+                if pool is Pool.DECODE:
+                    found.append(policy.cached_tokens)
+                return chosen
+
+            policy.pick = spy
+            prompt = "the same long system prompt for everyone " * 8
+            await c.client.complete(prompt)
+            await c.client.complete(prompt)
+            async with AsyncTandemClient(c.router.address, timeout=10, api_key=BOB) as bob:
+                await bob.complete(prompt)
+            assert found[0] == 0 and found[1] > 0 and found[2] == 0
 
     run(scenario())
 

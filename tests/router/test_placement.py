@@ -155,6 +155,10 @@ def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():
     prompt = _prompt(1, 8, tail=3)
     home = policy.pick(Pool.DECODE, [load("a", **roomy), load("b", **roomy)], prompt).address
     other = "b" if home == "a" else "a"
+    # With room for this request many times over, fewer free blocks than another's and
+    # 2 requests more (within the bound) keep it where its prefix is.
+    busier = [load(home, kv_blocks_free=850, running=2, kv_blocks_total=1000), load(other, **roomy)]
+    assert policy.pick(Pool.DECODE, busier, prompt).address == home
     full = [load(home, kv_blocks_free=0, kv_blocks_total=1000), load(other, **roomy)]
     assert policy.pick(Pool.DECODE, full, prompt).address == other
     assert policy.pick(Pool.DECODE, [load(home, **roomy)], prompt).address == home

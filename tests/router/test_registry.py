@@ -165,6 +165,21 @@ def test_a_prefill_worker_only_shipping_kv_is_not_counted_as_busy():
     assert worker.load().queue_depth == 1
 
 
+def test_a_call_whose_kv_is_on_its_way_counts_apart_until_it_ends(frontend):
+    async def scenario():
+        prefill = FakePrefill(kv_delay_s=1.0)
+        async with cluster(frontend, [prefill], status_interval_s=60) as c:
+            (worker,) = c.router.registry.workers(Pool.PREFILL)
+            done = asyncio.ensure_future(c.client.complete("hello"))
+            await wait_until(lambda: worker.shipping == 1, what="its first token back")
+            assert worker.inflight == 1 and worker.load().queue_depth == 0
+            await done
+            await wait_until(lambda: worker.inflight == 0, what="the call's end")
+            assert worker.shipping == 0
+
+    run(scenario())
+
+
 def test_a_worker_down_removed_or_restarted_is_forgotten_by_prefix_placement(frontend):
     # Its prefix cache is gone: a decision counting on it (conditional prefill's
     # "cached, so short") would cost the restarted worker a whole prompt's prefill.

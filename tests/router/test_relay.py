@@ -11,6 +11,7 @@ import pytest
 from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
 from tandem.router.placement import Pool
+from tandem.router.relay import DecodeCapacity
 from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, wait_until
 
 
@@ -251,6 +252,20 @@ def test_a_request_moving_off_a_lost_worker_gets_room_before_newcomers(frontend)
             served = [call.request.request.request_id for call in full.calls[-2:]]
             assert served == ["A/1", "B"]
             assert c.router.relay.migrations == 1
+
+    run(scenario())
+
+
+def test_an_urgent_waiter_that_times_out_or_leaves_is_no_longer_waiting():
+    # Left in its line, it held every newcomer behind it ("requests queued ahead").
+    async def scenario():
+        capacity = DecodeCapacity()
+        assert not await capacity.wait(0.01, urgent=True)
+        leaving = asyncio.ensure_future(capacity.wait(10, urgent=True))
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert capacity.waiting == 0
 
     run(scenario())
 

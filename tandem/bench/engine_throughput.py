@@ -153,10 +153,12 @@ def _codes_in_use(engine) -> tuple[int, bool]:
     codes = [m.int4 for m in engine.model.modules() if isinstance(m, Linear) and m.int4]
     if not codes:
         return 0, False
-    rows = engine.config.int4_max_rows
+    rows, amx = engine.config.int4_max_rows, any(c.tiles is not None for c in codes)
     if any(c.f32_codes is not None for c in codes):
         rows = min(rows, gguf_int4.F32_MAX_ROWS)
-    return rows, any(c.tiles is not None for c in codes)
+    elif not amx:  # torch's int4 kernel alone: it serves the smallest steps only
+        rows = min(rows, gguf_int4.TORCH_MAX_ROWS)
+    return rows, amx
 
 
 def _repeat(args: argparse.Namespace, fn) -> list[float]:

@@ -65,6 +65,7 @@ from tandem.engine.sequence import FinishReason, Sequence, Status
 from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tandem.errors import ConfigError, InvalidRequestError, OutOfBlocksError
 from tandem.kernels import get_backend, resolve_backend
+from tandem.kernels.cpu import build
 from tandem.kv_transfer.base import KV_LAYOUT, Fingerprint
 from tandem.kv_transfer.device_checksum import algorithm_for as checksum_algorithm_for
 
@@ -694,6 +695,8 @@ def load_model(
     shard: Shard = ONE_DEVICE,
 ) -> LlamaModel:
     """The weights (``shard``'s part of them) on ``device`` in ``dtype``, ready to run."""
+    if device.type == "cpu":  # every CPU kernel from config.cache_dir's build (if it builds)
+        build.load(config.cache_dir)
     model = LlamaModel(shard.config(cfg), max_model_len(config, cfg))
     try:
         model.load_hf_state_dict(load_state_dict(model_dir, lambda n: shard.part(n, cfg)))
@@ -731,7 +734,7 @@ def _int4_packed(
         or shard.size != 1
         or not (
             (dtype == torch.bfloat16 and gguf_int4.available())
-            or (dtype == torch.float32 and gguf_int4.f32_available())
+            or (dtype == torch.float32 and gguf_int4.F32_MAX_ROWS and gguf_int4.f32_available())
         )
     ):
         return {}

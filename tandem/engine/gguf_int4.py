@@ -73,10 +73,17 @@ def _f32_max_rows() -> int:
     the dense weights): with oneDNN's AVX-512 kernels 4.1x faster at 1 row, 2.0x at
     8, 1.0x at 16; with oneDNN and MKL held to AVX2 (ONEDNN_MAX_CPU_ISA,
     MKL_ENABLE_INSTRUCTIONS) and the kernel built for Haswell, 4.8x, 2.3x and 1.4x.
-    Where the weights stream from memory the codes gain more."""
+    Where the weights stream from memory the codes gain more. An x86 CPU without AVX2
+    has none of the kernel's widening loads, and there the dense weights win at every
+    size (0.4-0.9x in a one-off run with the kernel built for SSE4 and for AVX): 0."""
     from tandem.kernels.cpu.build import cpu_flags
 
-    return 8 if "avx512f" in cpu_flags().split() else F32_KERNEL_MAX_ROWS
+    flags = cpu_flags().split()
+    if "avx512f" in flags:
+        return 8
+    if "sse2" in flags and "avx2" not in flags:  # x86 (an Arm CPU lists neither)
+        return 0
+    return F32_KERNEL_MAX_ROWS
 
 
 F32_MAX_ROWS = _f32_max_rows()

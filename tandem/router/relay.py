@@ -46,7 +46,8 @@ workers where there are any). The prefill recomputes their
 KV and samples the next token, and the stream goes on with no token duplicated or
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
-is that of an undisturbed run: exactly so in float32. In bfloat16 the streamed
+is that of an undisturbed run: exactly so in float32 with a float KV cache (an int8
+cache's recomputed prefill attends over exact K and V). In bfloat16 the streamed
 tokens' KV, recomputed in one prefill where the lost worker computed it a decode
 step at a time, rounds differently, and greedy text can drift after the move (a
 near-tie tipped: 2 of 3 moves of one default-model stream diverged, with or without

@@ -53,3 +53,22 @@ def test_llama_cpp_reference_runs_on_the_models_own_gguf(tmp_path):
     own.write_bytes(b"GGUF")
     assert gguf_file(str(own)) == own
     assert gguf_file("tiny-random") is None  # no GGUF: no reference row
+
+
+def test_the_report_names_the_steps_that_read_the_codes():
+    # bfloat16 without AMX: torch's int4 kernel serves steps of up to TORCH_MAX_ROWS
+    # only (the report said int4_max_rows, 64).
+    from types import SimpleNamespace
+
+    from tandem.bench.engine_throughput import _codes_in_use
+    from tandem.engine import gguf_int4
+    from tandem.engine.model import Linear
+
+    def engine(**forms):
+        linear = Linear(4, 4)
+        linear.int4 = SimpleNamespace(**{"f32_codes": None, "tiles": None, **forms})
+        return SimpleNamespace(model=linear, config=SimpleNamespace(int4_max_rows=64))
+
+    assert _codes_in_use(engine()) == (gguf_int4.TORCH_MAX_ROWS, False)
+    assert _codes_in_use(engine(tiles=object())) == (64, True)
+    assert _codes_in_use(engine(f32_codes=object())) == (gguf_int4.F32_MAX_ROWS, False)

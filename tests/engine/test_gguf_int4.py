@@ -214,6 +214,11 @@ def test_float32_steps_of_up_to_f32_max_rows_read_the_codes_and_larger_ones_the_
     gen = torch.Generator().manual_seed(10)
     avx512 = "avx512f" in cpu_flags().split()
     assert gguf_int4.F32_MAX_ROWS == (8 if avx512 else 16)
+    cpus = [("flags : fpu sse2 avx avx2 avx512f", 8), ("flags : fpu sse2 avx avx2", 16),
+            ("flags : fpu sse2 sse4_2 avx", 0), ("Features : fp asimd", 16)]  # fmt: skip
+    for flags, most in cpus:  # without AVX2 the dense weights win at every size
+        monkeypatch.setattr("tandem.kernels.cpu.build.cpu_flags", lambda f=flags: f)
+        assert gguf_int4._f32_max_rows() == most, flags
     monkeypatch.setattr(gguf_int4, "F32_MAX_ROWS", 8)
     for rows in (0, 1, 8, 9, 16, 17):
         x = torch.randn(rows, 96, generator=gen)
@@ -241,6 +246,40 @@ def test_a_float32_step_that_samples_nothing_runs_on_the_codes_engine() -> None:
     dense = LLMEngine(EngineConfig(**base, int4_max_rows=0))
     assert codes.generate([prompt], params) == dense.generate([prompt], params)
     assert codes.kv.pool.num_used == 0
+
+
+# An engine whose cache_dir is writable in a process whose home is not: it prints
+# whether its LM head reads the codes, and the kernel libraries that loaded.
+_CACHE_DIR_ONLY = """
+import sys
+from tandem.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.kernels.cpu import build
+engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", num_blocks=16,
+                                cache_dir=sys.argv[1]))
+print(engine.model.lm_head.int4 is not None, [str(p) for p, lib in build._loaded.items() if lib])
+"""
+
+
+@needs_f32
+def test_every_cpu_kernel_comes_from_the_engines_cache_dir(tmp_path) -> None:
+    # Only attention read cache_dir: the codes, RMSNorm and the step ops built into the
+    # default cache, and where that was not writable (a read-only home, the reason to
+    # set cache_dir) float32 steps silently ran without the codes.
+    import os
+    import subprocess
+    import sys
+
+    from tandem.engine.loader import default_cache_dir
+
+    resolve_model("smollm2-135m-instruct")  # converted into the default cache, once
+    (tmp_path / "models").symlink_to(default_cache_dir() / "models")
+    env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_CACHE_DIR", "XDG_CACHE_HOME")}
+    out = subprocess.run([sys.executable, "-c", _CACHE_DIR_ONLY, str(tmp_path)],
+                         env={**env, "HOME": "/dev/null"}, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == f"True ['{tmp_path}']"
 
 
 def _down_projections_with_codes(dtype: torch.dtype, amx: bool = False):

@@ -141,7 +141,7 @@ def test_a_failed_build_is_reported_and_leaves_nothing_behind(
     monkeypatch.setattr(build, "SOURCES", (bad,))
     with caplog.at_level(logging.WARNING):
         assert not cpu.load(tmp_path)
-    assert "CPU attention kernels unavailable" in caplog.text and "exited with" in caplog.text
+    assert "CPU kernels unavailable" in caplog.text and "exited with" in caplog.text
     assert not any((tmp_path / "kernels").iterdir())
 
 

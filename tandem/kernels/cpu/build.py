@@ -40,6 +40,9 @@ _BUILD_TIMEOUT_S = 120
 
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 _functions: dict[str, Callable[..., int] | None] = {}
+# The first library loaded (from an engine's cache_dir, or the default cache): the
+# one ``function`` serves, so that every kernel of a process comes from one build.
+_first: ctypes.CDLL | None = None
 # A caller during the first load (or build) waits for it; re-entered by ``function``.
 _loading = threading.RLock()
 
@@ -114,22 +117,27 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(build(cache, compiler)))
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
             log.warning(
-                "CPU attention kernels unavailable, using the torch backend (and torch's ops "
-                "for RMSNorm and the GGUF's codes): %s",
+                "CPU kernels unavailable in %s, using torch's ops instead (attention, "
+                "RMSNorm, the GGUF's codes): %s",
+                cache,
                 exc,
             )
         _loaded[cache] = lib
+        global _first
+        if _first is None:
+            _first = lib
         return lib
 
 
 def function(symbol: str, argtypes: list) -> Callable[..., int] | None:
-    """``symbol`` of the library in the default cache, returning a C int, its arguments
+    """``symbol`` of the first library loaded (``load``: an engine loads its
+    cache_dir's first; else the default cache's), returning a C int, its arguments
     ``argtypes``; None where the library cannot be built here. Looked up once."""
     if symbol in _functions:
         return _functions[symbol]
     with _loading:
         if symbol not in _functions:
-            lib = load()
+            lib = _first if _first is not None else load()
             fn = None
             if lib is not None:
                 fn = getattr(lib, symbol)

@@ -126,6 +126,8 @@ class Fingerprint:
                     diffs.append(f"{f.name}: {mine} {a!r}, {theirs} {b!r} ({why})")
             elif a != b or (f.name == "kv_layout" and a != KV_LAYOUT):
                 diffs.append(f"{f.name}: {mine} {a}, {theirs} {b}")
+                if f.name == "dtype":  # dtype auto resolves per CPU (native bf16 or not)
+                    diffs[-1] += " (set engine.dtype where the workers' CPUs differ)"
         return "; ".join(diffs)
 
     def head_map(self, sender: Fingerprint) -> HeadMap | None:

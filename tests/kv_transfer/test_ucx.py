@@ -242,7 +242,7 @@ def test_handshake_mismatch_is_named_at_once(receiver) -> None:
         sender.connect(address)
     assert time.monotonic() - start < 60  # named, not waited out (connect_timeout_s)
     assert "block_size: prefill 32, decode 16" in str(err.value)
-    assert "dtype: prefill bfloat16, decode float32" in str(err.value)
+    assert "dtype: prefill bfloat16, decode float32 (set engine.dtype where the" in str(err.value)
     # A send through the refused connection fails the same way, not by timing out.
     dst_ids = receiver("allocate", 1)
     dest = receiver("expect", "hs", dst_ids, 30.0)

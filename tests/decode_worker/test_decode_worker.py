@@ -325,6 +325,7 @@ def test_a_prefill_here_cancelled_before_its_handler_heard_back_is_aborted():
 
     from tandem.decode_worker.service import DecodeService
     from tandem.engine.loop import EngineLoop
+    from tandem.worker.request import WorkRequest
     from tests.conftest import make_engine
 
     engine = make_engine()
@@ -334,8 +335,7 @@ def test_a_prefill_here_cancelled_before_its_handler_heard_back_is_aborted():
     loop.start()
     try:
         server = SimpleNamespace(loop=loop, engine=engine, worker_id="d", prefilled_here=0)
-        req = SimpleNamespace(request_id="R", prompt_ids=[5] * 20, output_ids=[],
-                              params=SamplingParams(max_tokens=500, temperature=0))  # fmt: skip
+        req = WorkRequest("R", [5] * 20, SamplingParams(max_tokens=500, temperature=0), [])
 
         async def main():
             handler = DecodeService(server)._prefill_here(req, context=None)

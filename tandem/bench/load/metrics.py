@@ -223,11 +223,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summ
 
 
 def max_in_flight(records: list[RequestRecord]) -> int:
-    """The most requests open at once, from the timelines of those that got any response."""
+    """The most requests open at once, failed ones included: each from its send to the
+    call's end (its last response where the end was not recorded)."""
     events = []
     for r in records:
-        if r.chunk_times:
-            events += [(r.send_time, 1), (r.send_time + r.chunk_times[-1], -1)]
+        end = r.end_time if r.end_time is not None else (r.chunk_times or [None])[-1]
+        if end is not None:
+            events += [(r.send_time, 1), (r.send_time + end, -1)]
     events.sort(key=lambda e: (e[0], e[1]))
     peak = now = 0
     for _, step in events:

@@ -6,9 +6,12 @@ server's prefix cache; a JSONL or ShareGPT file is one pool of prompts that
 every point samples from (a file smaller than the points together repeats
 prompts, as it does in vLLM's benchmark). Each point runs its own warm-up. The capacity
 is the highest point whose SLO attainment, and that of every lower point, is at
-least the target (default 90%): for a rate sweep, that point's offered rate; for
-a concurrency sweep, the rate it sustains with that many requests in flight,
-concurrency / mean end-to-end latency (Little's law: the run's own throughput,
+least the target (default 90%): for a rate sweep, the rate that point sustained
+(its completed requests a second, never more than it was offered: a server that
+kept up with a tenth of a burst does not have the burst's rate); for a
+concurrency sweep, the rate it sustains with that many requests in flight (at
+most as many as the run held at once), concurrency / mean end-to-end latency
+(Little's law: the run's own throughput,
 completed requests over its duration, also counts the run's ramp-down, when
 fewer are in flight, and so understates the steady rate the more, the higher the
 concurrency is). ``sweep.json`` records
@@ -110,11 +113,12 @@ def sweep_json(config: SweepConfig, points: list[dict]) -> dict:
     cap = points[capacity] if capacity is not None else None
     if cap is None:
         capacity_rps = None
-    elif config.by == "request_rate":
-        capacity_rps = cap["x"]
+    elif config.by == "request_rate":  # what it sustained: no more than was offered
+        capacity_rps = min(cap["x"], cap["summary"]["request_throughput"])
     else:  # Little's law over the steady part of the run (see the module's docstring)
         e2e_ms = cap["summary"]["e2e_ms"]["mean"]
-        capacity_rps = cap["x"] / (e2e_ms / 1e3) if e2e_ms else None
+        held = min(cap["x"], cap["summary"]["max_concurrency_seen"])  # fewer requests: less
+        capacity_rps = held / (e2e_ms / 1e3) if e2e_ms else None
     base = config.base
     return {
         "by": config.by,

@@ -72,6 +72,9 @@ def test_max_in_flight_counts_overlapping_requests():
     assert max_in_flight(records) == 3  # at 0.9 s requests 0, 1 and 2 are open
     back_to_back = [rec(0, 0.0, [1.0]), rec(1, 1.0, [1.0])]
     assert max_in_flight(back_to_back) == 1
+    # Requests that failed with no response were open too (a frozen worker's streams).
+    stuck = [_ended(i, 0.1 * i, 2.6, error="DEADLINE_EXCEEDED") for i in range(3)]
+    assert max_in_flight(stuck) == 3
 
 
 def test_without_slos_goodput_is_the_completed_rate():

@@ -159,11 +159,34 @@ def test_a_concurrency_sweeps_capacity_is_its_steady_rate_not_the_runs_throughpu
 
     # 32 in flight at 0.5 s each: 64 req/s while the run is full; its ramp-down, when
     # fewer are in flight, brought the run's own throughput down to 50.
-    summary = {"slo_attainment": 1.0, "request_throughput": 50.0, "e2e_ms": {"mean": 500.0}}
+    summary = {"slo_attainment": 1.0, "request_throughput": 50.0, "e2e_ms": {"mean": 500.0},
+               "max_concurrency_seen": 32}  # fmt: skip
     config = SweepConfig(LoadConfig(target="x"), concurrencies=(32,), prefill_workers=0)
     data = sweep_json(config, [{"x": 32, "summary": summary, "model": "m"}])
     assert data["capacity_rps"] == pytest.approx(64.0)
     assert data["deployment"] == {"prefill_workers": 0, "decode_workers": 1}
+    # 8 requests never put 64 in flight: the law holds for the 8 the run held.
+    held = {**summary, "max_concurrency_seen": 8}
+    config = SweepConfig(LoadConfig(target="x"), concurrencies=(64,))
+    assert sweep_json(config, [{"x": 64, "summary": held, "model": "m"}])["capacity_rps"] == (
+        pytest.approx(16.0)
+    )
+
+
+def test_a_rate_sweeps_capacity_is_what_its_point_sustained_not_what_it_offered():
+    # 40 requests offered at 10,000 req/s arrive as one burst; the server kept up with
+    # 110 a second. Planning from 10,000 sized one worker pair for 1,000 req/s.
+    from tandem.bench.load.runner import LoadConfig
+    from tandem.bench.load.sweep import SweepConfig, sweep_json
+
+    def point(x, sustained):
+        summary = {"slo_attainment": 1.0, "request_throughput": sustained}
+        return {"x": x, "summary": summary, "model": "m"}
+
+    config = SweepConfig(LoadConfig(target="x"), rates=(10, 10000))
+    data = sweep_json(config, [point(10, 9.6), point(10000, 110.0)])
+    assert (data["capacity_point"], data["capacity_rps"]) == (1, 110.0)
+    assert sweep_json(config, [point(10, 10.4)])["capacity_rps"] == 10  # no more than offered
 
 
 def test_a_sweep_without_capacity_cannot_plan():

@@ -560,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="tandem: %(message)s",
     )
+    # httpx logs every request at INFO: one line per call of an HTTP load run.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except TandemError as exc:

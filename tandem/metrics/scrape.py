@@ -8,6 +8,7 @@ and a Grafana panel agree on the same data.
 
 from __future__ import annotations
 
+import http.client
 import math
 import urllib.request
 from collections import defaultdict
@@ -34,9 +35,14 @@ def fetch(address: str, timeout: float = 5.0) -> str:
     url = f"http://{address}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read().decode()
-    except OSError as exc:
-        raise ScrapeError(f"cannot scrape {url}: {exc}") from exc
+            text = response.read().decode()
+        list(text_string_to_metric_families(text))  # what is read later must parse
+        return text
+    except (OSError, http.client.HTTPException, UnicodeDecodeError, ValueError) as exc:
+        # (HTTPException: another protocol there, a router's gRPC port say)
+        raise ScrapeError(
+            f"cannot scrape {url} (is it a metrics port?): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def parse(text: str) -> list[Sample]:

@@ -58,3 +58,27 @@ def test_delta_is_what_was_observed_between_two_scrapes():
 def test_worker_targets_are_the_workers_that_serve_metrics():
     targets = worker_targets(parse(TEXT))
     assert list(targets) == ["h:9"] and targets["h:9"].labels["worker_id"] == "d"
+
+
+@pytest.mark.parametrize("answer", [b"\x00\x00\x12\x04garbage", b"HTTP/1.0 200 OK\r\n\r\n<html>"])
+def test_an_endpoint_that_is_not_a_metrics_port_is_named_not_a_traceback(answer):
+    # A router's gRPC port (another protocol) or a web page: easy to mistake for the
+    # metrics address, and each escaped as a raw traceback (tandem top, bench load).
+    import socket
+    import threading
+
+    from tandem.metrics.scrape import ScrapeError, fetch
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer_once():
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(answer)
+        conn.close()
+
+    threading.Thread(target=answer_once, daemon=True).start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    with pytest.raises(ScrapeError, match=r"cannot scrape .* \(is it a metrics port\?\)"):
+        fetch(address)
+    server.close()

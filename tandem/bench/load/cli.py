@@ -267,8 +267,10 @@ def load_config(args: argparse.Namespace, **overrides):
 def cmd_load(args: argparse.Namespace) -> int:
     from tandem.bench.load import report, server_metrics
     from tandem.bench.load.runner import run
+    from tandem.metrics.scrape import ScrapeError
 
     config = load_config(args)
+    _usable_out(args.out)
     log.info("load: %s; %s", config.describe(), config.dataset.describe())
     before: dict[str, str] = {}
 
@@ -279,15 +281,19 @@ def cmd_load(args: argparse.Namespace) -> int:
         server_metrics.snapshot(args.metrics)  # a wrong address fails now, not after the run
     result = run(config, scrape_before if args.metrics else None)
     print(report.table(result), flush=True)
-    after = server_metrics.snapshot(args.metrics) if args.metrics else None
+    paths = report.write(result, args.out) if args.out else []  # first: the run's own
+    after = None
+    if args.metrics:
+        try:
+            after = server_metrics.snapshot(args.metrics)
+        except ScrapeError as exc:  # the run's results stand without the server's view
+            log.warning("load: no server metrics after the run: %s", exc)
     if after is not None:
         print(server_metrics.compare(before, after, result.summary), flush=True)
-    if args.out:
-        paths = report.write(result, args.out)
-        if after is not None:
+        if args.out:
             paths += server_metrics.write(before, after, args.out)
-        for path in paths:
-            log.info("wrote %s", path)
+    for path in paths:
+        log.info("wrote %s", path)
     if result.summary.num_requests and not result.summary.completed:
         log.error("load: none of the %d measured requests completed (see errors above)",
                   result.summary.num_requests)  # fmt: skip
@@ -324,17 +330,36 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         raise InvalidRequestError("--out", "bench sweep needs --out DIR for its results")
     config = sweep_config(args)
+    _usable_out(args.out)
 
     def progress(result) -> None:
         s = result.summary
         log.info("sweep point %s: %.2f req/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms, "
-                 "SLO attainment %.1f%%", result.config.describe(), s.request_throughput,
-                 s.ttft_ms.median, s.tpot_ms.median, 100 * s.slo_attainment)  # fmt: skip
+                 "SLO attainment %.1f%%, %d failed", result.config.describe(),
+                 s.request_throughput, s.ttft_ms.median, s.tpot_ms.median,
+                 100 * s.slo_attainment, s.failed)  # fmt: skip
 
     data = sweep.run_sweep(config, args.out, on_point=progress)
     print(sweep.table(data), flush=True)
     log.info("wrote %s/sweep.json, %s, %s", args.out, sweep.LATENCY_PLOT, sweep.ATTAINMENT_PLOT)
+    if not any(p["summary"]["completed"] for p in data["points"]):
+        log.error("sweep: no point completed any of its requests (each point's errors are "
+                  "in its summary.json)")  # fmt: skip
+        return 1  # as bench load: a dead cluster is not a slow one
     return 0
+
+
+def _usable_out(out: str | None) -> None:
+    """``--out`` made (or found) a directory before any request is sent, not after."""
+    if out:
+        from pathlib import Path
+
+        from tandem.errors import InvalidRequestError
+
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidRequestError("--out", f"--out {out}: {exc.strerror or exc}") from exc
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

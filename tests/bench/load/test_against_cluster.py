@@ -138,6 +138,38 @@ def test_a_jsonl_dataset_runs_for_a_duration(cluster, tmp_path, capsys):
     assert {r["output_tokens"] for r in rows} <= {"5", "6"}
 
 
+def test_an_out_that_cannot_be_a_directory_is_refused_before_any_request(tmp_path, capsys):
+    # Found only when the results were written: the whole run was lost.
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for command in ("load", "sweep"):
+        rates = ["--request-rates", "1"] if command == "sweep" else []
+        argv = ["bench", command, "--target", "127.0.0.1:1", "--num-requests", "2",
+                "--out", str(taken), *rates]  # fmt: skip
+        assert main(argv) == 2
+        assert f"--out {taken}: File exists" in capsys.readouterr().err
+
+
+def test_results_are_written_when_the_server_metrics_go_away(cluster, tmp_path, monkeypatch):
+    from tandem.bench.load import server_metrics
+    from tandem.metrics.scrape import ScrapeError
+
+    scrapes = []
+
+    def snapshot(address):
+        scrapes.append(address)
+        if len(scrapes) > 2:  # before the run, after the warm-up; then gone
+            raise ScrapeError("cannot scrape: gone")
+        return {}
+
+    monkeypatch.setattr(server_metrics, "snapshot", snapshot)
+    argv = ["bench", "load", "--target", cluster.address, "--num-requests", "2",
+            "--input-len", "8", "--output-len", "2", "--quiet", "--metrics", "127.0.0.1:1",
+            "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main(argv) == 0
+    assert (tmp_path / "run" / "summary.json").exists() and len(scrapes) == 3
+
+
 def test_a_two_point_sweep_finds_the_capacity(cluster, tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = ["bench", "sweep", "--target", cluster.address, "--request-rates", "20,5",

@@ -101,7 +101,7 @@ def test_a_duration_sweep_builds_every_point(points, expect):
     assert [c.seed for _, c in config.points()] == [0, 1]
 
 
-def test_a_run_in_which_no_request_completed_exits_1(capsys, tmp_path):
+def test_a_run_in_which_no_request_completed_exits_1(capsys, caplog, tmp_path):
     import grpc
 
     from tests.client.fake_router import FakeServer
@@ -116,6 +116,11 @@ def test_a_run_in_which_no_request_completed_exits_1(capsys, tmp_path):
         assert main(argv) == 1
         out = capsys.readouterr().out
         assert "0 completed, 3 failed" in out, out  # the table is printed all the same
+        # A sweep none of whose points completed a request: no more a measurement.
+        sweep = ["bench", "sweep", *argv[2:], "--request-rates", "5,10", "--out",
+                 str(tmp_path / "sweep")]  # fmt: skip
+        assert main(sweep) == 1
+        assert "no point completed any of its requests" in caplog.text
         fake.servicer.abort_generate = None
         assert main(argv) == 0
     finally:

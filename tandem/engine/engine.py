@@ -520,7 +520,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         stats = self.stats
         stats.preemptions += len(batch.preempted)
-        if not batch:
+        if not batch:  # no step: its figures are 0, not the last step's
+            stats.last_sequences = stats.last_tokens = 0
             return []
         stats.last_sequences = len(batch.work)
         stats.last_tokens = sum(n for _, n in batch.work)

@@ -178,13 +178,15 @@ class EngineLoop:
         # Scheduler work, not engine.has_unfinished(): a decode-side reservation waiting
         # for its KV is unfinished but has nothing to step, and must not spin the thread.
         scheduler = self.engine.scheduler
-        stepped = False
+        stepped = stuck = False
         while not self._stop.is_set():
             self._busy_since = time.monotonic()
             # After a step the hooks see its outcome (the worker's published load) before
-            # the thread sleeps, not a poll interval later.
-            done = self._drain_commands(block=not stepped and not scheduler.has_work())
-            stepped = False
+            # the thread sleeps, not a poll interval later. Work that could not be
+            # scheduled (every block held, by transfers say) waits as an idle thread
+            # does, for a command, a wake-up or the poll interval: not in a spin.
+            done = self._drain_commands(block=stuck or (not stepped and not scheduler.has_work()))
+            stepped = stuck = False
             for hook in self._hooks:
                 try:
                     hook(self.engine)
@@ -210,6 +212,9 @@ class EngineLoop:
                     self._on_device_fault(exc)
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all(*before)
+                continue
+            if not self.engine.stats.last_sequences:  # nothing was scheduled: no step
+                stepped, stuck = False, True
                 continue
             for hook in self._step_hooks:
                 try:

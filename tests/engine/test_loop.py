@@ -283,3 +283,33 @@ def test_a_device_error_goes_to_its_handler_before_the_steps_requests_fail(
     (_, fault) = seen[1]
     assert seen == [("bug", FinishReason.ERROR), ("fault", fault), ("device", FinishReason.ERROR)]
     assert isinstance(fault, torch.AcceleratorError)
+
+
+def test_work_that_cannot_be_scheduled_is_no_step_and_no_spin():
+    # Every block held (a prompt's KV awaiting its transfer) and a prompt waiting for
+    # blocks: the loop "stepped" an empty batch tens of thousands of times a second,
+    # and the step hooks (histograms, the step cost the router reads) counted each
+    # with the last real step's figures.
+    from tests.conftest import make_engine
+
+    engine = make_engine(num_blocks=8)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request(list(range(1, 100)), params, "held", prefill_only=True)  # 7 blocks
+    engine.step()
+    assert engine.held_ids == {"held"}
+    engine.add_request(list(range(200, 259)), params, "waits")  # 4 blocks; 1 is free
+    loop = EngineLoop(engine)
+    steps, looks = [], []
+    loop.add_step_hook(lambda e, outputs: steps.append(e.stats.last_sequences))
+    loop.add_hook(lambda e: looks.append(time.monotonic()))
+    loop.start()
+    try:
+        time.sleep(0.5)
+        assert steps == [] and len(looks) < 20  # it waits out its poll interval (0.1 s)
+        loop.submit(lambda e: e.release("held")).result(10)
+        deadline = time.monotonic() + 10
+        while not steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps and steps[0] == 1  # the waiting prompt, once the blocks came back
+    finally:
+        loop.stop()

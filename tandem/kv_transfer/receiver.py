@@ -186,12 +186,13 @@ class ReceiverCore:
             return True
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
-        """Fail a live reservation; on return no more data is written into its blocks."""
+        """Fail a live reservation; on return no more data is written into its blocks.
+        Its owner gave it up: no transfer failure is counted."""
         with self._lock:
             res = self._table.get(request_id)
             if res is None:
                 return
-            self._fail_locked(res, reason)
+            self._fail_locked(res, reason, failure=False)
         self._drain(res)
 
     def release(self, request_id: str, wait: bool = True) -> bool:
@@ -201,7 +202,7 @@ class ReceiverCore:
             res = self._table.get(request_id)
             if res is None:
                 return True
-            self._fail_locked(res, "aborted")
+            self._fail_locked(res, "aborted", failure=False)  # its owner's doing
         if wait:
             self._drain(res)
         elif res.write_lock.acquire(blocking=False):  # no read is running into the blocks
@@ -338,12 +339,14 @@ class ReceiverCore:
         return None
 
     def sender_abort(self, request_id: str, source: object = None) -> None:
-        """The sender gave up on a request: fail it unless another sender is feeding it."""
+        """The sender gave up on a request: fail it unless another sender is feeding it.
+        Its owner there gave it up (its call ended): not counted as a failure here
+        either."""
         with self._lock:
             res = self._table.get(request_id)
             if res is None or res.source not in (None, source):
                 return
-            self._fail_locked(res, "aborted by sender")
+            self._fail_locked(res, "aborted by sender", failure=False)
         self._drain(res)
 
     def source_lost(self, source: object) -> list[str]:
@@ -406,14 +409,21 @@ class ReceiverCore:
             return True
         return False
 
-    def _fail_locked(self, res: _Reservation, reason: str, detail: str = "") -> None:
+    def _fail_locked(
+        self, res: _Reservation, reason: str, detail: str = "", failure: bool = True
+    ) -> None:
+        """End a live reservation; ``failure`` False: its owner gave it up (a request
+        that ended or was cancelled before its KV came), which is not counted."""
         if res.state in TERMINAL:
             return
         res.state = TransferState.FAILED
         res.reason = reason
         res.detail = detail
-        self.metrics.record_failure(reason)
-        log.warning("KV transfer %s failed: %s %s", res.request_id, reason, detail)
+        if failure:
+            self.metrics.record_failure(reason)
+            log.warning("KV transfer %s failed: %s %s", res.request_id, reason, detail)
+        else:
+            log.debug("KV transfer %s given up by its owner", res.request_id)
         self._ended_locked()
 
     def _ended_locked(self) -> None:

@@ -154,7 +154,9 @@ class SenderBase(KVSender):
             self._remember_abort(request_id)
         if out is None:
             return
-        self._finish(out, TransferError("aborted", f"request {request_id} aborted by sender"))
+        # Its owner gave it up (its call ended): not a transfer failure.
+        error = TransferError("aborted", f"request {request_id} aborted by sender")
+        self._finish(out, error, failure=False)
         self._notify_abort(out)
 
     def forget(self, request_id: str) -> None:
@@ -194,20 +196,25 @@ class SenderBase(KVSender):
     def _notify_abort(self, out: Outgoing) -> None:
         """Tell the receiver that ``out`` was aborted (best effort)."""
 
-    def _finish(self, out: Outgoing, result: TransferStatus | TransferError) -> None:
-        """Resolve a request once (later calls are ignored) and count it."""
+    def _finish(
+        self, out: Outgoing, result: TransferStatus | TransferError, failure: bool = True
+    ) -> None:
+        """Resolve a request once (later calls are ignored) and count it (an error with
+        ``failure`` False, its owner's abort, is not counted)."""
         with self._lock:
             if self._requests.get(out.request_id) is not out:
                 return
             del self._requests[out.request_id]
             if isinstance(result, TransferError):
-                self.metrics.record_failure(result.reason)
+                if failure:
+                    self.metrics.record_failure(result.reason)
             else:
                 self.metrics.record_done(time.monotonic() - out.started, sent=out.nbytes)
         if out.future.cancelled():
             return
         if isinstance(result, TransferError):
-            log.warning("KV transfer %s failed: %s", out.request_id, result)
+            if failure:
+                log.warning("KV transfer %s failed: %s", out.request_id, result)
             out.future.set_exception(result)
         else:
             out.future.set_result(result)

@@ -211,6 +211,22 @@ def test_abort_mid_transfer_keeps_later_layers_out(link) -> None:
     src.pool.free(src_ids)
 
 
+def test_a_transfer_its_owner_gives_up_is_no_failure(link) -> None:
+    # A request whose first token ended it, or whose client left before the KV came:
+    # each one was counted (and logged as a warning) as a failed transfer, on both sides.
+    src, dst, sender, receiver = link
+    src_ids, dst_ids = src.pool.allocate(2), dst.pool.allocate(4)
+    receiver.expect("ended", dst_ids[:2], lease_s=30)
+    receiver.release("ended")
+    dest = receiver.expect("left", dst_ids[2:], lease_s=30)
+    sender.send_layers(dest, src_ids, (0, 1))
+    sender.abort("left")
+    receiver.release("left")
+    assert receiver.metrics.failures == {} and sender.metrics.failures == {}
+    dst.pool.free(dst_ids)
+    src.pool.free(src_ids)
+
+
 @pytest.mark.parametrize("how", ["abort", "lease expiry seen by poll"])
 def test_failing_waits_for_a_read_in_flight(link, monkeypatch, how: str) -> None:
     """Once a failure is reported nothing writes into the blocks: a copy in flight ends first."""

@@ -259,7 +259,7 @@ def test_peers_that_connect_and_stay_silent_cannot_crowd_out_a_sender(decode, mo
             assert time.monotonic() < deadline, "the silent peers never reached the receiver"
             await asyncio.sleep(0.01)
         crowded = await ucx_raw.connect(receiver.address)
-        with pytest.raises(Exception, match="Connection reset"):  # ucxx's own error type
+        with pytest.raises(Exception, match="Connection reset|Request canceled"):  # ucxx's
             await asyncio.wait_for(
                 ucx_raw.handshake(crowded, fingerprint(), receiver.address, secret=SECRET), 10
             )

@@ -369,3 +369,82 @@ def test_unserved_options_at_their_neutral_values_are_accepted():
             "logit_bias": {}, "best_of": 1, "echo": False, "response_format": {"type": "text"},
             "tools": [], "user": "u-1", "some_future_field": 7}  # fmt: skip
     assert protocol.parse(body, chat=False, model_id=MODEL).request.prompt == "hi"
+
+
+def test_a_connection_whose_request_does_not_arrive_in_time_is_closed(frontend, monkeypatch):
+    # Nothing, half a header, or half a body: each was held for good, a descriptor of
+    # the whole router apiece (enough of them and gRPC and /health failed too).
+    from tandem.router.http import server
+
+    monkeypatch.setattr(server, "REQUEST_TIMEOUT_S", 0.5)
+
+    async def scenario():
+        gate = asyncio.Event()
+        gate.set()
+        async with cluster(frontend, decode=[FakeDecode(gate=gate)], http_port=0) as c:
+            host, port = c.router.http_address.rsplit(":", 1)
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                    f"{len(body)}\r\n\r\n").encode()  # fmt: skip
+            for sent in (b"", head[:20], head + body[:5]):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(sent)
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, no reply
+                writer.close()
+            # A request all in is answered however long its answer takes.
+            gate.clear()
+            async with httpx.AsyncClient() as http:
+                answer = asyncio.ensure_future(http.post(f"http://{host}:{port}/v1/completions",
+                                                         content=body, timeout=10))  # fmt: skip
+                await asyncio.sleep(1.0)
+                gate.set()
+                assert (await answer).status_code == 200
+
+    run(scenario())
+
+
+def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(frontend):
+    # It was an internal error, with uvicorn's 46-line traceback in the router's log.
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:
+            messages = [{"type": "http.request", "body": b'{"mod', "more_body": True},
+                        {"type": "http.disconnect"}]  # fmt: skip
+            sent = []
+
+            async def receive():
+                return messages.pop(0)
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                     "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+                     "headers": [], "http_version": "1.1", "scheme": "http",
+                     "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2)}  # fmt: skip
+            await c.router._http.app(scope, receive, send)
+            assert sent[0]["status"] == 499 and c.worker_calls() == 0
+
+    run(scenario())
+
+
+def test_connections_past_the_cap_are_closed_at_once(frontend, monkeypatch):
+    from tandem.router.http import server
+
+    monkeypatch.setattr(server._Protocol, "cap", 2)
+
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:
+            host, port = c.router.http_address.rsplit(":", 1)
+            held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            for _, w in held:
+                w.close()
+            async with httpx.AsyncClient() as http:  # room again once they have gone
+                await asyncio.sleep(0.1)
+                r = await http.get(f"http://{c.router.http_address}/health")
+                assert r.status_code == 200
+
+    run(scenario())

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import socket
 import ssl
 import time
@@ -38,13 +39,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
+import h11
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tandem import logs
 from tandem.config import RouterConfig, host_port
@@ -114,7 +117,8 @@ class HttpApi:
             if config.tls_client_ca_file:
                 tls.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
         server = _Server(uvicorn.Config(
-            self.app, lifespan="off", log_level="warning", access_log=False, **tls,
+            self.app, lifespan="off", log_level="warning", access_log=False, http=_Protocol,
+            **tls,
         ))  # fmt: skip
         self._server = server
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -194,11 +198,14 @@ class HttpApi:
         if length.isdigit() and int(length) > limit:
             raise _too_large(int(length), limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit, more=True)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit, more=True)
+                chunks.append(chunk)
+        except ClientDisconnect:  # it hung up (or was too slow) mid-upload
+            raise _ClientGone() from None
         return b"".join(chunks)
 
     def _key(self, request: Request):
@@ -243,6 +250,64 @@ class HttpApi:
         except (InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
         return JSONResponse(shaper.complete(text, last.finish_reason, last.usage, logprobs))
+
+
+# A request (headers and body) must arrive within this long of the connection's start,
+# or of the last response on it; else the connection is closed. uvicorn starts its
+# keep-alive timer only after a response, so a connection that sent nothing or half a
+# request was held for good, each taking a descriptor from the whole router.
+REQUEST_TIMEOUT_S = 30.0
+
+
+def _connection_cap() -> int:
+    """Connections the HTTP port holds at once: half the descriptors this process may
+    open (the rest for gRPC, the workers and files), at most 8192."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(8192, soft // 2 if soft != resource.RLIM_INFINITY else 8192))
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, bounded: a connection past the cap is closed at once,
+    and one whose request has not all arrived ``REQUEST_TIMEOUT_S`` after it began
+    waiting for it is closed (a request arriving slowly: 408's place, with no reply)."""
+
+    cap = _connection_cap()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._deadline = None
+        if len(self.connections) > self.cap:
+            log.warning("HTTP: %d connections open, the most held; closing a new one",
+                        len(self.connections) - 1)  # fmt: skip
+            transport.close()
+            return
+        self._await_request()
+
+    def _await_request(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(REQUEST_TIMEOUT_S, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is not h11.DONE and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._deadline is not None and self.conn.their_state is h11.DONE:
+            self._deadline.cancel()  # the whole request is in: the answer takes its time
+            self._deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_request()  # the next request on this connection
+
+    def connection_lost(self, exc) -> None:
+        if getattr(self, "_deadline", None) is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
 
 
 class _Server(uvicorn.Server):

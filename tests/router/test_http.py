@@ -371,6 +371,16 @@ def test_unserved_options_at_their_neutral_values_are_accepted():
     assert protocol.parse(body, chat=False, model_id=MODEL).request.prompt == "hi"
 
 
+def test_either_name_of_the_token_limit_is_taken_by_either_api():
+    # /v1/completions dropped max_completion_tokens and generated the default 256.
+    from tandem.router.http import protocol
+
+    hi = {"role": "user", "content": "hi"}
+    for chat, text in ((False, {"prompt": "hi"}), (True, {"messages": [hi]})):
+        body = {"model": MODEL, **text, "max_completion_tokens": 3}
+        assert protocol.parse(body, chat=chat, model_id=MODEL).request.sampling.max_tokens == 3
+
+
 def test_a_connection_whose_request_does_not_arrive_in_time_is_closed(frontend, monkeypatch):
     # Nothing, half a header, or half a body: each was held for good, a descriptor of
     # the whole router apiece (enough of them and gRPC and /health failed too).

@@ -194,10 +194,12 @@ def _prompt(body: dict, request: tandem_pb2.GenerateRequest) -> None:
 
 
 def _sampling(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> str:
-    """Fills ``s``; returns the name the client gave the token limit."""
+    """Fills ``s``; returns the name the client gave the token limit (either API may
+    use either: OpenAI's chat renamed it, and a completions client that sends the new
+    name must not get 256 tokens)."""
     param = "max_tokens"
     limit = _field(body, "max_tokens", int)
-    if chat and body.get("max_completion_tokens") is not None:
+    if body.get("max_completion_tokens") is not None:
         limit, param = _field(body, "max_completion_tokens", int), "max_completion_tokens"
     if limit is not None:
         s.max_tokens = _int32(param, limit)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -74,7 +75,8 @@ class Gateway:
                      exc.message)  # fmt: skip
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled or timed out
-            code = "CANCELLED"
+            late = timeout is not None and time.monotonic() >= track.arrived + timeout - 0.01
+            code = "DEADLINE_EXCEEDED" if late else "CANCELLED"
             raise
         except Exception:
             code = "INTERNAL"

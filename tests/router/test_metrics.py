@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from tandem import logs
-from tandem.client.errors import InvalidRequest, Overloaded, Unavailable
+from tandem.client.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
 from tandem.metrics.scrape import scrape, total
 from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
 
@@ -49,6 +49,29 @@ def test_a_served_request_is_counted_once_with_its_usage_and_timings(frontend):
             assert up == {"prefill": 1.0, "decode": 1.0}
             info = [s.labels for s in samples if s.name == "tandem_router_worker_info"]
             assert {i["worker_id"] for i in info} == {w.address for w in c.prefill + c.decode}
+
+    run(scenario())
+
+
+def test_a_client_deadline_is_counted_as_such_and_a_cancel_as_a_cancel(frontend):
+    # Both ended the handler the same way, and both were counted CANCELLED: the
+    # dashboard could not tell timeouts from callers who left.
+    async def scenario():
+        async with cluster(frontend, decode=[FakeDecode(gate=asyncio.Event())],
+                           metrics_port=0) as c:  # fmt: skip
+            with pytest.raises(DeadlineExceeded):
+                await c.client.complete(prompt="hi", max_tokens=4, timeout=0.5)
+            left = asyncio.ensure_future(c.client.complete(prompt="hi", max_tokens=4))
+            await wait_until(lambda: len(c.decode[0].calls) == 2, what="the second in flight")
+            left.cancel()
+            for _ in range(100):  # until the router has counted both
+                samples = await _scrape(c)
+                if total(samples, "tandem_router_requests_total") == 2:
+                    break
+                await asyncio.sleep(0.05)
+        codes = {s.labels["code"]: s.value for s in samples
+                 if s.name == "tandem_router_requests_total"}  # fmt: skip
+        assert codes == {"DEADLINE_EXCEEDED": 1, "CANCELLED": 1}
 
     run(scenario())
 

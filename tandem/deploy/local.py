@@ -355,6 +355,8 @@ class LocalCluster:
                     p.popen.wait()
             self.processes.clear()
             self._gone.clear()
+            if (self.run_dir / "prometheus-targets.json").exists():
+                self._write_targets()  # none: Prometheus stops scraping the old addresses
         finally:
             self._forget_credentials()
             if self._lifeline is not None:

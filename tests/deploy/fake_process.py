@@ -22,7 +22,9 @@ if __name__ == "__main__":
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode != "silent":
-        print(f"READY {role} grpc=127.0.0.1:{10000 + os.getpid() % 5000} kv=x", flush=True)
+        port = 10000 + os.getpid() % 5000
+        metrics = f" metrics=127.0.0.1:{port + 5000}" if os.environ.get("FAKE_METRICS") else ""
+        print(f"READY {role} grpc=127.0.0.1:{port} kv=x{metrics}", flush=True)
     stop = []
     if mode != "stubborn":
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

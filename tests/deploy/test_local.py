@@ -83,6 +83,20 @@ def test_a_silent_process_times_out_and_a_stubborn_one_is_killed(tmp_path, monke
     assert cluster.processes == []
 
 
+def test_the_prometheus_targets_file_lists_the_processes_while_they_serve(tmp_path, monkeypatch):
+    # Left as it was after a stop, it named dead ports, which Prometheus went on
+    # scraping under the old labels (whatever bound them later).
+    from tandem.metrics import targets
+
+    monkeypatch.setenv("FAKE_METRICS", "1")
+    cluster = FakeCluster(_config(threads_per_worker=1), tmp_path)
+    cluster.start()
+    path = tmp_path / "prometheus-targets.json"
+    assert len(targets.read(path)) == 3
+    cluster.stop()
+    assert targets.read(path) == []
+
+
 def test_threads_default_to_a_share_of_the_cores_this_may_run_on(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 64)  # the machine's, not this cpuset's
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))

@@ -145,9 +145,9 @@ class ClusterView:
         ok, all_ = total(r, name, code="OK"), total(r, name)
         if old is not None:
             span = now.at - first.at
-            rate = (all_ - total(old, name)) / span
-            errors = (all_ - ok) - (total(old, name) - total(old, name, code="OK"))
-            where = f"last {span:.0f} s"
+            done = _increase(all_, total(old, name))
+            ok = _increase(ok, total(old, name, code="OK"))  # in the window, as the rest
+            rate, errors, where = done / span, done - ok, f"last {span:.0f} s"
         else:
             rate, errors, where = 0.0, all_ - ok, "since start"
         line = (f"requests  {total(r, 'tandem_router_requests_in_flight'):.0f} in flight  "
@@ -177,9 +177,9 @@ class ClusterView:
         tok_s = mb_s = 0.0
         if before is not None and dt > 0:
             gen = "tandem_worker_generated_tokens_total"
-            tok_s = (total(samples, gen) - total(before, gen)) / dt
+            tok_s = _increase(total(samples, gen), total(before, gen)) / dt
             kv = "tandem_worker_kv_transfer_bytes_total"
-            mb_s = (total(samples, kv) - total(before, kv)) / dt / 1e6
+            mb_s = _increase(total(samples, kv), total(before, kv)) / dt / 1e6
         queries = total(samples, "tandem_worker_prefix_cache_query_tokens_total")
         hits = total(samples, "tandem_worker_prefix_cache_hit_tokens_total")
         hit = f"{hits / queries:5.0%}" if queries else "    -"
@@ -225,3 +225,9 @@ def run(
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0
+
+
+def _increase(now: float, before: float) -> float:
+    """A counter's increase between two scrapes; one that went back was reset (its
+    process restarted), and counts from 0 again, as Prometheus' ``rate`` takes it."""
+    return now - before if now >= before else now

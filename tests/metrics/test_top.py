@@ -74,7 +74,8 @@ def test_a_frame_shows_rates_between_polls_and_latency_within_the_window(monkeyp
     view.poll(now=100.0)
     view.poll(now=102.0)
     frame = view.render()
-    assert "requests  2 in flight  10.00 req/s  30 ok  0 errors (last 2 s)" in frame
+    # The window's requests: 20 of them, all ok (30 since start).
+    assert "requests  2 in flight  10.00 req/s  20 ok  0 errors (last 2 s)" in frame
     # 20 requests in the window: p50 at rank 10 is the first bucket's bound.
     assert "TTFT p50 100 ms p99 982 ms" in frame, frame
     (row,) = [line for line in frame.splitlines() if line.startswith("decode-h:1")]
@@ -96,3 +97,29 @@ def test_the_targets_file_names_the_router_and_the_workers(tmp_path, monkeypatch
     frame = view.render()
     assert "router metrics r:9" in frame
     assert list(view.polls[-1].workers) == ["h:91"]  # the file's workers, not the router's
+
+
+def test_a_counter_that_went_back_is_a_restart_not_a_negative_rate(monkeypatch):
+    # A worker restarted on the same metrics address: its counters start again from 0,
+    # and the frame read -49880 tok/s.
+    polls = iter([
+        {"r:9": _router(30, {float("inf"): 0}), "h:91": _decode(50_000)},
+        {"r:9": _router(4, {float("inf"): 0}), "h:91": _decode(120)},
+    ])  # fmt: skip
+    current = {}
+
+    def fake_scrape(address, timeout=5.0):
+        if address == "r:9":
+            current.update(next(polls))
+        if address not in current:
+            raise ScrapeError(f"cannot scrape http://{address}/metrics: refused")
+        return current[address]
+
+    monkeypatch.setattr(top, "scrape", fake_scrape)
+    view = top.ClusterView("r:9")
+    view.poll(now=100.0)
+    view.poll(now=101.0)
+    frame = view.render()
+    assert "requests  2 in flight  5.00 req/s  4 ok  1 errors (last 1 s)" in frame, frame
+    (row,) = [line for line in frame.splitlines() if line.startswith("decode-h:1")]
+    assert " 120.0 " in row and "-49880" not in row

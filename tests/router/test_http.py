@@ -458,3 +458,29 @@ def test_connections_past_the_cap_are_closed_at_once(frontend, monkeypatch):
                 assert r.status_code == 200
 
     run(scenario())
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(frontend, monkeypatch):
+    # A few MiB of small JSON values took the loop that every stream shares for a
+    # second or two (json.loads, then the check of every string).
+    import threading
+
+    from tandem.router.http import server
+
+    parse, where = server._parse, []
+
+    def spy(raw):
+        where.append(threading.current_thread() is threading.main_thread())
+        return parse(raw)
+
+    monkeypatch.setattr(server, "_parse", spy)
+
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c, httpx.AsyncClient() as http:
+            url = f"http://{c.router.http_address}/v1/completions"
+            for filler in (0, 100_000):
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "u" * filler}
+                assert (await http.post(url, json=body, timeout=30)).status_code == 200
+
+    run(scenario())
+    assert where == [True, False]  # the small one inline, the large one on a thread

@@ -166,7 +166,7 @@ class HttpApi:
         parsed: Parsed | None = None
         try:
             key = self._key(request)
-            body = _json(await self._body(request))
+            body = await _json(await self._body(request))
             chat = isinstance(body, dict) and "messages" in body
             parsed = protocol.parse({**body, "max_tokens": 1} if chat else body, chat,
                                     self.gateway.frontend.model_id)  # fmt: skip
@@ -222,7 +222,7 @@ class HttpApi:
         parsed: Parsed | None = None
         try:
             key = self._key(request)
-            body = _json(await self._body(request))
+            body = await _json(await self._body(request))
             parsed = protocol.parse(body, chat, self.gateway.frontend.model_id)
             logs.request_id.set(parsed.request.request_id)  # before any task copies the context
             responses = self.gateway.generate(parsed.request, key, None)
@@ -384,7 +384,18 @@ async def _events(first, responses, shaper: Shaper, include_usage: bool) -> Asyn
     yield "data: [DONE]\n\n"
 
 
-def _json(raw: bytes):
+# A body past this is parsed and checked on a thread: a few MiB of small JSON values
+# took the event loop, which every stream (gRPC's too) shares, for a second or two.
+_PARSE_INLINE_BYTES = 64 * 1024
+
+
+async def _json(raw: bytes):
+    if len(raw) > _PARSE_INLINE_BYTES:
+        return await asyncio.to_thread(_parse, raw)
+    return _parse(raw)
+
+
+def _parse(raw: bytes):
     try:
         body = json.loads(raw)
     except ValueError as exc:

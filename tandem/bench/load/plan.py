@@ -41,6 +41,7 @@ from tandem.kernels import INT8_SCALE_BYTES
 
 GiB = 1 << 30
 DEFAULT_KV_CACHE_BYTES = EngineConfig().kv_cache_bytes
+DEFAULT_MAX_NUM_SEQS = EngineConfig().max_num_seqs
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
     "fp8": 1, "float8": 1, "int8": 1,
@@ -190,6 +191,9 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
             f"{DEFAULT_KV_CACHE_BYTES // 2**20} MiB, holds {default:,} blocks = "
             f"{default // per_seq:,} sequences)"
         )
+        if seqs > DEFAULT_MAX_NUM_SEQS:  # a worker runs no more than that, room or not
+            lines.append(f"and engine.max_num_seqs: {seqs} (the default, {DEFAULT_MAX_NUM_SEQS}, "
+                         "would leave the rest of the blocks unused)")  # fmt: skip
     return MemoryPlan(per_token, weights, budget, blocks, blocks * hw.block_size,
                       context_len, per_seq, seqs, tuple(lines))  # fmt: skip
 

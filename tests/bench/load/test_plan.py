@@ -138,11 +138,16 @@ def test_the_plan_says_which_kv_cache_bytes_give_its_budget(smol):
     m = plan.memory_plan(smol, Hardware(device_memory_gib=80), 4096)
     per_block = 16 * m.kv_bytes_per_token
     default = 512 * 2**20 // per_block  # what a worker holds unless told
-    assert m.lines[-1] == (
+    assert m.lines[-2] == (
         f"deploy with engine.kv_cache_bytes: {m.kv_budget_bytes} (the default, 512 MiB, "
         f"holds {default:,} blocks = {default // 256:,} sequences)"
     )
     assert m.num_blocks == m.kv_budget_bytes // per_block > 100 * default
+    # A worker runs at most max_num_seqs (64) sequences, however many blocks it holds.
+    assert m.lines[-1] == (
+        f"and engine.max_num_seqs: {m.sequences} (the default, 64, would leave the rest of "
+        "the blocks unused)"
+    )
 
 
 def test_a_colocated_deployment_scales_its_decode_workers_only():

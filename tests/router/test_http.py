@@ -484,3 +484,24 @@ def test_a_large_body_is_parsed_off_the_event_loop(frontend, monkeypatch):
 
     run(scenario())
     assert where == [True, False]  # the small one inline, the large one on a thread
+
+
+def test_requests_the_http_layer_refuses_are_counted_as_grpcs_are(frontend):
+    # Refused before the gateway (not JSON, a wrong type, another model), they never
+    # reached the router's request counter, so no dashboard saw them.
+    from tandem.metrics.scrape import scrape, total
+
+    async def scenario():
+        async with cluster(frontend, http_port=0, metrics_port=0) as c, httpx.AsyncClient() as h:
+            url = f"http://{c.router.http_address}/v1/completions"
+            for content, status in ((b"{nope", 400), (b'{"model": "other", "prompt": "hi"}', 404),
+                                    (b'{"model": "tiny-random", "prompt": 7}', 400),
+                                    (b'{"model": "tiny-random", "prompt": "hi", "max_tokens": 0}',
+                                     400)):  # fmt: skip
+                assert (await h.post(url, content=content)).status_code == status
+            samples = await asyncio.to_thread(scrape, c.router.metrics_address)
+        name = "tandem_router_requests_total"
+        assert total(samples, name, code="INVALID_ARGUMENT") == 3  # the last by the gateway
+        assert total(samples, name, code="NOT_FOUND") == 1
+
+    run(scenario())

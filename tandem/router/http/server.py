@@ -220,12 +220,14 @@ class HttpApi:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         parsed: Parsed | None = None
+        counted = False  # by the gateway, from its first step on
         try:
             key = self._key(request)
             body = await _json(await self._body(request))
             parsed = protocol.parse(body, chat, self.gateway.frontend.model_id)
             logs.request_id.set(parsed.request.request_id)  # before any task copies the context
             responses = self.gateway.generate(parsed.request, key, None)
+            counted = True
             try:  # errors before the first token: a status
                 first = await _unless_gone(request, anext(responses))
             except BaseException:
@@ -234,7 +236,10 @@ class HttpApi:
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it
         except (ApiError, InvalidRequestError, RouterError) as exc:
-            return _error(_api_error(exc, parsed))
+            error = _api_error(exc, parsed)
+            if not counted and error.status in _REFUSED:  # as the gateway counts gRPC's
+                self.gateway.metrics.ended(_REFUSED[error.status], "none")
+            return _error(error)
         tokenizer = self.gateway.frontend.tokenizer
         shaper = Shaper(parsed, self.gateway.frontend.model_id, tokenizer.token_bytes)
         if parsed.stream:
@@ -383,6 +388,10 @@ async def _events(first, responses, shaper: Shaper, include_usage: bool) -> Asyn
                 break
     yield "data: [DONE]\n\n"
 
+
+# Requests refused before they reach the gateway (a body that is not JSON, a field of
+# the wrong type, another model): counted under the status gRPC's would get.
+_REFUSED = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}
 
 # A body past this is parsed and checked on a thread: a few MiB of small JSON values
 # took the event loop, which every stream (gRPC's too) shares, for a second or two.

@@ -91,7 +91,7 @@ class KvAdmission:
                 try:
                     out = engine.admit(rid, status.first_token)
                 except Exception as exc:  # fail this request only, not the engine thread
-                    log.exception("admitting %s failed", rid)
+                    log.exception("admitting %s failed", rid, extra={"request_id": rid})
                     engine.abort(rid)
                     _resolve(w, TransferError("admit failed", f"admitting failed: {exc}"))
                     continue
@@ -113,7 +113,8 @@ class KvAdmission:
             self._draining.discard(rid)
             engine.abort(rid)
         elif rid not in self._draining:
-            log.info("KV of %s: a read still runs into its blocks; freed once it ends", rid)
+            log.info("KV of %s: a read still runs into its blocks; freed once it ends", rid,
+                     extra={"request_id": rid})  # fmt: skip
             self._draining.add(rid)
 
     def end_all(self, engine: LLMEngine) -> None:

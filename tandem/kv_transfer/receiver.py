@@ -421,7 +421,8 @@ class ReceiverCore:
         res.detail = detail
         if failure:
             self.metrics.record_failure(reason)
-            log.warning("KV transfer %s failed: %s %s", res.request_id, reason, detail)
+            log.warning("KV transfer %s failed: %s %s", res.request_id, reason, detail,
+                        extra={"request_id": res.request_id})  # fmt: skip
         else:
             log.debug("KV transfer %s given up by its owner", res.request_id)
         self._ended_locked()

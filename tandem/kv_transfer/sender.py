@@ -214,7 +214,8 @@ class SenderBase(KVSender):
             return
         if isinstance(result, TransferError):
             if failure:
-                log.warning("KV transfer %s failed: %s", out.request_id, result)
+                log.warning("KV transfer %s failed: %s", out.request_id, result,
+                            extra={"request_id": out.request_id})  # fmt: skip
             out.future.set_exception(result)
         else:
             out.future.set_result(result)

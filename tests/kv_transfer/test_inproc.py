@@ -139,7 +139,7 @@ def test_corrupted_blocks_fail_the_request_and_nothing_after_them_is_read(fp) ->
     dst.check_clean()
 
 
-def test_lease_expiry_fails_and_late_data_is_discarded(link) -> None:
+def test_lease_expiry_fails_and_late_data_is_discarded(link, caplog) -> None:
     src, dst, sender, receiver = link
     clock = FakeClock()
     receiver.core.clock = clock
@@ -157,6 +157,10 @@ def test_lease_expiry_fails_and_late_data_is_discarded(link) -> None:
     assert not dst.kv.any(), "data for an expired lease was written"
     assert receiver.metrics.messages_discarded == 1
     assert receiver.metrics.failures == {"lease expired": 1}
+    # Its log lines carry the request's id as every line about a request does (the
+    # engine and KV threads have no request context to take it from).
+    failed = [r for r in caplog.records if "KV transfer r failed" in r.getMessage()]
+    assert failed and all(r.request_id == "r" for r in failed)
     receiver.release("r")
     src.pool.free(src_ids)
 

@@ -22,10 +22,10 @@ them.
 
 In float32 (a CPU without native bfloat16, where ``dtype: auto`` is float32) a step
 of one row reads 4 bytes a weight from the dense weights. Steps of up to
-``F32_MAX_ROWS`` rows (16, or 8 with AVX-512) run tandem/kernels/cpu/codes_f32.c
-instead, which reads the codes (0.75 bytes a weight for Q4_1, 1.125 for the Q8_0
-head) and expands each group in registers to exactly the dense float32 weights
-(checked at load), for any x86-64 or Arm CPU.
+``F32_MAX_ROWS`` rows (16, or 8 with AVX-512; 0 on an x86 CPU without AVX2, where
+the dense weights win) run tandem/kernels/cpu/codes_f32.c instead, which reads the
+codes (0.75 bytes a weight for Q4_1, 1.125 for the Q8_0 head) and expands each group
+in registers to exactly the dense float32 weights (checked at load).
 
 Where each pays (``python bench/linear_forms.py``): on CPU, in bfloat16, steps of at
 most ``int4_max_rows`` rows read the codes (torch's kernel up to 8 rows, where it

@@ -401,19 +401,26 @@ def test_a_connection_whose_request_does_not_arrive_in_time_is_closed(frontend, 
                 writer.write(sent)
                 assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, no reply
                 writer.close()
-            # A request all in is answered however long its answer takes.
-            gate.clear()
-            async with httpx.AsyncClient() as http:
-                answer = asyncio.ensure_future(http.post(f"http://{host}:{port}/v1/completions",
-                                                         content=body, timeout=10))  # fmt: skip
+            # A request all in is answered however long its answer takes: kept alive,
+            # with Connection: close, or over HTTP/1.0 (nginx's proxy_pass, urllib).
+            for version, close in (("1.1", False), ("1.1", True), ("1.0", False)):
+                gate.clear()
+                reader, writer = await asyncio.open_connection(host, int(port))
+                whole = head.replace(b"HTTP/1.1", f"HTTP/{version}".encode())
+                if close:
+                    whole = whole.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+                writer.write(whole + body)
                 await asyncio.sleep(1.0)
                 gate.set()
-                assert (await answer).status_code == 200
+                status = await asyncio.wait_for(reader.readline(), 10)  # HTTP/1.1 either way
+                assert status.startswith(b"HTTP/1.1 200"), (version, close, status)
+                writer.close()
 
     run(scenario())
 
 
-def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(frontend):
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(frontend, path):
     # It was an internal error, with uvicorn's 46-line traceback in the router's log.
     async def scenario():
         async with cluster(frontend, http_port=0) as c:
@@ -427,8 +434,8 @@ def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(frontend):
             async def send(message):
                 sent.append(message)
 
-            scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-                     "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+            scope = {"type": "http", "method": "POST", "path": path,
+                     "raw_path": path.encode(), "root_path": "", "query_string": b"",
                      "headers": [], "http_version": "1.1", "scheme": "http",
                      "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2)}  # fmt: skip
             await c.router._http.app(scope, receive, send)

@@ -171,6 +171,8 @@ class HttpApi:
             parsed = protocol.parse({**body, "max_tokens": 1} if chat else body, chat,
                                     self.gateway.frontend.model_id)  # fmt: skip
             ids = await self.gateway.tokenize(parsed.request, key)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
         except (ApiError, InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
         return JSONResponse({"count": len(ids), "max_model_len":
@@ -271,6 +273,11 @@ def _connection_cap() -> int:
     return max(64, min(8192, soft // 2 if soft != resource.RLIM_INFINITY else 8192))
 
 
+# The client's states once its whole request is in (MUST_CLOSE: a request that asked
+# for Connection: close, or came over HTTP/1.0).
+_REQUEST_IN = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+
 class _Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, bounded: a connection past the cap is closed at once,
     and one whose request has not all arrived ``REQUEST_TIMEOUT_S`` after it began
@@ -295,12 +302,12 @@ class _Protocol(H11Protocol):
 
     def _too_slow(self) -> None:
         self._deadline = None
-        if self.conn.their_state is not h11.DONE and not self.transport.is_closing():
+        if self.conn.their_state not in _REQUEST_IN and not self.transport.is_closing():
             self.transport.close()
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self._deadline is not None and self.conn.their_state is h11.DONE:
+        if self._deadline is not None and self.conn.their_state in _REQUEST_IN:
             self._deadline.cancel()  # the whole request is in: the answer takes its time
             self._deadline = None
 
@@ -395,6 +402,8 @@ _REFUSED = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}
 
 # A body past this is parsed and checked on a thread: a few MiB of small JSON values
 # took the event loop, which every stream (gRPC's too) shares, for a second or two.
+# (json.loads holds the GIL, so tens of ms of it still stall the loop; the check of
+# every string, most of the cost, no longer does.)
 _PARSE_INLINE_BYTES = 64 * 1024
 
 

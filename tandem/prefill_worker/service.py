@@ -150,6 +150,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {exc}")
             # ABORTED, not UNAVAILABLE: this worker is fine, the decode side failed.
             except asyncio.TimeoutError:
+                # A failed transfer (wait_for's cancel of its future reads, to the
+                # sender, as this call's give-up, which is not counted).
+                self.server.transfer_metrics.record_failure("timeout")
+                log.warning("KV transfer %s failed: no ack within %g s", rid,
+                            self.server.config.kv_ack_timeout_s,
+                            extra={"request_id": rid})  # fmt: skip
                 await context.abort(
                     grpc.StatusCode.ABORTED,
                     f"KV transfer of {rid} to {dest.address}: no ack within "

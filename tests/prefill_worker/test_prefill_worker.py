@@ -267,3 +267,32 @@ def test_blocks_stay_held_until_the_decode_side_has_read_them(bg):
         receiver.deliver = real_deliver
         stop_worker(bg, prefill_w)
         stop_worker(bg, decode_w)
+
+
+def test_an_ack_that_never_comes_is_a_counted_transfer_failure(bg):
+    # The call ends ABORTED, and the sender's abort then was its owner's give-up: the
+    # failure was counted nowhere (nor warned of), on either side.
+    prefill_w = start_worker(bg, PrefillConfig(engine=engine_config(), kv_ack_timeout_s=0.5))
+    decode_w = start_worker(bg, DecodeConfig(engine=engine_config()))
+    receiver = decode_w.server.receiver.core
+    real_deliver, release = receiver.deliver, threading.Event()
+
+    def held_deliver(*args, **kwargs):  # the decode side never gets to ack in time
+        assert release.wait(TIMEOUT)
+        return real_deliver(*args, **kwargs)
+
+    receiver.deliver = held_deliver
+    try:
+        req = request([5] * 40, PARAMS)
+        stream = decode_w.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
+        dest = next(stream).destination
+        with pytest.raises(grpc.RpcError) as err:
+            prefill(prefill_w, req, dest)
+        assert err.value.code() is grpc.StatusCode.ABORTED, err.value.details()
+        assert prefill_w.server.sender.metrics.failures == {"timeout": 1}
+        stream.cancel()
+    finally:
+        release.set()
+        receiver.deliver = real_deliver
+        stop_worker(bg, prefill_w)
+        stop_worker(bg, decode_w)

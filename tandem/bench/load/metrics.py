@@ -136,6 +136,10 @@ class Summary:
     goodput: float  # good requests / s
     slo_attainment: float  # good / all measured requests
     bursts: list[Burst] = field(default_factory=list)
+    # Completed requests a second from the first completion to the last ((n - 1) /
+    # span): the rate the server kept up, without the run's ramp-up and drain that
+    # request_throughput counts; nan below 2 completions.
+    completion_rate: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,15 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summ
         goodput=rate(good),
         slo_attainment=good / len(records) if records else math.nan,
         bursts=failure_bursts(records),
+        completion_rate=completion_rate(done),
     )
+
+
+def completion_rate(done: list[RequestRecord]) -> float:
+    """(completions - 1) / (last completion - first completion), completions a second."""
+    ends = sorted(r.send_time + r.e2e for r in done if r.e2e is not None)
+    span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    return (len(ends) - 1) / span if span > 0 else math.nan
 
 
 def max_in_flight(records: list[RequestRecord]) -> int:

@@ -7,8 +7,9 @@ every point samples from (a file smaller than the points together repeats
 prompts, as it does in vLLM's benchmark). Each point runs its own warm-up. The capacity
 is the highest point whose SLO attainment, and that of every lower point, is at
 least the target (default 90%): for a rate sweep, the rate that point sustained
-(its completed requests a second, never more than it was offered: a server that
-kept up with a tenth of a burst does not have the burst's rate); for a
+(its completions a second from the first to the last, never more than it was
+offered: a server that kept up with a tenth of a burst does not have the burst's
+rate, and the run's ramp-up and drain do not count against one that kept up); for a
 concurrency sweep, the rate it sustains with that many requests in flight (at
 most as many as the run held at once), concurrency / mean end-to-end latency
 (Little's law: the run's own throughput,
@@ -113,8 +114,11 @@ def sweep_json(config: SweepConfig, points: list[dict]) -> dict:
     cap = points[capacity] if capacity is not None else None
     if cap is None:
         capacity_rps = None
-    elif config.by == "request_rate":  # what it sustained: no more than was offered
-        capacity_rps = min(cap["x"], cap["summary"]["request_throughput"])
+    elif config.by == "request_rate":  # what it kept up with, no more than was offered
+        kept = cap["summary"].get("completion_rate")
+        if kept is None or not math.isfinite(kept):  # fewer than 2 completions
+            kept = cap["summary"]["request_throughput"]
+        capacity_rps = min(cap["x"], kept)
     else:  # Little's law over the steady part of the run (see the module's docstring)
         e2e_ms = cap["summary"]["e2e_ms"]["mean"]
         held = min(cap["x"], cap["summary"]["max_concurrency_seen"])  # fewer requests: less

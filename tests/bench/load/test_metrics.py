@@ -77,6 +77,16 @@ def test_max_in_flight_counts_overlapping_requests():
     assert max_in_flight(stuck) == 3
 
 
+def test_the_completion_rate_leaves_out_the_runs_ramp_up_and_drain():
+    from tandem.bench.load.metrics import completion_rate
+
+    # One request a second, each done 5.9 s after it was sent: completions 1 s apart.
+    done = [rec(i, float(i), [5.9]) for i in range(24)]
+    assert completion_rate(done) == pytest.approx(1.0)
+    assert summarize(done, 28.9, SLO()).request_throughput == pytest.approx(24 / 28.9)
+    assert math.isnan(completion_rate(done[:1]))
+
+
 def test_without_slos_goodput_is_the_completed_rate():
     records = [rec(0, 0.0, [0.1, 0.2]), rec(1, 0.0, [], error="DEADLINE_EXCEEDED")]
     s = summarize(records, 4.0, SLO())

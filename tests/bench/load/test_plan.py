@@ -192,6 +192,12 @@ def test_a_rate_sweeps_capacity_is_what_its_point_sustained_not_what_it_offered(
     data = sweep_json(config, [point(10, 9.6), point(10000, 110.0)])
     assert (data["capacity_point"], data["capacity_rps"]) == (1, 110.0)
     assert sweep_json(config, [point(10, 10.4)])["capacity_rps"] == 10  # no more than offered
+    # Kept up at 1 req/s: its completions came a second apart, though its throughput
+    # over the run (24 requests, the last 5.9 s after it was sent) reads 0.83.
+    kept = point(1, 0.83)
+    kept["summary"]["completion_rate"] = 1.0
+    config = SweepConfig(LoadConfig(target="x"), rates=(1,))
+    assert sweep_json(config, [kept])["capacity_rps"] == 1.0
 
 
 def test_a_sweep_without_capacity_cannot_plan():

@@ -368,7 +368,12 @@ class Relay:
             await self._wait_for_room(queued_at, deadline, first, error.message, migrating)
 
     async def _wait_for_room(
-        self, queued_at: float, deadline: float | None, first: bool, why: str, urgent=False
+        self,
+        queued_at: float,
+        deadline: float | None,
+        first: bool,
+        why: str,
+        urgent: bool = False,
     ) -> None:
         now = time.monotonic()
         left = self.queue_timeout_s - (now - queued_at)

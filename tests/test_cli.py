@@ -261,3 +261,13 @@ def test_the_command_line_starts_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_httpx_does_not_log_every_request_of_an_http_load_run():
+    # At INFO it wrote a line per call: 249 for an 8-request run, burying its errors.
+    import logging
+
+    from tandem.cli import main
+
+    assert main(["plan", "--model", "tiny-random"]) == 0
+    assert logging.getLogger("httpx").level == logging.WARNING  # whatever the root says

@@ -55,12 +55,10 @@ def _decode(tokens: float) -> list[Sample]:
     ]
 
 
-def test_a_frame_shows_rates_between_polls_and_latency_within_the_window(monkeypatch):
-    polls = iter([
-        {"r:9": _router(10, {0.1: 0, 1.0: 0, float("inf"): 0}), "h:91": _decode(100)},
-        {"r:9": _router(30, {0.1: 10, 1.0: 20, float("inf"): 20}), "h:91": _decode(300)},
-    ])  # fmt: skip
-    current = {}
+def _frame(monkeypatch, polls: list[dict], seconds: float) -> str:
+    """The frame after two polls ``seconds`` apart, each scrape answered from ``polls``
+    (a process missing from one is refused)."""
+    polls, current = iter(polls), {}
 
     def fake_scrape(address, timeout=5.0):
         if address == "r:9":
@@ -72,8 +70,15 @@ def test_a_frame_shows_rates_between_polls_and_latency_within_the_window(monkeyp
     monkeypatch.setattr(top, "scrape", fake_scrape)
     view = top.ClusterView("r:9")
     view.poll(now=100.0)
-    view.poll(now=102.0)
-    frame = view.render()
+    view.poll(now=100.0 + seconds)
+    return view.render()
+
+
+def test_a_frame_shows_rates_between_polls_and_latency_within_the_window(monkeypatch):
+    frame = _frame(monkeypatch, [
+        {"r:9": _router(10, {0.1: 0, 1.0: 0, float("inf"): 0}), "h:91": _decode(100)},
+        {"r:9": _router(30, {0.1: 10, 1.0: 20, float("inf"): 20}), "h:91": _decode(300)},
+    ], seconds=2.0)  # fmt: skip
     # The window's requests: 20 of them, all ok (30 since start).
     assert "requests  2 in flight  10.00 req/s  20 ok  0 errors (last 2 s)" in frame
     # 20 requests in the window: p50 at rank 10 is the first bucket's bound.
@@ -102,24 +107,10 @@ def test_the_targets_file_names_the_router_and_the_workers(tmp_path, monkeypatch
 def test_a_counter_that_went_back_is_a_restart_not_a_negative_rate(monkeypatch):
     # A worker restarted on the same metrics address: its counters start again from 0,
     # and the frame read -49880 tok/s.
-    polls = iter([
+    frame = _frame(monkeypatch, [
         {"r:9": _router(30, {float("inf"): 0}), "h:91": _decode(50_000)},
         {"r:9": _router(4, {float("inf"): 0}), "h:91": _decode(120)},
-    ])  # fmt: skip
-    current = {}
-
-    def fake_scrape(address, timeout=5.0):
-        if address == "r:9":
-            current.update(next(polls))
-        if address not in current:
-            raise ScrapeError(f"cannot scrape http://{address}/metrics: refused")
-        return current[address]
-
-    monkeypatch.setattr(top, "scrape", fake_scrape)
-    view = top.ClusterView("r:9")
-    view.poll(now=100.0)
-    view.poll(now=101.0)
-    frame = view.render()
+    ], seconds=1.0)  # fmt: skip
     assert "requests  2 in flight  5.00 req/s  4 ok  1 errors (last 1 s)" in frame, frame
     (row,) = [line for line in frame.splitlines() if line.startswith("decode-h:1")]
     assert " 120.0 " in row and "-49880" not in row

@@ -236,19 +236,25 @@ def test_the_kv_goes_out_right_after_the_step_not_behind_the_next_one(bg, pair):
         stop_worker(bg, worker)
 
 
+def _hold_the_kv(decode_w) -> threading.Event:
+    """The decode worker's receiver takes in no KV until the returned event is set."""
+    receiver = decode_w.server.receiver.core
+    deliver, release = receiver.deliver, threading.Event()
+
+    def held(*args, **kwargs):
+        assert release.wait(TIMEOUT)
+        return deliver(*args, **kwargs)
+
+    receiver.deliver = held
+    return release
+
+
 def test_blocks_stay_held_until_the_decode_side_has_read_them(bg):
     """The decode worker reads the prompt's blocks out of the prefill worker's cache:
     they stay held until its ack, and go back once the call ends."""
     prefill_w = start_worker(bg, PrefillConfig(engine=engine_config()))
     decode_w = start_worker(bg, DecodeConfig(engine=engine_config()))
-    receiver = decode_w.server.receiver.core
-    real_deliver, release = receiver.deliver, threading.Event()
-
-    def held_deliver(*args, **kwargs):  # the decode side takes its time with the KV
-        assert release.wait(TIMEOUT)
-        return real_deliver(*args, **kwargs)
-
-    receiver.deliver = held_deliver
+    release = _hold_the_kv(decode_w)  # the decode side takes its time with the KV
     try:
         req = request([5] * 40, PARAMS)  # 3 blocks
         stream = decode_w.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
@@ -264,7 +270,6 @@ def test_blocks_stay_held_until_the_decode_side_has_read_them(bg):
         wait_until(lambda: prefill_w.used_blocks() == 0, what="prefill blocks freed")
     finally:
         release.set()
-        receiver.deliver = real_deliver
         stop_worker(bg, prefill_w)
         stop_worker(bg, decode_w)
 
@@ -274,14 +279,7 @@ def test_an_ack_that_never_comes_is_a_counted_transfer_failure(bg):
     # failure was counted nowhere (nor warned of), on either side.
     prefill_w = start_worker(bg, PrefillConfig(engine=engine_config(), kv_ack_timeout_s=0.5))
     decode_w = start_worker(bg, DecodeConfig(engine=engine_config()))
-    receiver = decode_w.server.receiver.core
-    real_deliver, release = receiver.deliver, threading.Event()
-
-    def held_deliver(*args, **kwargs):  # the decode side never gets to ack in time
-        assert release.wait(TIMEOUT)
-        return real_deliver(*args, **kwargs)
-
-    receiver.deliver = held_deliver
+    release = _hold_the_kv(decode_w)  # the decode side never gets to ack in time
     try:
         req = request([5] * 40, PARAMS)
         stream = decode_w.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
@@ -293,6 +291,5 @@ def test_an_ack_that_never_comes_is_a_counted_transfer_failure(bg):
         stream.cancel()
     finally:
         release.set()
-        receiver.deliver = real_deliver
         stop_worker(bg, prefill_w)
         stop_worker(bg, decode_w)

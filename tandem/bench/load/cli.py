@@ -378,6 +378,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
     )
     sweep = plan.read_sweep(args.sweep) if args.sweep else None
+    measured = (sweep or {}).get("model")
+    if measured and measured != args.model:  # a path and its served id can differ too
+        log.warning("plan: the sweep measured model %r; the memory below is for --model %r",
+                    measured, args.model)  # fmt: skip
     mc = plan.model_config(args.model)
     memory = plan.memory_plan(mc, hw, args.context_len, model=args.model)
     print("\n".join(memory.lines))

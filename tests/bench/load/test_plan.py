@@ -214,3 +214,20 @@ def test_a_sweep_without_capacity_cannot_plan():
 def test_bad_hardware_names_the_flag(kw, message):
     with pytest.raises(InvalidRequestError, match=message):
         Hardware(**kw)
+
+
+def test_a_sweep_of_another_model_is_named_beside_the_plan(tmp_path, caplog):
+    # A tiny-random sweep planned with the default --model mixed two models' figures
+    # without a word.
+    import json
+    import logging
+
+    from tandem.cli import main
+
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({**_sweep(point=0), "model": "smollm2-135m-instruct"}))
+    with caplog.at_level(logging.WARNING):
+        assert main(["plan", "--model", "tiny-random", "--sweep", str(path),
+                     "--target-rate", "8"]) == 0  # fmt: skip
+    assert "the sweep measured model 'smollm2-135m-instruct'; the memory below is for " \
+           "--model 'tiny-random'" in caplog.text  # fmt: skip

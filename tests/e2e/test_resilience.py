@@ -166,9 +166,11 @@ def test_a_frozen_decode_worker_is_left_by_keepalive_and_its_streams_migrate(
     # lost power or network would look to the router (no TCP reset).
     keepalive = {"worker_keepalive_s": 0.5, "worker_keepalive_timeout_s": 0.5}
     n = 4
-    expected = _expected(tiny_engine, n, max_tokens=400)
+    # Long enough that the victim's streams are still running when it is stopped: at
+    # 400 tokens an unloaded machine could finish them between the pick and the stop.
+    expected = _expected(tiny_engine, n, max_tokens=1200)
     with _cluster(tmp_path_factory, "freeze", prefill=1, decode=2, router=keepalive) as c:
-        streams = Streams(c.address, n, max_tokens=400)
+        streams = Streams(c.address, n, max_tokens=1200)
         victim = _busiest_decode(c)
         os.kill(victim.popen.pid, signal.SIGSTOP)
         try:

@@ -284,14 +284,19 @@ class _Protocol(H11Protocol):
     waiting for it is closed (a request arriving slowly: 408's place, with no reply)."""
 
     cap = _connection_cap()
+    _refused, _told_at = 0, 0.0  # connections closed at the cap, and when last logged
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._deadline = None
         if len(self.connections) > self.cap:
-            log.warning("HTTP: %d connections open, the most held; closing a new one",
-                        len(self.connections) - 1)  # fmt: skip
             transport.close()
+            cls, now = type(self), time.monotonic()
+            cls._refused += 1
+            if now - cls._told_at >= 10:  # a flood must not flood the log as well
+                log.warning("HTTP: %d connections open, the most held; closed %d new ones",
+                            self.cap, cls._refused)  # fmt: skip
+                cls._refused, cls._told_at = 0, now
             return
         self._await_request()
 
@@ -317,7 +322,7 @@ class _Protocol(H11Protocol):
             self._await_request()  # the next request on this connection
 
     def connection_lost(self, exc) -> None:
-        if getattr(self, "_deadline", None) is not None:
+        if self._deadline is not None:
             self._deadline.cancel()
         super().connection_lost(exc)
 

@@ -35,6 +35,10 @@ class Pool(str, enum.Enum):
     DECODE = "decode"
 
 
+# Tokens per KV block of a worker that has not said (engine.block_size's default).
+DEFAULT_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
     address: str
@@ -43,6 +47,7 @@ class WorkerLoad:
     kv_blocks_free: int = 0
     inflight: int = 0  # this router's requests on the worker now
     kv_blocks_total: int = 0
+    kv_block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block, of KV and prefix cache
     # What each prompt token adds to its steps lately (tandem/worker/step_cost.py; 0
     # until it has prefilled).
     prefill_token_seconds: float = 0.0
@@ -146,33 +151,33 @@ class PrefixAware(PlacementPolicy):
 
     What a worker holds is estimated from this router's own placements, as SGLang's
     cache-aware router does, rather than from the workers' reports of blocks cached
-    and evicted: it needs no protocol, costs one hash per 16 prompt tokens, and is
-    right exactly when it matters (a prefix placed recently is still cached). A
+    and evicted: it needs no protocol, costs one hash per block of prompt tokens, and
+    is right exactly when it matters (a prefix placed recently is still cached). A
     decode worker also caches the tokens it generated, and the router streamed them:
     a finished request's whole sequence joins its worker's history (``finished``), so
     that a conversation's next turn, which repeats the reply, follows it there. A
     worker's history is an LRU of chained block hashes (those of the engines' prefix
-    cache: ``hash_block`` over 16-token blocks) bounded by the worker's own KV pool
-    size, so that what the worker must have evicted is forgotten too. Blocks shared
-    with another router's requests are not seen; a worker that evicted early is found
-    out at its next placement (the hit is lower, nothing breaks). A worker taken
-    down, removed, or found restarted (its counters since start went back) is
-    forgotten (``forget``), so that no decision counts on a cache that is gone.
+    cache: ``hash_block`` over blocks of the worker's ``kv_block_size``, which its
+    Status reports) bounded by the worker's own KV pool size, so that what the worker
+    must have evicted is forgotten too. Blocks shared with another router's requests
+    are not seen; a worker that evicted early is found out at its next placement (the
+    hit is lower, nothing breaks). A worker taken down, removed, found restarted (its
+    counters since start went back) or with another block size is forgotten
+    (``forget``), so that no decision counts on a cache that is gone.
     """
 
     name = "prefix-aware"
 
-    def __init__(self, imbalance_max: int = 8, min_match: float = 0.5, block_size: int = 16):
+    def __init__(self, imbalance_max: int = 8, min_match: float = 0.5):
         self.imbalance_max = imbalance_max
         self.min_match = min_match
-        self.block_size = block_size
         self._fallback = LeastLoaded()
         # pool -> worker address -> block hashes, least recently placed first
         self._history: dict[Pool, dict[str, collections.OrderedDict[int, None]]] = {
             pool: {} for pool in Pool
         }
-        # worker address -> KV blocks it holds, as of its last placement
-        self._capacity: dict[str, int] = {}
+        # worker address -> (KV blocks it holds, tokens per block), as of its last placement
+        self._pool_size: dict[str, tuple[int, int]] = {}
 
     def pick(
         self,
@@ -181,9 +186,16 @@ class PrefixAware(PlacementPolicy):
         token_ids: Sequence[int] = (),
         cache_salt: str = "",
     ) -> WorkerLoad:
-        hashes = self._hashes(token_ids, cache_salt)
+        # Each worker's blocks in its own block size (one size in any usual deployment).
+        hashes = {
+            bs: self._hashes(token_ids, cache_salt, bs)
+            for bs in {w.kv_block_size for w in candidates}
+        }
         history = self._history[pool]
-        matched = {w.address: self._matched(history.get(w.address), hashes) for w in candidates}
+        matched = {
+            w.address: self._matched(history.get(w.address), hashes[w.kv_block_size])
+            for w in candidates
+        }
         # A decode worker without room for the blocks the prompt adds to what it holds
         # would refuse the reservation, however much of the prompt it holds (unless
         # every worker is as short: least-loaded's band).
@@ -194,39 +206,51 @@ class PrefixAware(PlacementPolicy):
                 w
                 for w in candidates
                 if w.kv_blocks_free >= KV_BAND * most
-                or w.kv_blocks_free > len(hashes) + 1 - matched[w.address]
+                or w.kv_blocks_free > len(hashes[w.kv_block_size]) + 1 - matched[w.address]
             ]
-        best = max((matched[w.address] for w in eligible), default=0)
+        held = {w.address: matched[w.address] * w.kv_block_size for w in candidates}  # tokens
+        best = max((held[w.address] for w in eligible), default=0)
         choice = None
-        if best and best >= self.min_match * len(hashes):
+        if best:
             load = {w.address: w.queue_depth + w.running for w in candidates}
             least = min(load.values())
-            holders = [w for w in eligible if matched[w.address] == best]
+            holders = [w for w in eligible if held[w.address] == best]
             holder = min(holders, key=lambda w: (load[w.address], w.inflight))
-            if load[holder.address] - least <= self.imbalance_max:
+            full = len(hashes[holder.kv_block_size])
+            if (
+                matched[holder.address] >= self.min_match * full
+                and load[holder.address] - least <= self.imbalance_max
+            ):
                 choice = holder
         if choice is None:
             choice = self._fallback.pick(pool, candidates)
-        self.cached_tokens = matched[choice.address] * self.block_size
-        self._capacity[choice.address] = choice.kv_blocks_total or _UNKNOWN_POOL_BLOCKS
-        self._remember(pool, choice.address, hashes)
+        self.cached_tokens = held[choice.address]
+        self._pool_size[choice.address] = (
+            choice.kv_blocks_total or _UNKNOWN_POOL_BLOCKS,
+            choice.kv_block_size,
+        )
+        self._remember(pool, choice.address, hashes[choice.kv_block_size])
         return choice
 
     def finished(
         self, pool: Pool, address: str, token_ids: Sequence[int], cache_salt: str = ""
     ) -> None:
-        if address in self._capacity:
-            self._remember(pool, address, self._hashes(token_ids, cache_salt))
+        if address in self._pool_size:
+            block_size = self._pool_size[address][1]
+            self._remember(pool, address, self._hashes(token_ids, cache_salt, block_size))
 
     def forget(self, pool: Pool, address: str) -> None:
         self._history[pool].pop(address, None)
         if not any(address in history for history in self._history.values()):
-            self._capacity.pop(address, None)
+            self._pool_size.pop(address, None)
 
-    def _hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
-        """Chained hashes of the full blocks a worker could reuse (not the last token's),
-        as the workers' prefix caches compute them."""
-        bs, parent, out = self.block_size, prefix_root(cache_salt), []
+    @staticmethod
+    def _hashes(
+        token_ids: Sequence[int], cache_salt: str = "", bs: int = DEFAULT_BLOCK_SIZE
+    ) -> list[int]:
+        """Chained hashes of the full blocks of ``bs`` tokens a worker could reuse (not
+        the last token's), as the workers' prefix caches compute them."""
+        parent, out = prefix_root(cache_salt), []
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             out.append(parent)
@@ -251,7 +275,7 @@ class PrefixAware(PlacementPolicy):
         for h in reversed(hashes):
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self._capacity[address]:
+        while len(held) > self._pool_size[address][0]:
             held.popitem(last=False)
 
 

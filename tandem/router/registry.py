@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.router.placement import Pool, WorkerLoad
+from tandem.router.placement import DEFAULT_BLOCK_SIZE, Pool, WorkerLoad
 from tandem.security.cluster import ClusterCredentials
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class Worker:
     running: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    kv_block_size: int = 0  # tokens per block (0: not reported yet)
     prefill_token_seconds: float = 0.0
     worker_id: str = ""
     metrics_address: str = ""  # where Prometheus scrapes it ("": off)
@@ -89,6 +90,7 @@ class Worker:
             kv_blocks_free=max(0, self.kv_blocks_free - self.reserved_since_poll),
             inflight=self.inflight,
             kv_blocks_total=self.kv_blocks_total,
+            kv_block_size=self.kv_block_size or DEFAULT_BLOCK_SIZE,
             prefill_token_seconds=self.prefill_token_seconds,
         )
 
@@ -268,9 +270,12 @@ class WorkerRegistry:
                 f"but it was registered as a {worker.pool.value} worker",
             )
             return
-        if status.prefix_query_tokens < worker.prefix_query_tokens:
+        if status.prefix_query_tokens < worker.prefix_query_tokens or (
+            worker.kv_block_size and status.kv_block_size != worker.kv_block_size
+        ):
             log.info("%s worker %s restarted", worker.pool.value, worker.address)
             self.on_forget(worker.pool, worker.address)
+        worker.kv_block_size = status.kv_block_size
         worker.prefix_query_tokens = status.prefix_query_tokens
         worker.queue_depth = status.queue_depth
         worker.worker_id = status.worker_id

@@ -353,6 +353,7 @@ class WorkerServer(abc.ABC):
             kv_bytes_total=m.bytes_sent + m.bytes_received,
             kv_transfer_seconds_total=m.seconds_total,
             tensor_parallel_size=self.config.engine.tensor_parallel_size,
+            kv_block_size=self.config.engine.block_size,
             decode_step_seconds=self.step_cost.decode_step_seconds,
             prefill_token_seconds=self.step_cost.prefill_token_seconds,
         )

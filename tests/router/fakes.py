@@ -44,6 +44,7 @@ class FakeWorker:
     running: int = 0
     kv_blocks_free: int = 1000
     prefix_query_tokens: int = 0
+    kv_block_size: int = 16
     status_fails: bool = False
     calls: list[Call] = field(default_factory=list)
     server: grpc.aio.Server | None = None
@@ -61,6 +62,7 @@ class FakeWorker:
             kv_blocks_total=1000,
             kv_address="127.0.0.1:1",
             prefix_query_tokens=self.prefix_query_tokens,
+            kv_block_size=self.kv_block_size,
         )
 
     def _record(self, request, context) -> Call:

@@ -147,6 +147,34 @@ def test_prefix_aware_matches_within_a_cache_salt_as_the_workers_do():
     assert [kv.pool.block_hash[b] for b in seq.block_table[:8]] == policy._hashes(prompt, "alice")
 
 
+def test_prefix_aware_counts_in_each_workers_own_block_size():
+    # Workers of engine.block_size 32 cache whole blocks of 32: the router's history,
+    # its estimate of tokens held and its bound on what a worker holds are in them too
+    # (they were in blocks of 16 whatever the workers used).
+    policy = PrefixAware()
+    big = [load("a", kv_blocks_total=4, kv_block_size=32)]
+    prompt = _prompt(1, 5, tail=3)  # 80 tokens of prefix: two whole blocks of 32
+    policy.pick(Pool.PREFILL, big, prompt, "alice")
+    policy.pick(Pool.PREFILL, big, prompt, "alice")
+    assert policy.cached_tokens == 64
+    seq = Sequence("r", list(prompt), len(prompt), SamplingParams())
+    seq.cache_root = seq.last_block_hash = prefix_root("alice")
+    kv = make_kv(num_blocks=8, block_size=32)
+    assert kv.ensure(seq, len(prompt))
+    seq.num_computed = len(prompt)
+    kv.commit(seq)
+    cached = [kv.pool.block_hash[b] for b in seq.block_table[:2]]
+    assert list(policy._history[Pool.PREFILL]["a"]) == cached[::-1]
+    # 4 blocks of 32 hold this prompt and one other of the same length: a third pushes
+    # the first out (in blocks of 16 the history would have held 4 of its blocks).
+    policy.pick(Pool.PREFILL, big, _prompt(2, 5, tail=3))
+    assert policy.pick(Pool.PREFILL, big, prompt, "alice") and policy.cached_tokens == 64
+    policy.pick(Pool.PREFILL, big, _prompt(3, 5, tail=3))
+    policy.pick(Pool.PREFILL, big, _prompt(4, 5, tail=3))
+    policy.pick(Pool.PREFILL, big, prompt, "alice")
+    assert policy.cached_tokens == 0
+
+
 def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():
     # It would refuse the reservation however much of the prompt it holds; with every
     # holder full, the request waited out queue_timeout_s while a worker had room.

@@ -210,3 +210,22 @@ def test_a_worker_down_removed_or_restarted_is_forgotten_by_prefix_placement(fro
             assert third not in history
 
     run(scenario())
+
+
+def test_prefix_placement_hashes_in_the_block_size_a_worker_reports(frontend):
+    # A worker's prefix cache holds whole blocks of its engine.block_size; one that
+    # comes back with another size holds none of what the router remembers.
+    async def scenario():
+        decode = FakeDecode(kv_block_size=32)
+        async with cluster(frontend, decode=[decode], placement="prefix-aware",
+                           status_interval_s=0.02) as c:  # fmt: skip
+            history = c.router.relay.policy._history[Pool.DECODE]
+            await c.client.complete("a prompt that fills several blocks " * 8)
+            sent = decode.calls[0].request.request
+            policy, held = c.router.relay.policy, set(history[decode.address])
+            assert set(policy._hashes(sent.prompt_token_ids, sent.cache_salt, 32)) <= held
+            assert not set(policy._hashes(sent.prompt_token_ids, sent.cache_salt, 16)) & held
+            decode.kv_block_size = 64
+            await wait_until(lambda: decode.address not in history, what="forgotten")
+
+    run(scenario())

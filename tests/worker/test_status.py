@@ -17,7 +17,8 @@ STEP_S = 2.0  # far longer than a Status call may take
 @pytest.mark.parametrize("config_cls", [PrefillConfig, DecodeConfig])
 def test_status_answers_from_a_snapshot_while_a_long_step_runs(config_cls):
     bg = BackgroundLoop()
-    worker = start_worker(bg, config_cls(engine=engine_config(), kv_backend="inproc"))
+    worker = start_worker(bg, config_cls(engine=engine_config(block_size=32), kv_backend="inproc"))
+    assert worker.status().kv_block_size == 32  # what prefix-aware placement hashes in
     engine = worker.server.engine
     real_step, in_step = engine.step, threading.Event()
 

@@ -114,6 +114,12 @@ METRICS: tuple[Metric, ...] = (
            "Prompt tokens looked up in the prefix cache"),
     Metric("tandem_worker_prefix_cache_hit_tokens_total", "counter", _WORKER,
            "Prompt tokens found in the prefix cache (hit rate: hits / queries)"),
+    Metric("tandem_worker_prefix_cache_shipped_query_tokens_total", "counter", _WORKER,
+           "Decode workers: of the tokens looked up, those of prompts whose KV a prefill "
+           "worker sends (a hit there is a block not sent, not a token not computed)"),
+    Metric("tandem_worker_prefix_cache_shipped_hit_tokens_total", "counter", _WORKER,
+           "Decode workers: of the tokens found, those of prompts whose KV a prefill "
+           "worker sends"),
     Metric("tandem_worker_preemptions_total", "counter", _WORKER,
            "Running sequences preempted for lack of KV blocks (swapped out or recomputed)"),
     Metric("tandem_worker_host_kv_blocks_used", "gauge", _WORKER,
@@ -339,6 +345,11 @@ class _WorkerCollector(Collector):
         for name, value in (
             ("tandem_worker_prefix_cache_query_tokens_total", s.prefix_query_tokens),
             ("tandem_worker_prefix_cache_hit_tokens_total", s.prefix_hit_tokens),
+            (
+                "tandem_worker_prefix_cache_shipped_query_tokens_total",
+                s.shipped_prefix_query_tokens,
+            ),
+            ("tandem_worker_prefix_cache_shipped_hit_tokens_total", s.shipped_prefix_hit_tokens),
             ("tandem_worker_preemptions_total", stats.preemptions if stats else 0),
             ("tandem_worker_requests_served_total", s.served),
             ("tandem_worker_prefilled_here_total", s.prefilled_here),

@@ -330,6 +330,11 @@ def test_metrics_of_every_process_add_up_to_a_known_workload(cluster):
         hits = moved(p, "tandem_worker_prefix_cache_hit_tokens_total")
         if queries:  # the worker that served the shared prefix (least-loaded picks both)
             assert hits / queries > 0.8, (p, hits, queries)
+    for p in decode:  # every prompt was shipped: its lookups there chose blocks to send
+        queries = moved(p, "tandem_worker_prefix_cache_query_tokens_total")
+        assert moved(p, "tandem_worker_prefix_cache_shipped_query_tokens_total") == queries > 0
+        hits = moved(p, "tandem_worker_prefix_cache_hit_tokens_total")
+        assert moved(p, "tandem_worker_prefix_cache_shipped_hit_tokens_total") == hits
     # Labels an operator filters by, and none per request.
     for p in prefill + decode:
         labels = {k for s in after[p] if s.name.startswith("tandem_") for k in s.labels}

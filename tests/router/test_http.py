@@ -66,6 +66,9 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
 
             models = await api.models.list()
             assert [m.id for m in models.data] == [MODEL]
+            assert (await api.models.retrieve(MODEL)) == models.data[0]
+            with pytest.raises(openai.NotFoundError, match="does not exist"):
+                await api.models.retrieve("gpt-9")
 
     run(scenario())
 
@@ -78,6 +81,7 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
          "max_completion_tokens must be >= 1"),
         ({"temperature": "hot"}, 400, "temperature", "must be a number"),
         ({"temperature": -1}, 400, "temperature", "temperature"),
+        ({"top_k": -5}, 400, "top_k", "top_k must be -1 or 0 (off) or at least 1, got -5"),
         ({"n": 2}, 400, "n", "n must be 1"),
         ({"stop": [1]}, 400, "stop", "array of strings"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",

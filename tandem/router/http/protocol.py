@@ -107,15 +107,20 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def served_model(model: str, model_id: str) -> None:
+    """A 404 in OpenAI's words unless ``model`` is the one served."""
+    if model != model_id:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{model_id}`)", "model", code="model_not_found")  # fmt: skip
+
+
 def parse(body: Any, chat: bool, model_id: str) -> Parsed:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     model = _field(body, "model", str)
     if model is None:
         raise bad("model", "model is required")
-    if model != model_id:
-        raise ApiError(404, f"The model `{model}` does not exist (this server serves "
-                            f"`{model_id}`)", "model", code="model_not_found")  # fmt: skip
+    served_model(model, model_id)
     n = _field(body, "n", int)
     if n is not None and n != 1:
         raise bad("n", f"n must be 1 (one choice per request), got {n}")
@@ -209,6 +214,8 @@ def _sampling(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> str:
             setattr(s, name, value)
     top_k = _field(body, "top_k", int)
     if top_k is not None:
+        if top_k < -1:
+            raise bad("top_k", f"top_k must be -1 or 0 (off) or at least 1, got {top_k}")
         s.top_k = max(0, _int32("top_k", top_k))  # vLLM's -1 means off, as 0 does here
     seed = _field(body, "seed", int)
     if seed is not None:

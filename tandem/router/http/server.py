@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API, served by the router process next to gRPC.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/{model}]
     GET /health (no key needed)  GET /metrics (the router's Prometheus metrics; with
     API keys, a key is needed here, not on the router's own ``metrics_port``)
 
@@ -93,6 +93,7 @@ class HttpApi:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self._model, methods=["GET"]),
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
@@ -155,11 +156,26 @@ class HttpApi:
             self.gateway.admission.check_rate(self._key(request))  # as gRPC's GetModelInfo
         except (ApiError, RouterError) as exc:
             return _error(_api_error(exc, None))
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}``: the served model's card, else 404."""
+        try:
+            self.gateway.admission.check_rate(self._key(request))
+            protocol.served_model(request.path_params["model"], self.gateway.frontend.model_id)
+        except (ApiError, RouterError) as exc:
+            return _error(_api_error(exc, None))
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
         f = self.gateway.frontend
-        return JSONResponse({"object": "list", "data": [
-            {"id": f.model_id, "object": "model", "created": self.started, "owned_by": "tandem",
-             "max_model_len": f.context_length}  # vLLM's extension: the context length
-        ]})  # fmt: skip
+        return {
+            "id": f.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "tandem",
+            "max_model_len": f.context_length,
+        }  # vLLM's extension: the context length
 
     async def _tokenize(self, request: Request) -> Response:
         """vLLM's ``POST /tokenize``: a prompt's or chat's token ids as generation sees them."""

@@ -71,22 +71,33 @@ class Worker:
     # Prefill workers: calls whose first token is back and whose KV is still on its way
     # (the worker computes nothing more for them).
     shipping: int = 0
-    placed_since_poll: int = 0
+    # This router's calls the worker was computing for (inflight - shipping) when its
+    # last Status came back: the change since is what its numbers lack.
+    active_at_poll: int = 0
     reserved_since_poll: int = 0  # decode: KV blocks named in destinations since the poll
     closing: list[asyncio.Task] = field(default_factory=list)
 
     def load(self) -> WorkerLoad:
-        queue = self.queue_depth + self.placed_since_poll
-        # A worker's Status numbers date from before its current engine step, and the
-        # requests sent during that step are not in them: a poll must not erase them, or
-        # a worker in a long step (a long prompt's prefill) looks empty after every
+        # A worker's Status numbers are a snapshot: calls this router made since are not
+        # in them, and calls of its that ended since still are. Without the second, a
+        # worker polled mid-request looked busy until the next poll after the request
+        # was done, and short requests in a row all went to the other workers.
+        active = self.inflight - self.shipping
+        change = active - self.active_at_poll
+        queue, running = self.queue_depth + max(0, change), self.running
+        if change < 0:  # ended since the poll: they were running (or, failing, queued)
+            running = max(0, running + change)
+            queue = max(0, queue - max(0, -change - self.running))
+        # The numbers also date from before the worker's current engine step, and the
+        # requests sent during that step are not in them: a poll must not erase them,
+        # or a worker in a long step (a long prompt's prefill) looks empty after every
         # poll and takes nearly every request. What this router has in flight there is
         # a floor on its load.
-        queue += max(0, self.inflight - self.shipping - queue - self.running)
+        queue += max(0, active - queue - running)
         return WorkerLoad(
             address=self.address,
             queue_depth=queue,
-            running=self.running,
+            running=running,
             kv_blocks_free=max(0, self.kv_blocks_free - self.reserved_since_poll),
             inflight=self.inflight,
             kv_blocks_total=self.kv_blocks_total,
@@ -178,7 +189,6 @@ class WorkerRegistry:
 
     def acquire(self, worker: Worker) -> None:
         worker.inflight += 1
-        worker.placed_since_poll += 1
 
     def release(self, worker: Worker, shipping: bool = False) -> None:
         """A call has ended (``shipping``: one that ``shipping`` counted)."""
@@ -191,7 +201,6 @@ class WorkerRegistry:
         """A prefill worker's call has its first token back: its engine is done with
         it, and only the KV is on its way (until ``release(worker, shipping=True)``)."""
         worker.shipping += 1
-        worker.placed_since_poll = max(0, worker.placed_since_poll - 1)
 
     def reserved(self, worker: Worker, num_blocks: int) -> None:
         worker.reserved_since_poll += num_blocks
@@ -284,7 +293,7 @@ class WorkerRegistry:
         worker.kv_blocks_free = status.kv_blocks_free
         worker.kv_blocks_total = status.kv_blocks_total
         worker.prefill_token_seconds = status.prefill_token_seconds
-        worker.placed_since_poll = 0
+        worker.active_at_poll = worker.inflight - worker.shipping
         worker.reserved_since_poll = 0
         worker.last_ok = self._clock()
         if not worker.healthy:

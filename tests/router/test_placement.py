@@ -89,10 +89,25 @@ def worker(**numbers) -> Worker:
 
 def test_worker_load_counts_what_the_router_sent_since_the_poll():
     w = worker(queue_depth=2, running=3, kv_blocks_free=100)
-    w.inflight, w.placed_since_poll, w.reserved_since_poll = 4, 2, 30
+    w.active_at_poll = 2
+    w.inflight, w.reserved_since_poll = 4, 30
     assert w.load() == WorkerLoad("w", queue_depth=4, running=3, kv_blocks_free=70, inflight=4)
     w.reserved_since_poll = 130
     assert w.load().kv_blocks_free == 0
+
+
+def test_worker_load_leaves_out_what_ended_since_the_poll():
+    # Polled while it ran this router's one request: once that is done, the worker is
+    # idle, not busy until its next poll (short requests in a row all went elsewhere).
+    w = worker(running=1)
+    w.inflight = w.active_at_poll = 1
+    assert (w.load().queue_depth, w.load().running) == (0, 1)
+    w.inflight = 0
+    assert (w.load().queue_depth, w.load().running) == (0, 0)
+    # Others' requests stay counted; ours beyond what was running came off the queue.
+    w = worker(queue_depth=3, running=2)
+    w.active_at_poll, w.inflight = 3, 0
+    assert (w.load().queue_depth, w.load().running) == (2, 0)
 
 
 def test_a_burst_between_polls_spreads_over_equal_workers():
@@ -104,8 +119,7 @@ def test_a_burst_between_polls_spreads_over_equal_workers():
         chosen = policy.pick(Pool.DECODE, [w.load() for w in ws]).address
         picks.append(chosen)
         target = ws[0] if chosen == "a" else ws[1]
-        target.placed_since_poll += 1  # as WorkerRegistry.acquire does
-        target.inflight += 1
+        target.inflight += 1  # as WorkerRegistry.acquire does
     assert picks == ["a", "b", "a", "b"]
 
 

@@ -139,6 +139,32 @@ class LiveQueue(FakePrefill):
         return await super().Status(request, context)
 
 
+class LiveRunning(FakePrefill):
+    """Reports the calls it holds as running."""
+
+    async def Status(self, request, context):
+        self.running = sum(not call.finished and call.cancelled_at is None
+                           for call in self.calls)  # fmt: skip
+        return await super().Status(request, context)
+
+
+def test_a_worker_polled_mid_request_is_idle_again_when_the_request_ends(frontend):
+    # Its Status said running 1; once that request was done, every request until the
+    # next poll went to the other worker, as though it were still busy.
+    async def scenario():
+        workers = [LiveRunning(delay_s=0.3), LiveRunning(delay_s=0.3)]
+        async with cluster(frontend, workers, status_interval_s=60) as c:
+            first = asyncio.ensure_future(c.client.complete("hello"))
+            await wait_until(lambda: any(w.calls for w in workers), what="placed")
+            await c.router.registry.poll_once()  # it is running there now
+            await first
+            for _ in range(4):
+                await c.client.complete("hello")
+            assert [len(w.calls) for w in workers] in ([3, 2], [2, 3])
+
+    run(scenario())
+
+
 def test_a_worker_whose_status_lags_its_requests_is_not_piled_onto(frontend):
     # A worker answers Status with numbers from before its current step (here: one
     # that never ends, so it always reports an empty queue); the requests it got

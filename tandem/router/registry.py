@@ -72,7 +72,7 @@ class Worker:
     # (the worker computes nothing more for them).
     shipping: int = 0
     # This router's calls the worker was computing for (inflight - shipping) when its
-    # last Status came back: the change since is what its numbers lack.
+    # last Status was asked for: the change since is what its numbers lack.
     active_at_poll: int = 0
     reserved_since_poll: int = 0  # decode: KV blocks named in destinations since the poll
     closing: list[asyncio.Task] = field(default_factory=list)
@@ -258,6 +258,9 @@ class WorkerRegistry:
     async def _poll(self, worker: Worker) -> None:
         # Generous: one poll is outstanding per worker, and only the window below counts.
         timeout = min(max(2.0, self.status_interval_s), self.worker_timeout_s)
+        # As the call goes: one of ours that ends while the answer is on its way is in
+        # its numbers, and must be left out of them once it ended.
+        active = worker.inflight - worker.shipping
         try:
             status = await worker.stub.Status(worker_pb2.StatusRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -293,7 +296,7 @@ class WorkerRegistry:
         worker.kv_blocks_free = status.kv_blocks_free
         worker.kv_blocks_total = status.kv_blocks_total
         worker.prefill_token_seconds = status.prefill_token_seconds
-        worker.active_at_poll = worker.inflight - worker.shipping
+        worker.active_at_poll = active
         worker.reserved_since_poll = 0
         worker.last_ok = self._clock()
         if not worker.healthy:

@@ -53,22 +53,8 @@ class Connection:
                 tls.read_pem(cert_file, "cert_file") if cert_file else None,
                 tls.read_pem(key_file, "key_file") if key_file else None,
             )
-        key = api_key if api_key is not None else environ.get(API_KEY_ENV, "")
-        key = key.strip()
-        metadata: tuple[tuple[str, str], ...] = ()
-        if key and not (key.isascii() and key.isprintable()):
-            source = "api_key" if api_key is not None else f"${API_KEY_ENV}"
-            raise ConfigError(
-                f"{source}: an API key is printable ASCII (metadata cannot carry other "
-                "characters); check the key's file or variable"
-            )
-        if key:
-            if credentials is None and not tls.is_loopback(_host(address)):
-                raise ConfigError(
-                    f"refusing to send an API key in clear to {address}: connect with TLS "
-                    "(tls=True or ca_file; --tls-ca on the command line) or over loopback"
-                )
-            metadata = (("authorization", f"Bearer {key}"),)
+        key = checked_api_key(address, api_key, credentials is not None, environ)
+        metadata = (("authorization", f"Bearer {key}"),) if key else ()
         return cls(address, credentials, metadata)
 
     def sync_channel(self) -> grpc.Channel:
@@ -80,6 +66,27 @@ class Connection:
         if self.credentials is None:
             return grpc.aio.insecure_channel(self.address)
         return grpc.aio.secure_channel(self.address, self.credentials)
+
+
+def checked_api_key(
+    address: str, api_key: str | None, secure: bool, environ: Mapping[str, str] = os.environ
+) -> str:
+    """The key to send to ``address`` ("": none): ``api_key``, else $TANDEM_API_KEY;
+    refused when it cannot be sent as a header, or would go in clear (not ``secure``)
+    to an address that is not loopback."""
+    key = (api_key if api_key is not None else environ.get(API_KEY_ENV, "")).strip()
+    if key and not (key.isascii() and key.isprintable()):
+        source = "api_key" if api_key is not None else f"${API_KEY_ENV}"
+        raise ConfigError(
+            f"{source}: an API key is printable ASCII (metadata cannot carry other "
+            "characters); check the key's file or variable"
+        )
+    if key and not secure and not tls.is_loopback(_host(address)):
+        raise ConfigError(
+            f"refusing to send an API key in clear to {address}: connect with TLS "
+            "(tls=True or ca_file; --tls-ca on the command line) or over loopback"
+        )
+    return key
 
 
 def read_api_key_file(path: str) -> str:

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tandem.bench.load.openai_api import OpenAIClient
 from tandem.router.http import protocol
 from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
 
@@ -330,6 +331,11 @@ def test_with_the_public_ports_tls_and_client_ca_only_a_member_is_served(fronten
             async with member:
                 r = await member.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
                 assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+            # The load harness's client, with the connection flags of the gRPC one.
+            async with OpenAIClient(c.router.http_address, ca_file=certs.ca,
+                                    cert_file=certs.client_cert,
+                                    key_file=certs.client_key) as harness:  # fmt: skip
+                assert (await harness.model_info()).model_id == MODEL
             stranger = httpx.AsyncClient(base_url=url, verify=_context(certs, client=False))
             async with stranger:
                 with pytest.raises(httpx.HTTPError):  # the handshake refuses it

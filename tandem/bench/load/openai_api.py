@@ -22,15 +22,20 @@ RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 400 INVALID_ARGUMENT, ...).
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
 
+from tandem.client._connect import checked_api_key
 from tandem.client.errors import TandemClientError
 from tandem.client.types import ModelInfo, Usage
+from tandem.errors import ConfigError
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
@@ -54,16 +59,37 @@ class OpenAIClient:
         self,
         target: str,
         timeout: float = 300.0,
-        api_key: str | None = None,
+        *,
+        tls: bool | None = None,
         ca_file: str | None = None,
-        **_ignored,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        api_key: str | None = None,
+        environ: Mapping[str, str] = os.environ,
     ) -> None:
-        base = target if "://" in target else f"http://{target}"
-        self.root = base.rstrip("/").removesuffix("/v1")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        """The connection flags as ``TandemClient``'s (tandem/client/flags.py): TLS when
+        ``tls`` or any file is given (or the target says https://), the key from
+        ``api_key`` or $TANDEM_API_KEY, never sent in clear off this machine."""
+        if bool(cert_file) != bool(key_file):
+            raise ConfigError("a client certificate needs both cert_file and key_file")
+        secure = bool(tls or ca_file or cert_file)
+        scheme, sep, rest = target.partition("://")
+        if not sep:
+            scheme, rest = ("https" if secure else "http"), target
+        elif scheme == "http" and secure:
+            raise ConfigError(f"TLS was asked for, but the target {target} says http://")
+        secure = scheme == "https"
+        self.root = f"{scheme}://{rest}".rstrip("/").removesuffix("/v1")
+        key = checked_api_key(urlsplit(self.root).netloc, api_key, secure, environ)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        verify: ssl.SSLContext | bool = True
+        if secure:
+            verify = ssl.create_default_context(cafile=ca_file)
+            if cert_file:
+                verify.load_cert_chain(cert_file, key_file)
         self._http = httpx.AsyncClient(
             base_url=self.root, headers=headers, timeout=httpx.Timeout(timeout),
-            verify=ca_file or True, limits=httpx.Limits(max_connections=None),
+            verify=verify, limits=httpx.Limits(max_connections=None),
         )  # fmt: skip
         self.timeout = timeout
         self.model = ""

@@ -40,3 +40,27 @@ def test_timeout_is_the_whole_requests_deadline_as_over_grpc():
     assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert "longer than its 0.3 s timeout" in error.details
     assert 3 <= len(texts) < 20
+
+
+def test_connection_flags_are_those_of_the_tandem_client():
+    # They were dropped: --tls still spoke http://, and the key went in clear.
+    from tandem.errors import ConfigError
+
+    async def scenario():
+        with pytest.raises(ConfigError, match="refusing to send an API key in clear"):
+            OpenAIClient("192.0.2.2:8000", api_key="k" * 20)
+        with pytest.raises(ConfigError, match="refusing"):
+            OpenAIClient("192.0.2.2:8000", environ={"TANDEM_API_KEY": "k" * 20})
+        with pytest.raises(ConfigError, match="says http://"):
+            OpenAIClient("http://192.0.2.2:8000", tls=True)
+        with pytest.raises(ConfigError, match="both cert_file and key_file"):
+            OpenAIClient("192.0.2.2:8000", cert_file="c.pem")
+        secure = OpenAIClient("192.0.2.2:8000/v1", tls=True, api_key="k" * 20)
+        local = OpenAIClient("127.0.0.1:8000", environ={"TANDEM_API_KEY": "from-env"})
+        async with secure, local:
+            assert secure.root == "https://192.0.2.2:8000"
+            assert secure._http.headers["authorization"] == "Bearer " + "k" * 20
+            assert local.root == "http://127.0.0.1:8000"
+            assert local._http.headers["authorization"] == "Bearer from-env"
+
+    asyncio.run(scenario())

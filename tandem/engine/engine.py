@@ -264,7 +264,10 @@ class LLMEngine:
             prompt_ids, params, self.max_model_len, self.model_config.vocab_size, output_ids
         )
         total = len(prompt_ids) + params.max_tokens
-        blocks = self.kv.max_blocks_per_sequence(total, self.config.max_num_batched_tokens)
+        # Under a window no prompt chunk is longer than its segment or the prompt, and
+        # generated tokens are computed one at a time.
+        chunk = min(self.kv.window_step, max(1, len(prompt_ids)))
+        blocks = self.kv.max_blocks_per_sequence(total, chunk)
         if blocks > self.kv.pool.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",
@@ -382,7 +385,11 @@ class LLMEngine:
         if ahead is not None:
             output = min(output, len(output_ids) + ahead)
         total = len(prompt_ids) + output
-        self._check_fits_whole(total, "a decode worker reserves")
+        windowed = self.kv.window_tokens is not None
+        if transfer or not windowed:  # KV that arrives is held whole before any window
+            self._check_fits_whole(
+                len(prompt_ids) + len(output_ids) if windowed else total, "a decode worker reserves"
+            )
         seq = self._new_sequence(
             prompt_ids, params, request_id, output_ids, register=False, cache_salt=cache_salt
         )
@@ -390,8 +397,17 @@ class LLMEngine:
             self.kv.match_prefix(seq)
             if not transfer:  # a transfer fills the blocks after the cached ones: slid in admit
                 self.kv.slide(seq)
+        if windowed:
+            # No more than the window holds at once: prompt segments computed here
+            # (``window_chunk``) or the arrived KV, then one token at a time. The rest
+            # the scheduler allocates as the window slides.
+            arrived = len(seq.token_ids) if transfer else seq.num_computed
+            chunk = 1 if transfer else self.kv.window_chunk(seq, seq.num_uncomputed)
+            held = self.kv.max_blocks_per_sequence(total, chunk) * self.kv.block_size
+            evicted = seq.num_evicted_blocks * self.kv.block_size
+            total = min(total, max(arrived + chunk, evicted + held))
         if not self.kv.ensure(seq, total):
-            need = self.kv.blocks_for(total) - len(seq.block_table)
+            need = self.kv.blocks_for(self.kv.table_index(seq, total)) - len(seq.block_table)
             self.kv.free(seq)  # the shared prefix blocks, if any
             raise OutOfBlocksError(f"request needs {need} KV blocks, {self.kv.pool.num_free} free")
         return seq
@@ -420,8 +436,9 @@ class LLMEngine:
         seq = req.seq
         if seq.status is not Status.RESERVED:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
+        seq.num_computed = self.kv.same_as_windowed(seq)
+        self.kv.commit(seq)  # only KV that this engine would have computed the same
         seq.num_computed = len(seq.token_ids)
-        self.kv.commit(seq)
         self.kv.slide(seq)  # a KV window keeps the arrived prompt's sinks and window
         out = self._postprocess(req, first_token)
         if not out.finished:

@@ -137,6 +137,21 @@ class KVCache:
         self.window_evicted_blocks += freed
         return freed
 
+    def same_as_windowed(self, seq: Sequence) -> int:
+        """Of ``seq``'s tokens, computed elsewhere with full attention (a KV transfer),
+        how many have the KV this engine would have computed itself: all of them
+        without a window; under one, the prompt segments before its first slide,
+        which saw every earlier token here too. Only those may enter the prefix cache:
+        past them a later request's hit would read KV computed without the window,
+        and its tokens would depend on which requests came before it."""
+        n = len(seq.token_ids)
+        if self.window_tokens is None:
+            return n
+        upto = self.window_step  # the end of the segment after which the first slide comes
+        while upto < n and upto - (self.sink_blocks + 1) * self.block_size < self.window_tokens:
+            upto += self.window_step
+        return min(n, upto, seq.num_prompt_tokens)
+
     def window_chunk(self, seq: Sequence, n: int) -> int:
         """How many of ``n`` tokens ``seq`` may compute in its next step (see ``slide``):
         under a window, up to its prompt segment's end, or a generated token alone."""

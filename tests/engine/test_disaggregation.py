@@ -350,3 +350,38 @@ def test_a_decode_side_prompt_is_looked_up_in_the_prefix_cache_once_however_ofte
         engine.step()
     assert engine.stats.preemptions > 0
     assert (engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens) == (64, 0)
+
+
+def test_a_windowed_decode_worker_caches_only_arrived_kv_it_would_have_computed(tiny_engine):
+    # The prefill side computes a prompt with full attention; past the first slide a
+    # windowed engine computes it otherwise. Those blocks entered the prefix cache, and
+    # a later prompt prefilled here read them: its tokens depended on what came before.
+    window = dict(block_size=4, kv_sink_tokens=4, kv_window_tokens=8, max_num_batched_tokens=8)
+    prompt = tiny_engine.tokenizer.encode("The quick brown fox jumps over the lazy dog, again")
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    cold = _here(make_engine(**window), prompt, params)[1]
+    decode = make_engine(num_blocks=64, **window)
+    _split(make_engine(block_size=4), decode, prompt, params, "shipped")
+    hit, warm = _here(decode, prompt, params)
+    assert warm == cold and 0 < hit < len(prompt) - 8
+
+
+def test_a_windowed_stream_continued_where_it_decodes_goes_on_as_undisturbed():
+    # A request moved off a lost worker after 300 tokens: prompt and tokens are past
+    # the pool, so no KV of them can be held whole. Prefilled where it decodes (its
+    # generated tokens recomputed one at a time, as they were first computed), it
+    # continues with the undisturbed run's tokens in the window's memory.
+    window = dict(block_size=16, num_blocks=16, kv_sink_tokens=4, kv_window_tokens=32,
+                  max_num_batched_tokens=32)  # fmt: skip
+    prompt = list(range(10, 30))
+    params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+    undisturbed = make_engine(**window).generate([prompt], params)[0]
+    decode = make_engine(**window)
+    decode.prefill_here(prompt, params, "moved", output_ids=undisturbed[:300])
+    tokens, held = [], []
+    while decode.has_unfinished():
+        tokens += [t for out in decode.step() for t in out.token_ids]
+        held.append(decode.kv.pool.num_used)
+    assert tokens == undisturbed[300:]
+    assert max(held) <= decode.kv.max_blocks_per_sequence(620, 32) < 16
+    assert decode.kv.pool.num_used == 0

@@ -130,9 +130,41 @@ def test_kv_held_whole_that_cannot_fit_is_refused_by_name(tiny_engine):
     engine.validate(prompt, params)  # colocated, the window bounds it
     with pytest.raises(InvalidRequestError, match="ships the KV of 40 tokens whole: 10 KV"):
         engine.add_request(prompt, params, "p", prefill_only=True)
-    with pytest.raises(InvalidRequestError, match="reserves the KV of 44 tokens whole: 11 KV"):
+    with pytest.raises(InvalidRequestError, match="reserves the KV of 40 tokens whole: 10 KV"):
         engine.reserve(prompt, params, "d")
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
+    # Prefilled where it decodes, it is computed in segments under the window: no
+    # whole to hold (a request moved off a lost worker, whose stream ran past the pool).
+    engine.prefill_here(prompt, params, "h")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.pool.num_used == 0
+
+
+def test_a_windowed_reservation_holds_what_the_window_holds_not_the_output_ahead(tiny_engine):
+    # A prompt that fits the pool whole, and reserve_output_tokens more that do not: the
+    # output to come is grown into under the window, and was refused as "whole".
+    engine = _window_engine(num_blocks=16, reserve_output_tokens=128)
+    prompt = [7] * 40  # 10 blocks of 4 in 16
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    blocks = engine.reserve(prompt, params, "d")
+    assert len(blocks) <= 16
+    engine.abort("d")
+    assert engine.kv.pool.num_used == 0
+
+
+def test_the_window_bound_counts_a_short_prompts_chunk_not_the_whole_step_budget():
+    # A 20-token prompt is computed in one chunk of 20, not of max_num_batched_tokens:
+    # with the default budget such a request was refused as needing 260 blocks.
+    engine = _window_engine(num_blocks=16, max_num_batched_tokens=1024)
+    prompt, params = [7] * 20, SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+    engine.validate(prompt, params)
+    held = []
+    engine.add_request(prompt, params, "r")
+    while engine.has_unfinished():
+        engine.step()
+        held.append(engine.kv.pool.num_used)
+    assert max(held) <= engine.kv.max_blocks_per_sequence(620, 20) <= 16
 
 
 def test_what_a_windowed_prompt_sees_does_not_depend_on_its_batch_or_the_cache(tiny_engine):

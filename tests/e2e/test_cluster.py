@@ -325,11 +325,12 @@ def test_metrics_of_every_process_add_up_to_a_known_workload(cluster):
         assert total(after[p], "tandem_worker_kv_blocks_used") == 0, p
         assert total(after[p], "tandem_worker_kv_usage_ratio") == 0, p
         assert total(after[p], "tandem_worker_kv_blocks_capacity") == 256, p
-    for p in prefill:
+    for p in prefill:  # each worker computes the shared prefix once, then finds it cached
+        served = moved(p, "tandem_worker_requests_served_total")
         queries = moved(p, "tandem_worker_prefix_cache_query_tokens_total")
         hits = moved(p, "tandem_worker_prefix_cache_hit_tokens_total")
-        if queries:  # the worker that served the shared prefix (least-loaded picks both)
-            assert hits / queries > 0.8, (p, hits, queries)
+        if served:
+            assert hits / queries > 0.9 * (served - 1) / served, (p, served, hits, queries)
     for p in decode:  # every prompt was shipped: its lookups there chose blocks to send
         queries = moved(p, "tandem_worker_prefix_cache_query_tokens_total")
         assert moved(p, "tandem_worker_prefix_cache_shipped_query_tokens_total") == queries > 0

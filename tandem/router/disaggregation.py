@@ -16,6 +16,14 @@ be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
    long: here ("prefill busy");
 4. otherwise on the prefill pool ("long").
 
+Whatever the mode, a request moved off a lost worker onto a decode worker with a
+KV window (``kv_window_tokens`` in its Status) is prefilled there ("moved under a
+kv window"). The lost worker computed its generated tokens one at a time, each
+over the window as it was; a prefill worker would compute them in one prefill with
+full attention (other KV, so other tokens), and must hold them whole, which a
+stream that ran past the pool cannot be. The decode worker recomputes them as they
+were first computed, one per step: exact, at a step per streamed token.
+
 Too long a stall: the decode worker has streams (running, or this router's in
 flight), and the time the prefill adds to the step they all wait out (the tokens
 at the worker's recent cost per prompt token, ``prefill_token_seconds`` in its
@@ -57,7 +65,9 @@ SHORT = Decision(True, "short")
 PREFILL_BUSY = Decision(True, "prefill busy")
 DECODE_BUSY = Decision(False, "decode busy")
 LONG = Decision(False, "long")
-_ALL = (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, DECODE_BUSY, LONG)
+MOVED_UNDER_WINDOW = Decision(True, "moved under a kv window")
+_ALL = (ALWAYS, COLOCATED, NO_PREFILL_WORKER, SHORT, PREFILL_BUSY, DECODE_BUSY, LONG,
+        MOVED_UNDER_WINDOW)  # fmt: skip
 _HERE = {d.reason: d.here for d in _ALL}
 
 
@@ -90,10 +100,15 @@ class PrefillRouting:
         attempt, not per decode worker tried."""
         self.counts[decision.reason] += 1
 
-    def decide(self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad) -> Decision:
+    def decide(
+        self, tokens: int, prefill: Sequence[WorkerLoad], decode: WorkerLoad, moved: bool = False
+    ) -> Decision:
         """``tokens``: to prefill on the decode worker (see rule 2); ``prefill``: the
-        live prefill workers' loads; ``decode``: the chosen decode worker's."""
+        live prefill workers' loads; ``decode``: the chosen decode worker's; ``moved``:
+        the request carries tokens a lost worker generated (see "moved" above)."""
         c = self.config
+        if moved and decode.kv_window_tokens:
+            return MOVED_UNDER_WINDOW
         if c.mode == "always":
             return ALWAYS
         if c.mode == "never":

@@ -48,6 +48,7 @@ class WorkerLoad:
     inflight: int = 0  # this router's requests on the worker now
     kv_blocks_total: int = 0
     kv_block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block, of KV and prefix cache
+    kv_window_tokens: int = 0  # its engine's KV window (0: none)
     # What each prompt token adds to its steps lately (tandem/worker/step_cost.py; 0
     # until it has prefilled).
     prefill_token_seconds: float = 0.0

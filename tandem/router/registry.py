@@ -62,6 +62,7 @@ class Worker:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     kv_block_size: int = 0  # tokens per block (0: not reported yet)
+    kv_window_tokens: int = 0
     prefill_token_seconds: float = 0.0
     worker_id: str = ""
     metrics_address: str = ""  # where Prometheus scrapes it ("": off)
@@ -102,6 +103,7 @@ class Worker:
             inflight=self.inflight,
             kv_blocks_total=self.kv_blocks_total,
             kv_block_size=self.kv_block_size or DEFAULT_BLOCK_SIZE,
+            kv_window_tokens=self.kv_window_tokens,
             prefill_token_seconds=self.prefill_token_seconds,
         )
 
@@ -288,6 +290,7 @@ class WorkerRegistry:
             log.info("%s worker %s restarted", worker.pool.value, worker.address)
             self.on_forget(worker.pool, worker.address)
         worker.kv_block_size = status.kv_block_size
+        worker.kv_window_tokens = status.kv_window_tokens
         worker.prefix_query_tokens = status.prefix_query_tokens
         worker.queue_depth = status.queue_depth
         worker.worker_id = status.worker_id

@@ -47,7 +47,8 @@ KV and samples the next token, and the stream goes on with no token duplicated o
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
 is that of an undisturbed run: exactly so in float32 with a float KV cache (an int8
-cache's recomputed prefill attends over exact K and V). In bfloat16 the streamed
+cache's recomputed prefill attends over exact K and V; onto a decode worker with a
+KV window the move is prefilled there, see disaggregation.py). In bfloat16 the streamed
 tokens' KV, recomputed in one prefill where the lost worker computed it a decode
 step at a time, rounds differently, and greedy text can drift after the move (a
 near-tie tipped: 2 of 3 moves of one default-model stream diverged, with or without
@@ -418,7 +419,8 @@ class Relay:
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
             # What the worker would have to compute if it prefilled: less its cached prefix.
             to_compute = len(tokens) - self.policy.cached_tokens
-            decision = self.routing.decide(to_compute, prefill, worker.load())
+            moved = bool(worker_req.output_token_ids)
+            decision = self.routing.decide(to_compute, prefill, worker.load(), moved)
             self.registry.acquire(worker)
             request = worker_pb2.DecodeRequest(request=worker_req, prefill_here=decision.here)
             stream = worker.stub.Decode(request, timeout=timeout)

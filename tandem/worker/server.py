@@ -354,6 +354,7 @@ class WorkerServer(abc.ABC):
             kv_transfer_seconds_total=m.seconds_total,
             tensor_parallel_size=self.config.engine.tensor_parallel_size,
             kv_block_size=self.config.engine.block_size,
+            kv_window_tokens=self.config.engine.kv_window_tokens or 0,
             decode_step_seconds=self.step_cost.decode_step_seconds,
             prefill_token_seconds=self.step_cost.prefill_token_seconds,
         )

@@ -45,6 +45,7 @@ class FakeWorker:
     kv_blocks_free: int = 1000
     prefix_query_tokens: int = 0
     kv_block_size: int = 16
+    kv_window_tokens: int = 0
     status_fails: bool = False
     calls: list[Call] = field(default_factory=list)
     server: grpc.aio.Server | None = None
@@ -63,6 +64,7 @@ class FakeWorker:
             kv_address="127.0.0.1:1",
             prefix_query_tokens=self.prefix_query_tokens,
             kv_block_size=self.kv_block_size,
+            kv_window_tokens=self.kv_window_tokens,
         )
 
     def _record(self, request, context) -> Call:

@@ -309,6 +309,27 @@ def test_a_decode_worker_dying_mid_stream_is_migrated_without_a_gap(frontend):
     run(scenario())
 
 
+def test_a_stream_moved_onto_a_windowed_decode_worker_is_prefilled_there(frontend):
+    # Its tokens were computed one at a time over a KV window: a prefill worker would
+    # recompute them with full attention (other tokens follow), and must hold them
+    # whole, which a stream past the pool cannot be.
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000,
+                           kv_window_tokens=32)  # fmt: skip
+        async with cluster(frontend, decode=[dying, FakeDecode(kv_window_tokens=32)]) as c:
+            stream = c.client.generate("hello", request_id="req-1")
+            assert [(await anext(stream)).token_ids for _ in range(2)] == [(10,), (11,)]
+            await dying.stop()
+            rest = [t for chunk in [chunk async for chunk in stream] for t in chunk.token_ids]
+            assert rest == [12, 13, 14]
+            moved = c.decode[1].calls[0].request
+            assert moved.prefill_here and list(moved.request.output_token_ids) == [10, 11]
+            assert len(c.prefill[0].calls) == 1  # the first attempt's only
+            assert c.router.relay.routing.counts["moved under a kv window"] == 1
+
+    run(scenario())
+
+
 def test_a_request_a_decode_workers_engine_failed_goes_on_elsewhere(frontend):
     # A failed engine step ends the worker's stream with finish_reason ERROR (status
     # OK): the client got that as its answer. It is a lost attempt like any other, and

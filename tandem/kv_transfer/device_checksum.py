@@ -104,7 +104,16 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fmix64_sum_kernel(words, physical, logical, partials, n_words, CHUNK: tl.constexpr):
+    def fmix64_sum_kernel(
+        words,
+        physical,
+        logical,
+        partials,
+        n_words,
+        CHUNK: tl.constexpr,
+        C1: tl.constexpr,  # a kernel reads no global that is not a constexpr
+        C2: tl.constexpr,
+    ):
         seg = tl.program_id(0)
         chunk = tl.program_id(1)
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -114,8 +123,8 @@ def _kernel():
         x = w.to(tl.uint16, bitcast=True).to(tl.uint64)
         index = (tl.load(logical + seg) + offs).to(tl.uint64)
         x = x | (index << 16)
-        c1 = tl.full([CHUNK], _C1, tl.int64).to(tl.uint64, bitcast=True)
-        c2 = tl.full([CHUNK], _C2, tl.int64).to(tl.uint64, bitcast=True)
+        c1 = tl.full([CHUNK], C1, tl.int64).to(tl.uint64, bitcast=True)
+        c2 = tl.full([CHUNK], C2, tl.int64).to(tl.uint64, bitcast=True)
         x = x ^ (x >> 33)
         x = x * c1
         x = x ^ (x >> 33)
@@ -137,7 +146,9 @@ def checksum_triton(
     partials = torch.empty(len(physical) * chunks, dtype=torch.int64, device=kv.device)
     if len(physical):
         grid = (len(physical), chunks)
-        _kernel()[grid](_words(kv), physical, logical, partials, words, CHUNK=_CHUNK)
+        _kernel()[grid](
+            _words(kv), physical, logical, partials, words, CHUNK=_CHUNK, C1=_C1, C2=_C2
+        )
     return int(partials.sum().item()) & _MASK64
 
 

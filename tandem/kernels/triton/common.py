@@ -257,3 +257,11 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device`` (what Triton checks a
+    compiled kernel against when it loads it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]

@@ -32,6 +32,7 @@ from tandem.kernels.triton.common import (
     check_index,
     check_query,
     is_quantized,
+    max_shared_memory,
     widen,
 )
 
@@ -125,13 +126,21 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def default_tiles(head_dim: int, query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) for this head size and prompt length."""
+# What the large tiles take at head_dim 128 (tests/kernels/gpu_compile.py): they do
+# not load on a device with less shared memory per program (Turing's 64 KiB).
+LARGE_TILES_SHARED = 96 * 1024
+
+
+def default_tiles(
+    head_dim: int, query_len: int, dtype: torch.dtype, max_shared: int = LARGE_TILES_SHARED
+) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) for this head size and prompt length,
+    on a device with ``max_shared`` bytes of shared memory per program."""
     if INTERPRET:
         return 16, 16, 1, 1
     if dtype == torch.float32:  # a checking dtype, not a serving one: keep shared memory small
         return 64, 32, 4, 2
-    if query_len <= 64:
+    if query_len <= 64 or max_shared < LARGE_TILES_SHARED:
         return 64, 64, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
@@ -185,7 +194,8 @@ def prefill_attention(
         check_device(q, new_k, new_v)
     else:
         new_k = new_v = q  # not read
-    bm, bn, warps, stages = default_tiles(head_dim, query_len, q.dtype)
+    shared = LARGE_TILES_SHARED if INTERPRET else max_shared_memory(q.device)
+    bm, bn, warps, stages = default_tiles(head_dim, query_len, q.dtype, shared)
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q)
     grid = (triton.cdiv(query_len, bm), num_heads)

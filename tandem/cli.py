@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the router also serves the OpenAI-compatible HTTP API here (0: a free port)",
     )
-    serve.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch threads per rank (default: engine.num_threads, "
+                       "else the cores shared out)")  # fmt: skip
     _add_tensor_parallel_flag(serve)
     for pool in ("prefill", "decode"):
         serve.add_argument(

@@ -120,10 +120,13 @@ class ClusterConfig:
         return self.engine.tensor_parallel_size if own is None else own
 
     def worker_threads(self) -> int:
-        """torch threads for each process that computes (each rank of each worker): the
-        CPUs this process may run on (its affinity, as under a cpuset) shared out."""
+        """torch threads for each process that computes (each rank of each worker):
+        ``threads_per_worker``, else the engine section's ``num_threads``, else the CPUs
+        this process may run on (its affinity, as under a cpuset) shared out."""
         if self.threads_per_worker:
             return self.threads_per_worker
+        if self.engine.num_threads:  # as on Ray: a value in the file is not dropped
+            return self.engine.num_threads
         ranks = self.num_prefill * self.width("prefill") + self.num_decode * self.width("decode")
         return max(1, len(os.sched_getaffinity(0)) // ranks)  # the CPUs this may run on
 

@@ -102,6 +102,12 @@ def test_threads_default_to_a_share_of_the_cores_this_may_run_on(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert _config(num_prefill=1, num_decode=3).worker_threads() == 2
     assert _config(num_prefill=4, num_decode=5).worker_threads() == 1
+    # The engine section's num_threads is a default too (it was replaced without a word).
+    from tandem.deploy.local import cluster_config
+
+    given = cluster_config({"engine": {"model": "tiny-random", "num_threads": 3}})
+    assert given.worker_threads() == 3
+    assert _config(threads_per_worker=1).worker_threads() == 1
 
 
 # A launcher that starts a fake cluster, prints the children's pids and waits to be killed.

@@ -557,18 +557,24 @@ def main(argv: list[str] | None = None) -> int:
     # A model may emit any character; never crash on a terminal that cannot show it.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format="tandem: %(message)s",
-    )
+    from tandem import logs
+
+    level = logging.DEBUG if args.verbose else logging.INFO
+    json_lines = (getattr(args, "log_format", None) or os.environ.get(logs.ENV)) == "json"
+    if json_lines:  # the launcher's own lines too: "decode-0 exited with code 4 ..."
+        logs.configure("tandem", level, "json")
+    else:
+        logging.basicConfig(level=level, stream=sys.stderr, format="tandem: %(message)s")
     # httpx logs every request at INFO: one line per call of an HTTP load run.
     for chatty in ("httpx", "httpcore"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except TandemError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
+        if json_lines:
+            logging.getLogger("tandem").error("error: %s", exc)
+        else:
+            print(f"tandem: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -65,3 +65,20 @@ def test_the_format_comes_from_the_environment_and_a_bad_one_is_named(monkeypatc
     monkeypatch.setenv(logs.ENV, "xml")
     with pytest.raises(ConfigError, match="TANDEM_LOG_FORMAT"):
         logs.configure("router", stream=captured)
+
+
+def test_the_tandem_command_writes_json_lines_too_when_asked():
+    # Its own lines (a launcher's "decode-0 exited ...", a command's error) stayed text.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, logs.ENV: "json"}
+    for args, code in ((["--max-tokens", "2", "hello"], 0), (["--model", "nosuch", "x"], 2)):
+        run = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "generate", "--colocated", "--model",
+             "tiny-random", *args], env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == code, run.stderr
+        lines = run.stderr.splitlines()
+        assert lines and all(json.loads(line)["process"] == "tandem" for line in lines), lines

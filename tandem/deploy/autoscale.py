@@ -7,7 +7,8 @@ every ``interval_s`` and applies what it returns.
 Per pool, the load is one number per serving worker:
 - prefill: queue depth (requests waiting to be scheduled);
 - decode: KV utilisation, used blocks / total blocks in [0, 1] (the decode worker
-  reserves a request's blocks for prompt + max_tokens when it accepts it).
+  reserves a request's prompt and ``reserve_output_tokens`` more when it accepts it,
+  and grows it from there).
 
 The wanted size is ``ceil(replicas * mean / target)`` (the rule of Kubernetes'
 horizontal pod autoscaler), kept at the current size while the mean is within

@@ -43,7 +43,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--http-port", type=int, help="OpenAI-compatible API (0: a free port)")
     parser.add_argument("--prefill", action="append", help="prefill worker host:port (repeat)")
     parser.add_argument("--decode", action="append", help="decode worker host:port (repeat)")
-    parser.add_argument("--placement", help="least-loaded or round-robin")
+    parser.add_argument("--placement", help="least-loaded, round-robin or prefix-aware")
     parser.add_argument("--max-queue", type=int, help="in-flight bound (then RESOURCE_EXHAUSTED)")
     add_router_security_flags(parser)
     args = parser.parse_args(argv)

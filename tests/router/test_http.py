@@ -158,6 +158,30 @@ def test_a_body_past_max_request_bytes_is_413_before_it_is_read_and_odd_bodies_a
     run(scenario())
 
 
+def test_a_client_still_sending_a_refused_body_reads_its_413(frontend):
+    # Closed at once, the connection was reset under a client still writing, and the
+    # reset threw the unread 413 away: urllib saw ECONNRESET every time.
+    import urllib.error
+    import urllib.request
+
+    def post(url: str, body: bytes) -> int:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, body), timeout=20)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        return 200
+
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:  # 4 MiB
+            url = f"http://{c.router.http_address}/v1/completions"
+            body = json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}).encode()
+            codes = [await asyncio.to_thread(post, url, body) for _ in range(5)]
+            assert codes == [413] * 5
+            assert c.worker_calls() == 0
+
+    run(scenario())
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_400_and_a_bug_a_json_500(monkeypatch):
     from tandem.config import RouterConfig
     from tandem.router.frontend import Frontend

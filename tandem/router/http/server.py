@@ -209,21 +209,38 @@ class HttpApi:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _body(self, request: Request) -> bytes:
-        """The request's body, refused (413) past ``max_request_bytes`` without reading
-        more of it than that."""
+        """The request's body, refused (413) past ``max_request_bytes`` without keeping
+        more of it than that.
+
+        A client still sending when the 413 goes out would have the connection reset
+        under it, and a reset can throw the unread 413 away (urllib lost it every
+        time): so the rest is read and dropped for a while first (at most another
+        ``max_request_bytes``, ``LINGER_S`` seconds), as a web server's lingering
+        close does. A client that waits for ``100 Continue`` has sent nothing yet."""
         limit = self.max_request_bytes
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise _too_large(int(length), limit)
+        error = _too_large(int(length), limit) if length.isdigit() and int(length) > limit else None
+        if error is not None and request.headers.get("expect", "").lower() == "100-continue":
+            raise error
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise _too_large(size, limit, more=True)
-                chunks.append(chunk)
-        except ClientDisconnect:  # it hung up (or was too slow) mid-upload
-            raise _ClientGone() from None
+            async with asyncio.timeout(None) as linger:
+                if error is not None:
+                    linger.reschedule(asyncio.get_running_loop().time() + LINGER_S)
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if error is None and size > limit:
+                        error = _too_large(size, limit, more=True)
+                        linger.reschedule(asyncio.get_running_loop().time() + LINGER_S)
+                    if error is None:
+                        chunks.append(chunk)
+                    elif size > 2 * limit:
+                        break
+        except (ClientDisconnect, TimeoutError):  # it hung up (or was too slow) mid-upload
+            if error is None:
+                raise _ClientGone() from None
+        if error is not None:
+            raise error
         return b"".join(chunks)
 
     def _key(self, request: Request):
@@ -280,6 +297,8 @@ class HttpApi:
 # keep-alive timer only after a response, so a connection that sent nothing or half a
 # request was held for good, each taking a descriptor from the whole router.
 REQUEST_TIMEOUT_S = 30.0
+# How long the rest of a refused body is read and dropped before its 413 (``_body``).
+LINGER_S = 2.0
 
 
 def _connection_cap() -> int:

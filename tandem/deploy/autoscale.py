@@ -17,12 +17,16 @@ Scale-up may jump several workers at once; scale-down removes one worker per
 decision, because each removal drains in-flight requests. After a pool's size
 changes, it does not grow again for ``scale_up_cooldown_s`` nor shrink for
 ``scale_down_cooldown_s``, so that a new worker's effect shows in the numbers
-before the next decision. Bounds win over cooldowns: a pool outside its bounds
-is brought inside at once.
+before the next decision. A pool shrinks only when every size asked for over the
+last ``scale_down_window_s`` was smaller (Kubernetes' stabilization window): one
+low sample of a noisy queue must not drain a worker that the next sample wants
+back, and nothing shrinks in the first window after the autoscaler starts. Bounds
+win over cooldowns: a pool outside its bounds is brought inside at once.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,14 +67,19 @@ class AutoscaleConfig:
     tolerance: float = 0.1  # no change while |mean / target - 1| <= tolerance
     scale_up_cooldown_s: float = 30.0
     scale_down_cooldown_s: float = 120.0
+    scale_down_window_s: float = 60.0  # shrink only if every size asked for in it was smaller
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0:
+        # Written as "not (ok)": a NaN fails every comparison, and slipped through
+        # "x <= 0" (asyncio.sleep(nan) never returns; a NaN cooldown never cools).
+        if not (0 < self.interval_s < math.inf):
             raise ConfigError(f"autoscale.interval_s must be > 0, got {self.interval_s}")
         if not 0 <= self.tolerance < 1:
             raise ConfigError(f"autoscale.tolerance must be in [0, 1), got {self.tolerance}")
-        if self.scale_up_cooldown_s < 0 or self.scale_down_cooldown_s < 0:
-            raise ConfigError("autoscale cooldowns must be >= 0")
+        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s", "scale_down_window_s"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf):
+                raise ConfigError(f"autoscale.{name} must be >= 0, got {value}")
         self.prefill.check("prefill")
         self.decode.check("decode")
         if self.decode.target > 1:
@@ -118,17 +127,26 @@ class Autoscaler:
         self.config = config
         self.pools = tuple(pools)
         self._last_change: dict[str, float] = {}
+        # By pool: (time, size asked for) over the last scale_down_window_s, and when
+        # the first was asked.
+        self._asked: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._first: dict[str, float] = {}
 
     def resized(self, pool: str, now: float) -> None:
         """Record a size change made elsewhere (a manual scale): cooldowns start from it."""
         self._last_change[pool] = now
 
     def decide(
-        self, now: float, replicas: dict[str, int], loads: dict[str, Sequence[float]]
+        self,
+        now: float,
+        replicas: dict[str, int],
+        loads: dict[str, Sequence[float]],
+        pools: Sequence[str] | None = None,
     ) -> dict[str, Decision]:
+        """The next size of each of ``pools`` (default: all it sizes)."""
         return {
             pool: self._decide(pool, now, replicas[pool], loads.get(pool, ()))
-            for pool in self.pools
+            for pool in (self.pools if pools is None else pools)
         }
 
     def _decide(self, pool: str, now: float, current: int, loads: Sequence[float]) -> Decision:
@@ -137,12 +155,22 @@ class Autoscaler:
         wanted = wanted_replicas(current, loads, policy, cfg.tolerance)
         mean = f"mean load {sum(loads) / len(loads):.2f}" if loads else "no load reported"
         since = now - self._last_change.get(pool, -math.inf)
+        asked = self._asked.setdefault(pool, collections.deque())
+        asked.append((now, wanted))
+        while asked[0][0] < now - cfg.scale_down_window_s:
+            asked.popleft()
+        window = now - self._first.setdefault(pool, now)
         if current < policy.min_replicas or current > policy.max_replicas:
             target, why = wanted, f"outside [{policy.min_replicas}, {policy.max_replicas}]"
         elif wanted > current and since < cfg.scale_up_cooldown_s:
             target, why = current, f"{mean}; scale-up cooling down ({since:.0f} s)"
         elif wanted < current and since < cfg.scale_down_cooldown_s:
             target, why = current, f"{mean}; scale-down cooling down ({since:.0f} s)"
+        elif wanted < current and (
+            window < cfg.scale_down_window_s or max(n for _, n in asked) >= current
+        ):
+            target, why = current, (f"{mean}; not under target for scale_down_window_s "
+                                    f"({cfg.scale_down_window_s:g} s) yet")  # fmt: skip
         elif wanted < current:
             target, why = current - 1, f"{mean} under target {policy.target:g}"
         elif wanted > current:

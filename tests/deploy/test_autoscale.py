@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tandem.deploy.autoscale import AutoscaleConfig, Autoscaler, PoolPolicy, wanted_replicas
@@ -16,6 +18,7 @@ def _config(**kw) -> AutoscaleConfig:
         tolerance=0.1,
         scale_up_cooldown_s=30,
         scale_down_cooldown_s=60,
+        scale_down_window_s=0,  # its own test below
     )
     values.update(kw)
     return AutoscaleConfig(**values)
@@ -109,3 +112,29 @@ def test_bounds_win_over_cooldown_and_load():
 def test_bad_settings_are_named(kw, message):
     with pytest.raises(ConfigError, match=message):
         AutoscaleConfig(**kw)
+
+
+def test_a_pool_shrinks_only_when_its_load_stayed_low_over_the_window():
+    # Each decision used one sample: a steady but noisy queue (mean 5 over 3 workers)
+    # lost a worker at one low sample and won it back at the next high one, a drain
+    # and a model load each time; and a pool shrank 5 s after the autoscaler started.
+    scaler = Autoscaler(_config(scale_down_cooldown_s=0, scale_down_window_s=60))
+    low, high = {"prefill": [0, 1, 1], "decode": [0.5]}, {"prefill": [2, 2, 2], "decode": [0.5]}
+    sizes = {"prefill": 3, "decode": 1}
+    assert scaler.decide(5.0, sizes, low)["prefill"].replicas == 3  # just started
+    assert "scale_down_window_s" in scaler.decide(6.0, sizes, low)["prefill"].reason
+    for t in range(30, 200, 30):  # a low sample between high ones: the size holds
+        assert scaler.decide(float(t), sizes, high)["prefill"].replicas == 3
+        assert scaler.decide(t + 15.0, sizes, low)["prefill"].replicas == 3
+    for t in range(200, 250, 10):  # low from 195 s on: the window still holds 180 s's
+        assert scaler.decide(float(t), sizes, low)["prefill"].replicas == 3
+    assert scaler.decide(250.0, sizes, low)["prefill"].replicas == 2
+
+
+@pytest.mark.parametrize("name", ["interval_s", "scale_up_cooldown_s", "scale_down_cooldown_s",
+                                  "scale_down_window_s"])  # fmt: skip
+def test_a_setting_that_is_not_a_number_or_negative_is_refused_by_name(name):
+    # NaN passed "x <= 0": asyncio.sleep(nan) never returns, and a NaN cooldown never cools.
+    for bad in (math.nan, -5.0):
+        with pytest.raises(ConfigError, match=f"autoscale.{name} must be"):
+            AutoscaleConfig(**{name: bad})

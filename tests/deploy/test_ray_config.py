@@ -125,16 +125,27 @@ def _controller(**autoscale) -> Controller:
         decode=PoolPolicy(max_replicas=4, target=0.5),
         scale_up_cooldown_s=0,
         scale_down_cooldown_s=0,
+        scale_down_window_s=0,
         **autoscale,
     )
     ctrl = Controller(RayDeployConfig(autoscale=policy))
     ctrl.reconciled = []
 
-    async def reconcile():
-        ctrl.reconciled.append(dict(ctrl.targets))
+    async def reconcile(pools=("prefill", "decode")):
+        ctrl.reconciled.append({pool: ctrl.targets[pool] for pool in pools})
 
     ctrl._reconcile = reconcile
     return ctrl
+
+
+def _autoscale(ctrl: Controller) -> None:
+    """One autoscale round, and the resizes it started in the background."""
+
+    async def round_and_resizes():
+        await ctrl._autoscale_once()
+        await asyncio.gather(*ctrl._resizes.values())
+
+    asyncio.run(round_and_resizes())
 
 
 def _add(ctrl: Controller, name: str, **stats) -> _Worker:
@@ -148,9 +159,9 @@ def test_the_controller_feeds_queue_depth_and_kv_use_to_the_policy():
     ctrl = _controller()
     _add(ctrl, "prefill-0", queue_depth=6, running=2, kv_blocks_used=0, kv_blocks_total=100)
     _add(ctrl, "decode-1", queue_depth=0, running=9, kv_blocks_used=90, kv_blocks_total=100)
-    asyncio.run(ctrl._autoscale_once())
-    # queue 6 vs 2 per worker -> 3; KV 0.9 vs 0.5 -> 2
-    assert ctrl.reconciled == [{"prefill": 3, "decode": 2}]
+    _autoscale(ctrl)
+    # queue 6 vs 2 per worker -> 3; KV 0.9 vs 0.5 -> 2; each pool resized on its own
+    assert sorted(ctrl.reconciled, key=list) == [{"decode": 2}, {"prefill": 3}]
     assert any("autoscale prefill: 1 -> 3" in e for e in ctrl.events)
 
 
@@ -158,7 +169,7 @@ def test_the_controller_leaves_pools_alone_near_target_and_without_numbers():
     ctrl = _controller()
     _add(ctrl, "prefill-0", queue_depth=2, kv_blocks_used=0, kv_blocks_total=100)
     _add(ctrl, "decode-1")  # no stats yet: still starting
-    asyncio.run(ctrl._autoscale_once())
+    _autoscale(ctrl)
     assert ctrl.reconciled == []
 
 
@@ -254,19 +265,38 @@ def test_the_router_runs_on_the_head_unless_its_resources_say_otherwise():
     assert "node:__internal_head__" not in _local_resources(cfg)
 
 
-def test_the_autoscaler_waits_while_a_resize_is_under_way():
+def test_the_autoscaler_leaves_a_resizing_pool_alone_and_sizes_the_other():
+    # Its numbers do not show the resize yet; and one start may wait for a node for
+    # startup_timeout_s (600 s), during which every round used to return at once,
+    # whatever the other pool's load.
     ctrl = _controller()
     _add(ctrl, "prefill-0", queue_depth=6, running=2, kv_blocks_used=0, kv_blocks_total=100)
+    _add(ctrl, "decode-1", queue_depth=0, running=9, kv_blocks_used=90, kv_blocks_total=100)
 
     async def during_a_resize():
-        ctrl._lock = asyncio.Lock()
-        async with ctrl._lock:  # a scale holds it until its workers serve
+        ctrl._locks = {pool: asyncio.Lock() for pool in ("prefill", "decode")}
+        async with ctrl._locks["decode"]:  # a decode worker waits for a node
             await ctrl._autoscale_once()
-        assert ctrl.reconciled == [] and ctrl.targets["prefill"] == 1
+            await asyncio.gather(*ctrl._resizes.values())
+            assert ctrl.reconciled == [{"prefill": 3}] and ctrl.targets["decode"] == 1
+        ctrl.workers["prefill-0"].stats["queue_depth"] = 2  # at its target now
         await ctrl._autoscale_once()
+        await asyncio.gather(*ctrl._resizes.values())
 
     asyncio.run(during_a_resize())
-    assert ctrl.reconciled == [{"prefill": 3, "decode": 1}]  # only the round after it
+    assert ctrl.reconciled == [{"prefill": 3}, {"decode": 2}]  # decode: the round after
+
+
+def test_a_worker_that_stopped_answering_is_not_counted_in_its_pools_load():
+    # Its last numbers (a queue of 20) are a dead or restarting process's: they grew
+    # the pool on their own, while the live worker sat at its target.
+    ctrl = _controller()
+    ctrl.targets["prefill"] = 2
+    _add(ctrl, "prefill-0", queue_depth=20, kv_blocks_used=0, kv_blocks_total=100).answering = False
+    _add(ctrl, "prefill-1", queue_depth=2, kv_blocks_used=0, kv_blocks_total=100)
+    _add(ctrl, "decode-2", kv_blocks_used=50, kv_blocks_total=100)
+    _autoscale(ctrl)
+    assert ctrl.reconciled == []
 
 
 def test_pools_of_the_same_width_may_be_disaggregated():

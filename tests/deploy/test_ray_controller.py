@@ -37,7 +37,7 @@ def _controller(setup=lambda w: None, **settings) -> Controller:
 
 def _run(ctrl: Controller, coro_fn):
     async def main():
-        ctrl._lock = asyncio.Lock()
+        ctrl._locks = {pool: asyncio.Lock() for pool in ("prefill", "decode")}
         return await coro_fn()
 
     return asyncio.run(main())
@@ -302,13 +302,14 @@ def test_the_monitor_tops_up_a_short_pool_one_attempt_at_a_time(killed):
             "decode-1 did not start: RuntimeError: CUDA out of memory"
         ]
         await ctrl._monitor_once()  # starts decode-2, which waits at the gate
-        first = ctrl._top_up
+        first = ctrl._top_up["decode"]
         await ctrl._monitor_once()  # decode-2 is still starting: nothing more is started
-        assert ctrl._top_up is first and sorted(made) == ["decode-1", "decode-2", "prefill-0"]
+        assert ctrl._top_up["decode"] is first
+        assert sorted(made) == ["decode-1", "decode-2", "prefill-0"]
         gate.set()
         assert await first == []
         await ctrl._monitor_once()  # at the target: nothing to do
-        assert ctrl._top_up is first
+        assert ctrl._top_up == {"decode": first}
 
     _run(ctrl, go)
     assert sorted(made) == ["decode-1", "decode-2", "prefill-0"]
@@ -390,8 +391,52 @@ def test_a_worker_ray_will_not_restart_is_replaced_at_the_next_round(killed, mon
         dead.stats.fail = RuntimeError("ActorDiedError")
         monkeypatch.setattr(recovery, "dead_for_good", lambda handle: handle is dead)
         await ctrl._monitor_once()
-        assert await ctrl._top_up == []
+        assert await ctrl._top_up["decode"] == []
 
     _run(ctrl, go)
     assert sorted(ctrl.workers) == ["decode-2", "prefill-0"]
     assert any("decode-1 lost: Ray will not restart it" in e for e in ctrl.events)
+
+
+def test_autoscaling_goes_on_while_a_worker_waits_for_a_node(killed):
+    # A start that waits for a node (up to startup_timeout_s, 600 s) held the one lock
+    # of every resize, and each autoscale round returned at once while it was held: a
+    # prefill queue of 40 on one worker grew nothing, for as long as the start waited.
+    from tandem.deploy.autoscale import AutoscaleConfig, PoolPolicy
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    def setup(w):
+        if w.name == "decode-3":  # no node has room for a third decode worker
+            w.info.hang = True
+
+    policy = AutoscaleConfig(enabled=True, scale_up_cooldown_s=0, scale_down_window_s=0,
+                             prefill=PoolPolicy(1, 6, 2.0))  # fmt: skip
+    ctrl = _controller(setup, decode_pool=ActorResources(replicas=2, resources={"decode": 1}),
+                       autoscale=policy)  # fmt: skip
+    made = ctrl._actor_classes["worker"].made
+
+    def load(name: str, used: int = 0, queue: int = 0) -> None:
+        fake = made[name]
+        fake.stats.fn = lambda: {**fake.current, "running": 0, "queue_depth": queue,
+                                 "kv_blocks_used": used, "kv_blocks_total": 100}  # fmt: skip
+
+    async def go():
+        assert await ctrl._reconcile() == []  # prefill-0, decode-1, decode-2
+        load("decode-1", used=90)
+        load("decode-2", used=90)
+        load("prefill-0")
+        await ctrl._monitor_once()
+        await ctrl._autoscale_once()  # decode 2 -> 3: decode-3 waits for a node
+        await asyncio.sleep(0.1)
+        assert ctrl.targets["decode"] == 3 and ctrl.resizing("decode")
+        load("prefill-0", queue=40)
+        await ctrl._monitor_once()
+        await asyncio.wait_for(ctrl._autoscale_once(), 2)
+        await asyncio.wait_for(ctrl._resizes["prefill"], 5)
+        assert ctrl.targets == {"prefill": 6, "decode": 3}
+        assert sorted(made) == ["decode-1", "decode-2", "decode-3", "prefill-0", "prefill-4",
+                                "prefill-5", "prefill-6", "prefill-7", "prefill-8"]  # fmt: skip
+        assert ctrl.resizing("decode")  # still waiting, and not started twice
+        await ctrl.shutdown(grace=0)
+
+    _run(ctrl, go)

@@ -44,6 +44,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from tandem import logs
@@ -54,6 +55,7 @@ from tandem.deploy.ray_cluster.state import (
     CALL_TIMEOUT_S,
     ROUTER_NAME,
     NotStarted,
+    _log_crash,
     _log_errors,
     _why,
     _Worker,
@@ -81,9 +83,14 @@ class Controller:
         self.events: deque[str] = deque(maxlen=50)  # recent membership changes, for status
         self.targets_written: list | None = None  # the metrics targets file's last contents
         self._next_id = 0  # worker names are <pool>-<n>, never reused
-        self._lock: asyncio.Lock | None = None  # made on the actor's event loop
+        # One per pool, made on the actor's event loop: a pool's starts and drains are
+        # one at a time, and a start waiting for a node holds up no other pool.
+        self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task] = []
-        self._top_up: asyncio.Task | None = None  # the monitor's ``_reconcile`` in progress
+        # By pool: the monitor's top-up (``_reconcile``) and the autoscaler's resize in
+        # progress, in the background (a start may wait ``startup_timeout_s``).
+        self._top_up: dict[str, asyncio.Task] = {}
+        self._resizes: dict[str, asyncio.Task] = {}
         self._actor_classes: dict[str, Any] = {}
         # Calls wait for this while a restarted controller rebuilds its view.
         self._ready = asyncio.Event()
@@ -100,7 +107,7 @@ class Controller:
 
         Raises ``NotStarted`` naming each piece that did not start, and why.
         """
-        self._lock = asyncio.Lock()
+        self._locks = {pool: asyncio.Lock() for pool in POOLS}
         self._save()
         await self._start_router()
         failed = await self._reconcile()
@@ -162,7 +169,7 @@ class Controller:
             await self.recover()
 
     async def _recover(self) -> None:
-        self._lock = asyncio.Lock()
+        self._locks = {pool: asyncio.Lock() for pool in POOLS}
         try:
             await adoption.adopt_all(self)
         except Exception:  # what was adopted stays; the monitor does the rest
@@ -225,11 +232,11 @@ class Controller:
         import ray
 
         await self._until_ready()
-        tasks = self._tasks + ([self._top_up] if self._top_up is not None else [])
+        tasks = [*self._tasks, *self._top_up.values(), *self._resizes.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks, self._top_up = [], None
+        self._tasks, self._top_up, self._resizes = [], {}, {}
         if self.router is not None:
             try:
                 await asyncio.wait_for(self.router.stop.remote(grace), grace + CALL_TIMEOUT_S)
@@ -264,31 +271,48 @@ class Controller:
 
     # ---- pools -----------------------------------------------------------------------------
 
-    async def _reconcile(self) -> list[str]:
-        """Start or drain workers until each pool's serving count equals its target.
+    async def _reconcile(self, pools: Sequence[str] = POOLS) -> list[str]:
+        """Start or drain workers until each of ``pools`` serves its target count.
 
         Returns what went wrong: each worker that did not start, and any other job's
         error (empty: the pools are at their targets).
         """
-        async with self._lock:
-            if self.config.request_nodes:
-                self._request_capacity()
-            jobs = []
-            for pool in POOLS:
-                live = [w for w in self.workers.values() if w.pool == pool and w.state == "serving"]
-                # Adopted after a restart and not answering yet: it serves soon, or it is
-                # lost and freed (adoption.py); started again here, the pool overshoots.
-                starting = [w for w in self.workers.values()
-                            if w.pool == pool and w.state == "starting"]  # fmt: skip
-                missing = self.targets[pool] - len(live) - len(starting)
-                jobs += [self._start_worker(pool) for _ in range(missing)]
-                for w in self._pick_for_removal(live, len(live) - self.targets[pool]):
-                    w.state = "draining"
-                    jobs.append(self._stop_worker(w, self.config.drain_timeout_s))
-            # Every job runs to its end whatever another does; each failure is reported.
-            results = await asyncio.gather(*jobs, return_exceptions=True)
+        if self.config.request_nodes:
+            self._request_capacity()
+        done = await asyncio.gather(*(self._reconcile_pool(pool) for pool in pools))
+        results = [r for pool_results in done for r in pool_results]
         failed = [r for r in results if isinstance(r, str)]
         return failed + _log_errors("reconcile", results)
+
+    async def _reconcile_pool(self, pool: str) -> list:
+        async with self._locks[pool]:
+            live = [w for w in self.workers.values() if w.pool == pool and w.state == "serving"]
+            # Adopted after a restart and not answering yet: it serves soon, or it is
+            # lost and freed (adoption.py); started again here, the pool overshoots.
+            starting = [w for w in self.workers.values()
+                        if w.pool == pool and w.state == "starting"]  # fmt: skip
+            missing = self.targets[pool] - len(live) - len(starting)
+            jobs = [self._start_worker(pool) for _ in range(missing)]
+            for w in self._pick_for_removal(live, len(live) - self.targets[pool]):
+                w.state = "draining"
+                jobs.append(self._stop_worker(w, self.config.drain_timeout_s))
+            # Every job runs to its end whatever another does; each failure is reported.
+            return await asyncio.gather(*jobs, return_exceptions=True)
+
+    def resizing(self, pool: str) -> bool:
+        """Whether ``pool`` is starting or draining workers (its numbers do not show it yet)."""
+        lock, task = self._locks.get(pool), self._resizes.get(pool)
+        return bool(lock and lock.locked()) or (task is not None and not task.done())
+
+    def _resize_soon(self, pool: str) -> None:
+        """Apply ``pool``'s new target in the background; its cooldown counts from the end."""
+
+        async def resize() -> None:
+            await self._reconcile([pool])
+            self._resized([pool])
+
+        self._resizes[pool] = asyncio.create_task(resize())
+        self._resizes[pool].add_done_callback(_log_crash)
 
     @staticmethod
     def _pick_for_removal(live: list[_Worker], count: int) -> list[_Worker]:

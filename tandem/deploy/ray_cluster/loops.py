@@ -74,18 +74,20 @@ async def monitor_once(ctrl: Controller) -> None:
     await asyncio.gather(*(membership.sync_router(ctrl, w) for w in owed))
     if ctrl.config.metrics:
         write_targets(ctrl)
-    if _short(ctrl) and (ctrl._top_up is None or ctrl._top_up.done()):
+    for pool in _short(ctrl):
         # Replacements, or a start that failed before. In the background: a start may
         # take ``startup_timeout_s``, and the stats and the router need watching
-        # meanwhile. One at a time, so an unplaceable worker is not retried in a loop.
-        ctrl._top_up = asyncio.create_task(ctrl._reconcile())
-        ctrl._top_up.add_done_callback(_log_crash)
+        # meanwhile. One at a time per pool, so an unplaceable worker is not retried in
+        # a loop, and a start waiting for a node holds up no other pool's.
+        if pool not in ctrl._top_up or ctrl._top_up[pool].done():
+            ctrl._top_up[pool] = asyncio.create_task(ctrl._reconcile([pool]))
+            ctrl._top_up[pool].add_done_callback(_log_crash)
 
 
-def _short(ctrl: Controller) -> bool:
-    """Whether a pool has fewer live (starting or serving) workers than its target."""
+def _short(ctrl: Controller) -> list[str]:
+    """The pools with fewer live (starting or serving) workers than their targets."""
     live = [w.pool for w in ctrl.workers.values() if w.state != "draining"]
-    return any(live.count(pool) < ctrl.targets[pool] for pool in POOLS)
+    return [pool for pool in POOLS if live.count(pool) < ctrl.targets[pool]]
 
 
 async def autoscale_forever(ctrl: Controller) -> None:
@@ -99,9 +101,14 @@ async def autoscale_forever(ctrl: Controller) -> None:
 
 
 async def autoscale_once(ctrl: Controller) -> None:
-    if ctrl._lock is not None and ctrl._lock.locked():
-        return  # a resize is under way: the numbers do not show its effect yet
-    serving = [w for w in ctrl.workers.values() if w.state == "serving" and w.stats]
+    """One round: each pool not resizing now is sized by the load of its workers that
+    answer (a silent one's last numbers are a dead or restarting process's), and a
+    new size is applied in the background. A pool starting or draining workers is
+    left alone until that is done: its numbers do not show the change yet, and one
+    start may wait ``startup_timeout_s`` for a node while the other pool needs sizing."""
+    pools = [pool for pool in ctrl.autoscaler.pools if not ctrl.resizing(pool)]
+    serving = [w for w in ctrl.workers.values()
+               if w.state == "serving" and w.answering and w.stats]  # fmt: skip
     loads = {
         "prefill": [w.stats["queue_depth"] for w in serving if w.pool == "prefill"],
         "decode": [
@@ -110,14 +117,13 @@ async def autoscale_once(ctrl: Controller) -> None:
             if w.pool == "decode"
         ],
     }
-    decisions = ctrl.autoscaler.decide(time.monotonic(), dict(ctrl.targets), loads)
-    changed = False
-    for pool, d in decisions.items():
-        if d.replicas != ctrl.targets[pool]:
-            ctrl._event(f"autoscale {pool}: {d.current} -> {d.replicas} ({d.reason})")
-            ctrl.targets[pool] = d.replicas
-            changed = True
+    decisions = ctrl.autoscaler.decide(time.monotonic(), dict(ctrl.targets), loads, pools)
+    changed = [pool for pool, d in decisions.items() if d.replicas != ctrl.targets[pool]]
+    for pool in changed:
+        d = decisions[pool]
+        ctrl._event(f"autoscale {pool}: {d.current} -> {d.replicas} ({d.reason})")
+        ctrl.targets[pool] = d.replicas
     if changed:
         ctrl._save()
-        await ctrl._reconcile()
-        ctrl._resized([pool for pool, d in decisions.items() if d.replicas != d.current])
+        for pool in changed:
+            ctrl._resize_soon(pool)

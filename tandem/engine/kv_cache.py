@@ -229,7 +229,7 @@ class KVCache:
             return False
         blocks = self.pool.allocate(len(seq.host_blocks))
         self.host.swap_in(seq.host_blocks, self.tensor, blocks)
-        seq.block_table = blocks
+        seq.block_table = list(blocks)  # not the list the copy names: the table grows
         seq.host_blocks = None
         return self.ensure(seq, num_tokens)
 

@@ -404,8 +404,10 @@ class TensorParallel:
 
     def kv_op(self, op: tuple) -> None:
         """A change rank 0 made to its KV outside a step (blocks zeroed, copied to or
-        from the host tier): the others make it to theirs before the next step."""
-        self._ops.append(op)
+        from the host tier): the others make it to theirs before the next step. Its
+        lists are copied now: sent later, a list that changed since (a block table
+        that grew) would name other blocks than rank 0's copy did."""
+        self._ops.append(tuple(list(a) if isinstance(a, list) else a for a in op))
 
     def step(self, plan: StepPlan) -> None:
         """Send every other rank this step (call before computing it on rank 0)."""

@@ -146,6 +146,18 @@ def test_ranks_with_their_own_caches_zero_blocks_as_rank_zero_does(own_caches):
     assert _same_tokens("tiny-random", 2, num_blocks=9, max_num_batched_tokens=16) > 0
 
 
+def test_ranks_with_their_own_caches_swap_in_as_rank_zero_does(own_caches):
+    # A swapped-in sequence that needed one more block at once: the queued copy shared
+    # its list with the block table, which grew before the copy was sent, so rank 1
+    # copied 7 host blocks into 8 and failed, and the worker with it.
+    tok = build_tokenizer()
+    base = tok.encode("shared system prompt, quite long indeed " * 2)
+    prompts = [base + tok.encode(f" q{i} " * (1 + i)) for i in range(5)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    settings = dict(num_blocks=14, host_kv_cache_bytes=1 << 20, max_num_seqs=8)
+    _same_tokens("tiny-random", 2, prompts, params, **settings)
+
+
 def test_own_caches_are_not_transferable_and_say_so(own_caches):
     engine = make_engine("tiny-random", tensor_parallel_size=2, num_blocks=8)
     try:

@@ -726,7 +726,7 @@ def load_model(
         raise ConfigError(f"cannot load weights from {model_dir}: {exc}") from exc
     int4 = _int4_packed(config, model, model_dir, device, dtype, shard)
     if config.kv_cache_dtype == "int8":
-        k_balance.balance(model)
+        k_balance.balance(model, _group_queries(model_dir, cfg, shard))
     model = model.to(device=device, dtype=dtype).eval()
     # The RoPE tables stay float32: positions near the context end need the precision.
     model.rope_cos = model.rope_cos.float()
@@ -737,6 +737,26 @@ def load_model(
     for name, forms in int4.items():
         model.get_submodule(name).use_int4(forms, config.int4_max_rows)
     return model
+
+
+def _group_queries(model_dir: Path, cfg: ModelConfig, shard: Shard):
+    """Per layer, the query rows (weight, bias) of the whole groups of ``shard``'s KV
+    heads, where it holds only some of their query heads (more ranks than KV heads:
+    each KV head is on several ranks); None where it holds them all."""
+    mine = shard.config(cfg)
+    group = cfg.num_heads // cfg.num_kv_heads
+    if mine.num_heads == mine.num_kv_heads * group:
+        return None
+    kv = shard.kv_heads(cfg)
+    rows = (slice(kv.start * group * cfg.head_dim, kv.stop * group * cfg.head_dim),)
+    tensors = load_state_dict(
+        model_dir, lambda name: (rows, False), lambda name: ".self_attn.q_proj." in name
+    )
+    return [
+        (tensors[f"model.layers.{i}.self_attn.q_proj.weight"],
+         tensors.get(f"model.layers.{i}.self_attn.q_proj.bias"))
+        for i in range(cfg.num_layers)
+    ]  # fmt: skip
 
 
 def _int4_packed(

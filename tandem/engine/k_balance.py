@@ -73,24 +73,33 @@ def channel_factors(
     return torch.exp2(log2).float()
 
 
-def balance(model) -> None:
+def balance(model, group_queries: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None):
     """Give each attention layer of ``model`` (a LlamaModel with its weights loaded,
-    before packing) its factors: what an int8 KV cache stores (``Attention.forward``)."""
+    before packing) its factors: what an int8 KV cache stores (``Attention.forward``).
+
+    ``group_queries``: per layer, the query rows (weight, bias) of every head in the
+    groups of ``model``'s KV heads, where the model holds fewer (a tensor-parallel rank
+    whose KV heads are replicated across ranks). A group's factors come from all its
+    queries, so that every width computes the same ones: a cache written at one width
+    is read at another (a KV transfer), which the handshake does not tell apart."""
     cfg = model.cfg
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         w = attn.qkv_proj.weight.detach()
         b = attn.qkv_proj.bias
         b = None if b is None else b.detach()
+        wq, bq = w[:q_size], None if b is None else b[:q_size]
+        if group_queries is not None:
+            wq, bq = group_queries[i]
         factors = channel_factors(
-            w[:q_size],
+            wq,
             w[q_size : q_size + kv_size],
             layer.input_layernorm.weight.detach(),
             model.rope_cos,
             model.rope_sin_signed,
             cfg.num_kv_heads,
-            None if b is None else b[:q_size],
+            bq,
             None if b is None else b[q_size : q_size + kv_size],
         )
         attn.set_k_balance(factors)

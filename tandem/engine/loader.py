@@ -148,10 +148,12 @@ def read_config(model_dir: Path) -> dict:
 Part = Callable[[str], tuple[tuple[slice, ...] | None, bool]]
 
 
-def load_state_dict(model_dir: Path, part: Part | None = None) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    model_dir: Path, part: Part | None = None, only: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors of a directory's safetensors shards (float as stored); ``part``: read
     only that part of each (a tensor-parallel rank's slice: parallel.Shard.part), so a
-    rank never holds the whole model in memory."""
+    rank never holds the whole model in memory; ``only``: the names to read."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -161,6 +163,8 @@ def load_state_dict(model_dir: Path, part: Part | None = None) -> dict[str, torc
     for f in files:
         with safe_open(str(f), framework="pt") as weights:
             for name in weights.keys():
+                if only is not None and not only(name):
+                    continue
                 index, zero = part(name) if part else (None, False)
                 t = weights.get_tensor(name) if index is None else weights.get_slice(name)[index]
                 tensors[name] = t.zero_() if zero else t

@@ -337,3 +337,37 @@ def test_the_other_ranks_leave_signals_to_rank_zero_and_listen_on_loopback_only(
         assert set(listening) <= {"127.0.0.1"}, listening
     finally:
         engine.close()
+
+
+def test_int8_k_factors_are_the_same_at_every_width(tmp_path):
+    # More ranks than KV heads: a rank holds part of its KV head's query group, and its
+    # factors came from that part, so a cache written at one width was read at another
+    # (a KV transfer, which the handshake allowed) with other factors: wrong tokens.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tandem.engine.engine import load_model, model_source
+    from tandem.engine.loader import resolve_model
+
+    shutil.copytree(resolve_model("tiny-random"), tmp_path, dirs_exist_ok=True)
+    for f in tmp_path.glob("*.safetensors"):  # the two heads of a group look at other channels
+        weights = load_file(f)
+        for name, w in weights.items():
+            if name.endswith("q_proj.weight"):
+                w = w.clone().view(4, 16, -1)  # 4 query heads of 16 channels, 2 per group
+                w[0::2, [0, 1, 8, 9]] *= 40
+                w[1::2, [4, 5, 12, 13]] *= 40
+                weights[name] = w.reshape(64, -1).contiguous()
+        save_file(weights, f, metadata={"format": "pt"})
+    config = EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_dtype="int8")
+    model_dir, cfg = model_source(config)
+    cpu = torch.device("cpu")
+    one = load_model(config, model_dir, cfg, cpu, torch.float32)
+    assert any((layer.self_attn.k_balance != 1).any() for layer in one.layers)
+    for rank in range(4):
+        shard = Shard(rank, 4)
+        wide = load_model(config, model_dir, cfg, cpu, torch.float32, shard)
+        kv = shard.kv_heads(cfg)
+        for a, b in zip(one.layers, wide.layers, strict=True):
+            assert torch.equal(b.self_attn.k_balance, a.self_attn.k_balance[kv]), rank

@@ -18,14 +18,18 @@ it stops being healthy only on evidence of death,
 and it becomes healthy again at its next successful ``Status``. Load is what
 placement weighs: a slow worker has a longer queue and gets less.
 
-Load: each poll stores the worker's numbers; between polls the registry counts
-what this router sent (requests placed, KV blocks reserved) so that placement
-sees a burst of requests as load at once. A poll resets those counts, as the
-worker's own numbers should include them from then on; they may not yet (a worker
-answers with the numbers from before its current engine step), so a worker's
-queue and running together are never taken as less than this router has in
-flight there (less, on a prefill worker, the calls whose first token is back and
-whose KV is only being shipped).
+Load: each poll stores the worker's numbers, and how many calls this router had
+there (``active_at_poll``); between polls the change in that count is what the
+numbers lack: calls placed since (a burst counts as load at once) and calls ended
+since (a worker polled mid-request is idle again once it ends, not at the next
+poll). Calls that start or end while a Status is on its way may or may not be in
+its numbers: the count taken is the larger of those as it was asked and answered,
+so a call placed then is not counted twice, and one ended then is left out. The
+numbers may also lack calls sent during the worker's current engine step (it
+answers with those from before it), so a worker's queue and running together are
+never taken as less than this router has in flight there (less, on a prefill
+worker, the calls whose first token is back and whose KV is only being shipped);
+KV blocks named in destinations since the poll are taken off its free blocks.
 """
 
 from __future__ import annotations
@@ -260,8 +264,7 @@ class WorkerRegistry:
     async def _poll(self, worker: Worker) -> None:
         # Generous: one poll is outstanding per worker, and only the window below counts.
         timeout = min(max(2.0, self.status_interval_s), self.worker_timeout_s)
-        # As the call goes: one of ours that ends while the answer is on its way is in
-        # its numbers, and must be left out of them once it ended.
+        # As the call goes (see "Load" above).
         active = worker.inflight - worker.shipping
         try:
             status = await worker.stub.Status(worker_pb2.StatusRequest(), timeout=timeout)
@@ -284,10 +287,12 @@ class WorkerRegistry:
                 f"but it was registered as a {worker.pool.value} worker",
             )
             return
-        if status.prefix_query_tokens < worker.prefix_query_tokens or (
-            worker.kv_block_size and status.kv_block_size != worker.kv_block_size
-        ):
+        # What placement hashed in before this answer (the default before the first).
+        block_size = worker.kv_block_size or DEFAULT_BLOCK_SIZE
+        if status.prefix_query_tokens < worker.prefix_query_tokens:
             log.info("%s worker %s restarted", worker.pool.value, worker.address)
+            self.on_forget(worker.pool, worker.address)
+        elif status.kv_block_size and status.kv_block_size != block_size:
             self.on_forget(worker.pool, worker.address)
         worker.kv_block_size = status.kv_block_size
         worker.kv_window_tokens = status.kv_window_tokens
@@ -299,7 +304,7 @@ class WorkerRegistry:
         worker.kv_blocks_free = status.kv_blocks_free
         worker.kv_blocks_total = status.kv_blocks_total
         worker.prefill_token_seconds = status.prefill_token_seconds
-        worker.active_at_poll = active
+        worker.active_at_poll = max(active, worker.inflight - worker.shipping)
         worker.reserved_since_poll = 0
         worker.last_ok = self._clock()
         if not worker.healthy:

@@ -255,3 +255,50 @@ def test_prefix_placement_hashes_in_the_block_size_a_worker_reports(frontend):
             await wait_until(lambda: decode.address not in history, what="forgotten")
 
     run(scenario())
+
+
+class SlowLiveQueue(FakePrefill):
+    """Reports the calls it holds as its queue, counted as its Status answers, late."""
+
+    async def Status(self, request, context):
+        await asyncio.sleep(0.3)
+        self.queue_depth = sum(not call.finished and call.cancelled_at is None
+                               for call in self.calls)  # fmt: skip
+        return await super().Status(request, context)
+
+
+def test_a_call_placed_while_a_status_is_on_its_way_is_counted_once(frontend):
+    # It reached the worker before the answer, so the numbers hold it: counted again as
+    # "placed since", the worker looked twice as busy until the next poll.
+    async def scenario():
+        slow = SlowLiveQueue(delay_s=2.0)
+        async with cluster(frontend, [slow], status_interval_s=60) as c:
+            (worker,) = c.router.registry.workers(Pool.PREFILL)
+            polled = asyncio.ensure_future(c.router.registry.poll_once())
+            await asyncio.sleep(0.05)  # the Status is asked for
+            request = asyncio.ensure_future(c.client.complete("hello"))
+            await wait_until(lambda: len(slow.calls) == 1, what="placed")
+            await polled
+            assert (worker.queue_depth, worker.inflight) == (1, 1)
+            load = worker.load()
+            assert load.queue_depth + load.running == 1
+            await request
+
+    run(scenario())
+
+
+def test_history_hashed_before_a_workers_block_size_was_known_is_forgotten(frontend):
+    async def scenario():
+        decode = FakeDecode(kv_block_size=32)
+        async with cluster(frontend, decode=[decode], placement="prefix-aware",
+                           status_interval_s=60) as c:  # fmt: skip
+            (worker,) = c.router.registry.workers(Pool.DECODE)
+            policy = c.router.relay.policy
+            worker.kv_block_size = 0  # as before its first Status: placed in blocks of 16
+            policy.pick(Pool.DECODE, [worker.load()], list(range(100)))
+            assert policy._history[Pool.DECODE][decode.address]
+            await c.router.registry.poll_once()
+            assert decode.address not in policy._history[Pool.DECODE]
+            assert worker.kv_block_size == 32
+
+    run(scenario())

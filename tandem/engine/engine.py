@@ -391,9 +391,8 @@ class LLMEngine:
         total = len(prompt_ids) + output
         windowed = self.kv.window_tokens is not None
         if transfer or not windowed:  # KV that arrives is held whole before any window
-            self._check_fits_whole(
-                len(prompt_ids) + len(output_ids) if windowed else total, "a decode worker reserves"
-            )
+            whole = len(prompt_ids) + len(output_ids) + 1  # and the next token's
+            self._check_fits_whole(whole if windowed else total, "a decode worker reserves")
         seq = self._new_sequence(
             prompt_ids, params, request_id, output_ids, register=False, cache_salt=cache_salt
         )

@@ -130,8 +130,11 @@ def test_kv_held_whole_that_cannot_fit_is_refused_by_name(tiny_engine):
     engine.validate(prompt, params)  # colocated, the window bounds it
     with pytest.raises(InvalidRequestError, match="ships the KV of 40 tokens whole: 10 KV"):
         engine.add_request(prompt, params, "p", prefill_only=True)
-    with pytest.raises(InvalidRequestError, match="reserves the KV of 40 tokens whole: 10 KV"):
+    with pytest.raises(InvalidRequestError, match="reserves the KV of 41 tokens whole: 11 KV"):
         engine.reserve(prompt, params, "d")
+    # Exactly the pool, and the next token's slot beyond: refused, not "full" for ever.
+    with pytest.raises(InvalidRequestError, match="reserves the KV of 33 tokens whole: 9 KV"):
+        engine.reserve(prompt[:32], params, "d")
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
     # Prefilled where it decodes, it is computed in segments under the window: no
     # whole to hold (a request moved off a lost worker, whose stream ran past the pool).

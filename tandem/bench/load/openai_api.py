@@ -74,6 +74,7 @@ class OpenAIClient:
             raise ConfigError("a client certificate needs both cert_file and key_file")
         secure = bool(tls or ca_file or cert_file)
         scheme, sep, rest = target.partition("://")
+        scheme = scheme.lower()
         if not sep:
             scheme, rest = ("https" if secure else "http"), target
         elif scheme == "http" and secure:

@@ -52,7 +52,7 @@ def test_connection_flags_are_those_of_the_tandem_client():
         with pytest.raises(ConfigError, match="refusing"):
             OpenAIClient("192.0.2.2:8000", environ={"TANDEM_API_KEY": "k" * 20})
         with pytest.raises(ConfigError, match="says http://"):
-            OpenAIClient("http://192.0.2.2:8000", tls=True)
+            OpenAIClient("HTTP://192.0.2.2:8000", tls=True)
         with pytest.raises(ConfigError, match="both cert_file and key_file"):
             OpenAIClient("192.0.2.2:8000", cert_file="c.pem")
         secure = OpenAIClient("192.0.2.2:8000/v1", tls=True, api_key="k" * 20)

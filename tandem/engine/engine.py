@@ -121,10 +121,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self.tensor_parallel: TensorParallel | None = None
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            # Triton launches on the current device, not its tensors': on cuda:1 every
-            # launch would fail (a pointer it cannot access).
-            torch.cuda.set_device(self.device)
         threads = rank_threads(config, self.device)
         if threads:
             torch.set_num_threads(threads)

@@ -28,6 +28,7 @@ device (the reference, and the fallback without triton).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -146,9 +147,11 @@ def checksum_triton(
     partials = torch.empty(len(physical) * chunks, dtype=torch.int64, device=kv.device)
     if len(physical):
         grid = (len(physical), chunks)
-        _kernel()[grid](
-            _words(kv), physical, logical, partials, words, CHUNK=_CHUNK, C1=_C1, C2=_C2
-        )
+        # Triton launches on the calling thread's current device (a transfer thread's).
+        with torch.cuda.device(kv.device) if kv.is_cuda else contextlib.nullcontext():
+            _kernel()[grid](
+                _words(kv), physical, logical, partials, words, CHUNK=_CHUNK, C1=_C1, C2=_C2
+            )
     return int(partials.sum().item()) & _MASK64
 
 

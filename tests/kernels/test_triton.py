@@ -8,6 +8,7 @@ launchers' refusals are checked word for word.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -238,3 +239,36 @@ def test_triton_on_cpu_without_the_interpreter_is_a_config_error(triton_ops, mon
     monkeypatch.setattr(triton_ops, "INTERPRET", False)
     with pytest.raises(ConfigError, match="attention_backend 'triton' runs on CUDA devices, got"):
         resolve_backend("triton", torch.device("cpu"))
+
+
+def test_every_launcher_runs_on_its_tensors_device_whatever_the_thread(monkeypatch):
+    # Triton launches on the calling thread's current CUDA device, and the engine steps
+    # on a thread of its own: a worker on cuda:1 launched every kernel on cuda:0.
+    import contextlib
+    import threading
+
+    from tandem.kernels.triton import kv_store, paged_decode, paged_prefill
+
+    entered = []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append((threading.current_thread().name, d))
+        yield
+
+    class OnGpu1:
+        is_cuda, device = True, "cuda:1"
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    for launcher in (kv_store.store_kv, paged_decode.decode_attention,
+                     paged_prefill.prefill_attention):  # fmt: skip
+        entered.clear()
+        thread = threading.Thread(target=lambda f=launcher: _swallow(f, OnGpu1()), name="step")
+        thread.start()
+        thread.join()
+        assert entered == [("step", "cuda:1")], launcher.__name__
+
+
+def _swallow(launcher, first) -> None:
+    with contextlib.suppress(Exception):  # the stand-in is no tensor past the device check
+        launcher(first, None, None, None, None, None, None)

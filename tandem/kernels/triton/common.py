@@ -8,6 +8,7 @@ if and only if the variable was set before the first import of this package.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -265,3 +266,22 @@ def max_shared_memory(device: torch.device) -> int:
     compiled kernel against when it loads it)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def on_its_device(launcher):
+    """Run ``launcher`` with the calling thread's current CUDA device set to that of its
+    first argument. Triton launches on the current device, not on its tensors', and
+    that is set per thread: the engine steps on a thread of its own, so a worker on
+    cuda:1 would launch every kernel on cuda:0."""
+
+    name = next(iter(inspect.signature(launcher).parameters))
+
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        first = args[0] if args else kwargs[name]
+        if not first.is_cuda:
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launcher(*args, **kwargs)
+
+    return launch

@@ -20,6 +20,7 @@ from tandem.kernels.triton.common import (
     check_index,
     head_dim_of,
     is_quantized,
+    on_its_device,
 )
 
 
@@ -84,6 +85,7 @@ def _store_kv_kernel(
     _store_rows(v_cache_ptr, rows, v, h_mask, d, HEAD_DIM, QUANT)
 
 
+@on_its_device
 def store_kv(
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
     v: torch.Tensor,  # [tokens, kv_heads, head_dim]

@@ -26,6 +26,7 @@ from tandem.kernels.triton.common import (
     check_query,
     is_quantized,
     num_sms,
+    on_its_device,
     widen,
 )
 
@@ -156,6 +157,7 @@ def choose_num_splits(
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+@on_its_device
 @on_rotated_kv
 def decode_attention(
     q: torch.Tensor,  # [batch, num_heads, head_dim], one new token per sequence

@@ -33,6 +33,7 @@ from tandem.kernels.triton.common import (
     check_query,
     is_quantized,
     max_shared_memory,
+    on_its_device,
     widen,
 )
 
@@ -147,6 +148,7 @@ def default_tiles(
     return 128, 64, 8, 3
 
 
+@on_its_device
 @on_rotated_kv
 def prefill_attention(
     q: torch.Tensor,  # [query_len, num_heads, head_dim]

@@ -145,12 +145,18 @@ class KVCache:
         past them a later request's hit would read KV computed without the window,
         and its tokens would depend on which requests came before it."""
         n = len(seq.token_ids)
+        first = self.first_slide_tokens()
+        return n if first is None else min(n, first, seq.num_prompt_tokens)
+
+    def first_slide_tokens(self) -> int | None:
+        """Under a window, where a prompt's first slide comes (the end of a segment):
+        no KV past it enters the prefix cache. None without a window."""
         if self.window_tokens is None:
-            return n
-        upto = self.window_step  # the end of the segment after which the first slide comes
-        while upto < n and upto - (self.sink_blocks + 1) * self.block_size < self.window_tokens:
+            return None
+        upto = self.window_step
+        while upto - (self.sink_blocks + 1) * self.block_size < self.window_tokens:
             upto += self.window_step
-        return min(n, upto, seq.num_prompt_tokens)
+        return upto
 
     def window_chunk(self, seq: Sequence, n: int) -> int:
         """How many of ``n`` tokens ``seq`` may compute in its next step (see ``slide``):

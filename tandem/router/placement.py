@@ -49,6 +49,7 @@ class WorkerLoad:
     kv_blocks_total: int = 0
     kv_block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block, of KV and prefix cache
     kv_window_tokens: int = 0  # its engine's KV window (0: none)
+    prefix_cache_max_tokens: int = 0  # the most of a prompt its prefix cache keeps (0: all)
     # What each prompt token adds to its steps lately (tandem/worker/step_cost.py; 0
     # until it has prefilled).
     prefill_token_seconds: float = 0.0
@@ -177,8 +178,9 @@ class PrefixAware(PlacementPolicy):
         self._history: dict[Pool, dict[str, collections.OrderedDict[int, None]]] = {
             pool: {} for pool in Pool
         }
-        # worker address -> (KV blocks it holds, tokens per block), as of its last placement
-        self._pool_size: dict[str, tuple[int, int]] = {}
+        # worker address -> (KV blocks it holds, tokens per block, prefix_cache_max_tokens),
+        # as of its last placement
+        self._pool_size: dict[str, tuple[int, int, int]] = {}
 
     def pick(
         self,
@@ -187,16 +189,18 @@ class PrefixAware(PlacementPolicy):
         token_ids: Sequence[int] = (),
         cache_salt: str = "",
     ) -> WorkerLoad:
-        # Each worker's blocks in its own block size (one size in any usual deployment).
+        # Each worker's blocks in its own block size (one size in any usual deployment),
+        # as many as its prefix cache keeps of a prompt.
         hashes = {
-            bs: self._hashes(token_ids, cache_salt, bs)
-            for bs in {w.kv_block_size for w in candidates}
-        }
-        history = self._history[pool]
-        matched = {
-            w.address: self._matched(history.get(w.address), hashes[w.kv_block_size])
+            (w.kv_block_size, w.prefix_cache_max_tokens): self._hashes(
+                token_ids, cache_salt, w.kv_block_size, w.prefix_cache_max_tokens
+            )
             for w in candidates
         }
+        mine = {w.address: hashes[w.kv_block_size, w.prefix_cache_max_tokens] for w in candidates}
+        history = self._history[pool]
+        matched = {w.address: self._matched(history.get(w.address), mine[w.address])
+                   for w in candidates}  # fmt: skip
         # A decode worker without room for the blocks the prompt adds to what it holds
         # would refuse the reservation, however much of the prompt it holds (unless
         # every worker is as short: least-loaded's band).
@@ -207,7 +211,7 @@ class PrefixAware(PlacementPolicy):
                 w
                 for w in candidates
                 if w.kv_blocks_free >= KV_BAND * most
-                or w.kv_blocks_free > len(hashes[w.kv_block_size]) + 1 - matched[w.address]
+                or w.kv_blocks_free > len(mine[w.address]) + 1 - matched[w.address]
             ]
         held = {w.address: matched[w.address] * w.kv_block_size for w in candidates}  # tokens
         best = max((held[w.address] for w in eligible), default=0)
@@ -217,7 +221,7 @@ class PrefixAware(PlacementPolicy):
             least = min(load.values())
             holders = [w for w in eligible if held[w.address] == best]
             holder = min(holders, key=lambda w: (load[w.address], w.inflight))
-            full = len(hashes[holder.kv_block_size])
+            full = len(mine[holder.address])
             if (
                 matched[holder.address] >= self.min_match * full
                 and load[holder.address] - least <= self.imbalance_max
@@ -229,16 +233,17 @@ class PrefixAware(PlacementPolicy):
         self._pool_size[choice.address] = (
             choice.kv_blocks_total or _UNKNOWN_POOL_BLOCKS,
             choice.kv_block_size,
+            choice.prefix_cache_max_tokens,
         )
-        self._remember(pool, choice.address, hashes[choice.kv_block_size])
+        self._remember(pool, choice.address, mine[choice.address])
         return choice
 
     def finished(
         self, pool: Pool, address: str, token_ids: Sequence[int], cache_salt: str = ""
     ) -> None:
         if address in self._pool_size:
-            block_size = self._pool_size[address][1]
-            self._remember(pool, address, self._hashes(token_ids, cache_salt, block_size))
+            _, block_size, most = self._pool_size[address]
+            self._remember(pool, address, self._hashes(token_ids, cache_salt, block_size, most))
 
     def forget(self, pool: Pool, address: str) -> None:
         self._history[pool].pop(address, None)
@@ -247,12 +252,14 @@ class PrefixAware(PlacementPolicy):
 
     @staticmethod
     def _hashes(
-        token_ids: Sequence[int], cache_salt: str = "", bs: int = DEFAULT_BLOCK_SIZE
+        token_ids: Sequence[int], cache_salt: str = "", bs: int = DEFAULT_BLOCK_SIZE, most: int = 0
     ) -> list[int]:
         """Chained hashes of the full blocks of ``bs`` tokens a worker could reuse (not
-        the last token's), as the workers' prefix caches compute them."""
+        the last token's; at most ``most`` tokens' where that is not 0), as the
+        workers' prefix caches compute them."""
         parent, out = prefix_root(cache_salt), []
-        for i in range((len(token_ids) - 1) // bs):
+        n = len(token_ids) - 1 if not most else min(len(token_ids) - 1, most)
+        for i in range(n // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             out.append(parent)
         return out

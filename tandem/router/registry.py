@@ -67,6 +67,7 @@ class Worker:
     kv_blocks_total: int = 0
     kv_block_size: int = 0  # tokens per block (0: not reported yet)
     kv_window_tokens: int = 0
+    prefix_cache_max_tokens: int = 0
     prefill_token_seconds: float = 0.0
     worker_id: str = ""
     metrics_address: str = ""  # where Prometheus scrapes it ("": off)
@@ -108,6 +109,7 @@ class Worker:
             kv_blocks_total=self.kv_blocks_total,
             kv_block_size=self.kv_block_size or DEFAULT_BLOCK_SIZE,
             kv_window_tokens=self.kv_window_tokens,
+            prefix_cache_max_tokens=self.prefix_cache_max_tokens,
             prefill_token_seconds=self.prefill_token_seconds,
         )
 
@@ -296,6 +298,7 @@ class WorkerRegistry:
             self.on_forget(worker.pool, worker.address)
         worker.kv_block_size = status.kv_block_size
         worker.kv_window_tokens = status.kv_window_tokens
+        worker.prefix_cache_max_tokens = status.prefix_cache_max_tokens
         worker.prefix_query_tokens = status.prefix_query_tokens
         worker.queue_depth = status.queue_depth
         worker.worker_id = status.worker_id

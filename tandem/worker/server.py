@@ -355,9 +355,17 @@ class WorkerServer(abc.ABC):
             tensor_parallel_size=self.config.engine.tensor_parallel_size,
             kv_block_size=self.config.engine.block_size,
             kv_window_tokens=self.config.engine.kv_window_tokens or 0,
+            prefix_cache_max_tokens=self._prefix_cache_max_tokens(),
             decode_step_seconds=self.step_cost.decode_step_seconds,
             prefill_token_seconds=self.step_cost.prefill_token_seconds,
         )
+
+    def _prefix_cache_max_tokens(self) -> int:
+        """Status's bound on what the prefix cache keeps of a prompt (0: none): a KV
+        window's first slide on a decode worker; a prefill worker's prompts never slide."""
+        if self.engine is None or self.role_proto != worker_pb2.ROLE_DECODE:
+            return 0
+        return self.engine.kv.first_slide_tokens() or 0
 
     def _publish_load(self, engine: LLMEngine) -> None:
         """Engine thread, before every step: one consistent snapshot of its numbers."""

@@ -189,6 +189,21 @@ def test_prefix_aware_counts_in_each_workers_own_block_size():
     assert policy.cached_tokens == 0
 
 
+def test_prefix_aware_counts_no_more_than_a_windowed_worker_caches():
+    # A decode worker with a KV window keeps a prompt's blocks only up to its first
+    # slide: counted whole, a 10-block prompt looked cached and "short" to prefill
+    # there, and the worker computed 6 blocks of it while its streams waited.
+    policy = PrefixAware()
+    windowed = [load("a", kv_blocks_free=1000, kv_blocks_total=1000, prefix_cache_max_tokens=64)]
+    prompt = _prompt(1, 10, tail=3)
+    policy.pick(Pool.DECODE, windowed, prompt)
+    assert len(policy._history[Pool.DECODE]["a"]) == 4
+    policy.pick(Pool.DECODE, windowed, prompt)
+    assert policy.cached_tokens == 64
+    policy.finished(Pool.DECODE, "a", [*prompt, *range(200)])
+    assert len(policy._history[Pool.DECODE]["a"]) == 4
+
+
 def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():
     # It would refuse the reservation however much of the prompt it holds; with every
     # holder full, the request waited out queue_timeout_s while a worker had room.

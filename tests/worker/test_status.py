@@ -73,3 +73,18 @@ def test_status_reports_the_host_tier(tiny_engine):
     finally:
         stop_worker(bg, worker)
         bg.close()
+
+
+def test_a_windowed_decode_worker_says_how_much_of_a_prompt_its_prefix_cache_keeps():
+    window = dict(block_size=4, kv_sink_tokens=4, kv_window_tokens=8, max_num_batched_tokens=8)
+    bg = BackgroundLoop()
+    decode = start_worker(bg, DecodeConfig(engine=engine_config(**window), kv_backend="inproc"))
+    prefill = start_worker(bg, PrefillConfig(engine=engine_config(**window), kv_backend="inproc"))
+    try:
+        first_slide = decode.server.engine.kv.first_slide_tokens()
+        assert decode.status().prefix_cache_max_tokens == first_slide == 16
+        assert prefill.status().prefix_cache_max_tokens == 0  # its prompts never slide
+    finally:
+        stop_worker(bg, decode)
+        stop_worker(bg, prefill)
+        bg.close()

@@ -116,7 +116,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served", "kv_transfers_total", "kv_bytes_total", "kv_transfer_seconds_total", "prefix_query_tokens", "prefix_hit_tokens", "prefilled_here", "metrics_address", "host_blocks_used", "host_swaps_out_total", "host_swaps_in_total", "host_prefix_hit_blocks_total", "tensor_parallel_size", "decode_step_seconds", "prefill_token_seconds", "shipped_prefix_query_tokens", "shipped_prefix_hit_tokens", "kv_block_size", "kv_window_tokens")
+    __slots__ = ("worker_id", "role", "queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_address", "served", "kv_transfers_total", "kv_bytes_total", "kv_transfer_seconds_total", "prefix_query_tokens", "prefix_hit_tokens", "prefilled_here", "metrics_address", "host_blocks_used", "host_swaps_out_total", "host_swaps_in_total", "host_prefix_hit_blocks_total", "tensor_parallel_size", "decode_step_seconds", "prefill_token_seconds", "shipped_prefix_query_tokens", "shipped_prefix_hit_tokens", "kv_block_size", "kv_window_tokens", "prefix_cache_max_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class WorkerStatus(_message.Message):
     SHIPPED_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     queue_depth: int
@@ -171,4 +172,5 @@ class WorkerStatus(_message.Message):
     shipped_prefix_hit_tokens: int
     kv_block_size: int
     kv_window_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ..., kv_transfers_total: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefilled_here: _Optional[int] = ..., metrics_address: _Optional[str] = ..., host_blocks_used: _Optional[int] = ..., host_swaps_out_total: _Optional[int] = ..., host_swaps_in_total: _Optional[int] = ..., host_prefix_hit_blocks_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., prefill_token_seconds: _Optional[float] = ..., shipped_prefix_query_tokens: _Optional[int] = ..., shipped_prefix_hit_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_max_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., served: _Optional[int] = ..., kv_transfers_total: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., kv_transfer_seconds_total: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefilled_here: _Optional[int] = ..., metrics_address: _Optional[str] = ..., host_blocks_used: _Optional[int] = ..., host_swaps_out_total: _Optional[int] = ..., host_swaps_in_total: _Optional[int] = ..., host_prefix_hit_blocks_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., prefill_token_seconds: _Optional[float] = ..., shipped_prefix_query_tokens: _Optional[int] = ..., shipped_prefix_hit_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ..., prefix_cache_max_tokens: _Optional[int] = ...) -> None: ...

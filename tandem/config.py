@@ -343,7 +343,8 @@ class DisaggregationConfig:
     the decode worker when the prompt is short or the prefill pool busy (unless the
     prefill would stall a busy decode worker's streams by more than
     ``local_max_stall_ms``), or when the pool has no live worker; on the prefill pool
-    otherwise.
+    otherwise. In every mode, a stream moved onto a decode worker with a KV window is
+    prefilled there (disaggregation.py).
     """
 
     mode: str = "always"

@@ -64,7 +64,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = req.request_id
         if request.prefill_here:
-            async for response in self._prefill_here(req, context):
+            async for response in self._prefill_here(req, context, request.prompt_whole):
                 yield response
             return
         self._active.add(rid)
@@ -120,9 +120,12 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             )
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    async def _prefill_here(self, req, context) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _prefill_here(
+        self, req, context, prompt_whole: bool = False
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         """The request runs here from its prefill on: no KV to wait for, no lease. The
-        first chunk carries the first token, sampled here."""
+        first chunk carries the first token, sampled here. ``prompt_whole``: see
+        ``LLMEngine.prefill_here``."""
         server = self.server
         loop, rid = server.loop, req.request_id
         self._active.add(rid)
@@ -134,8 +137,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
         def start(e: LLMEngine) -> list[int]:
             blocks = e.prefill_here(
-                req.prompt_ids, req.params, rid, req.output_ids, cache_salt=req.cache_salt
-            )
+                req.prompt_ids, req.params, rid, req.output_ids, cache_salt=req.cache_salt,
+                prompt_whole=prompt_whole,
+            )  # fmt: skip
             owned.append(True)
             return blocks
 

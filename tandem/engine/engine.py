@@ -349,14 +349,18 @@ class LLMEngine:
         request_id: str,
         output_ids: Seq[int] = (),
         cache_salt: str = "",
+        prompt_whole: bool = False,
     ) -> list[int]:
         """Decode side, no KV transfer: reserve as ``reserve`` does (the prompt's cached
         prefix blocks shared, not copied) and run the request from its prefill on, in
         this engine's batch. Returns its blocks. Raises OutOfBlocksError when it does
-        not fit now."""
+        not fit now. ``prompt_whole``: under a KV window, compute the prompt as a
+        prefill worker does, with no slide until it is done (a stream moved here whose
+        prompt came from one), then ``output_ids`` one at a time as first computed."""
         seq = self._reserve(
-            prompt_ids, params, request_id, output_ids, match_prefix=True, cache_salt=cache_salt
-        )
+            prompt_ids, params, request_id, output_ids, match_prefix=True, cache_salt=cache_salt,
+            prompt_whole=prompt_whole,
+        )  # fmt: skip
         self.kv.count_admission(seq)
         self._register(seq)
         self.scheduler.add_running(seq)
@@ -371,6 +375,7 @@ class LLMEngine:
         match_prefix: bool = False,
         transfer: bool = False,
         cache_salt: str = "",
+        prompt_whole: bool = False,
     ) -> Sequence:
         """A sequence with blocks for its tokens so far and ``reserve_output_tokens`` more
         (at least one, at most up to max_tokens; all of max_tokens when None), not yet
@@ -386,12 +391,14 @@ class LLMEngine:
             output = min(output, len(output_ids) + ahead)
         total = len(prompt_ids) + output
         windowed = self.kv.window_tokens is not None
-        if transfer or not windowed:  # KV that arrives is held whole before any window
-            whole = len(prompt_ids) + len(output_ids) + 1  # and the next token's
+        prompt_whole = prompt_whole or transfer  # a prefill worker computed it whole
+        if prompt_whole or not windowed:  # held whole before any window slides it
+            whole = len(prompt_ids) + (len(output_ids) if transfer else 0) + 1  # + the next
             self._check_fits_whole(whole if windowed else total, "a decode worker reserves")
         seq = self._new_sequence(
             prompt_ids, params, request_id, output_ids, register=False, cache_salt=cache_salt
         )
+        seq.prompt_whole = prompt_whole
         if match_prefix:
             self.kv.match_prefix(seq)
             if not transfer:  # a transfer fills the blocks after the cached ones: slid in admit
@@ -435,9 +442,8 @@ class LLMEngine:
         seq = req.seq
         if seq.status is not Status.RESERVED:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
-        seq.num_computed = self.kv.same_as_windowed(seq)
-        self.kv.commit(seq)  # only KV that this engine would have computed the same
         seq.num_computed = len(seq.token_ids)
+        self.kv.commit(seq)  # prompt_whole: only KV that the window would compute the same
         self.kv.slide(seq)  # a KV window keeps the arrived prompt's sinks and window
         out = self._postprocess(req, first_token)
         if not out.finished:

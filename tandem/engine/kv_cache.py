@@ -128,6 +128,8 @@ class KVCache:
             return 0
         upto = seq.num_computed
         if upto < seq.num_prompt_tokens:
+            if seq.prompt_whole:
+                return 0
             upto -= upto % self.window_step
         bs, freed = self.block_size, 0
         while self.table_index(seq, upto) - (self.sink_blocks + 1) * bs >= self.window_tokens:
@@ -166,6 +168,8 @@ class KVCache:
         done = seq.num_computed
         if done >= seq.num_prompt_tokens:  # generated tokens (recomputed after preemption)
             return min(n, 1)
+        if seq.prompt_whole:  # no segments: the prompt, then each generated token alone
+            return min(n, seq.num_prompt_tokens - done)
         return min(n, self.window_step - done % self.window_step, seq.num_prompt_tokens - done)
 
     def match_prefix(self, seq: Sequence) -> None:
@@ -271,11 +275,15 @@ class KVCache:
 
     def commit(self, seq: Sequence) -> None:
         """Register hashes of blocks that became full and computed, for prefix reuse
-        (not once the window freed some: table indices no longer count from 0)."""
+        (not once the window freed some: table indices no longer count from 0; of a
+        prompt computed whole, only what the window would have computed the same)."""
         if not self.enable_prefix_caching or seq.num_evicted_blocks:
             return
         bs = self.block_size
-        while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
+        done = seq.num_computed
+        if seq.prompt_whole:
+            done = min(done, self.same_as_windowed(seq))
+        while (seq.num_hashed_blocks + 1) * bs <= done:
             i = seq.num_hashed_blocks
             h = hash_block(seq.last_block_hash, seq.token_ids[i * bs : (i + 1) * bs])
             self.pool.set_hash(seq.block_table[i], h)

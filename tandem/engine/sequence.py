@@ -62,6 +62,10 @@ class Sequence:
     last_block_hash: int | None = None
     finish_reason: FinishReason | None = None
     prefill_only: bool = False  # stop after the first token and keep the KV (HELD)
+    # Under a KV window: its prompt's KV is full attention, as a prefill worker computes
+    # it (it arrived so, or a stream whose prompt did so moved here), and is computed so
+    # again (after a preemption): no slide until the prompt is done.
+    prompt_whole: bool = False
     admitted: bool = False  # scheduled once (its prefix lookup counted; a recompute is not)
 
     def __len__(self) -> int:

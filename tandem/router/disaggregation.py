@@ -22,7 +22,9 @@ kv window"). The lost worker computed its generated tokens one at a time, each
 over the window as it was; a prefill worker would compute them in one prefill with
 full attention (other KV, so other tokens), and must hold them whole, which a
 stream that ran past the pool cannot be. The decode worker recomputes them as they
-were first computed, one per step: exact, at a step per streamed token.
+were first computed, one per step: exact, at a step per streamed token. Its prompt
+is computed as it first was: whole (``prompt_whole``) when the prefill pool computed
+it, else in the window's segments.
 
 Too long a stall: the decode worker has streams (running, or this router's in
 flight), and the time the prefill adds to the step they all wait out (the tokens

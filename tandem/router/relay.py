@@ -228,6 +228,9 @@ class Relay:
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         streamed: list[int] = []  # output tokens the client has, across attempts
         avoid: list[Worker] = []  # the workers of lost attempts
+        # Whether the first attempt's prompt was prefilled on the prefill pool (computed
+        # whole): a move prefilled on a windowed decode worker computes it so too.
+        shipped: list[bool] = []
         for attempt in range(self.max_migrations + 1):
             worker_id = req.worker_id if attempt == 0 else f"{req.worker_id}/{attempt}"
             worker_req = wire.worker_request(
@@ -235,7 +238,9 @@ class Relay:
             )
             try:
                 queued = arrived if attempt == 0 else None
-                attempt_out = self._attempt(req, worker_req, streamed, deadline, queued, avoid)
+                attempt_out = self._attempt(
+                    req, worker_req, streamed, deadline, queued, avoid, shipped
+                )
                 async with aclosing(attempt_out) as out:
                     async for response in out:
                         yield response
@@ -257,6 +262,7 @@ class Relay:
         deadline: float | None,
         queued_since: float | None,
         avoid: list[Worker],
+        shipped: list[bool],
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         """One decode reservation and one prefill (on the prefill pool, or on the decode
         worker itself); appends each relayed token to ``streamed``. Raises AttemptLost
@@ -265,7 +271,7 @@ class Relay:
         first attempt's arrival; None for an attempt that takes over a lost one."""
         migrating = queued_since is None
         decode, stream, destination = await self._open_decode(
-            worker_req, deadline, avoid, migrating
+            worker_req, deadline, avoid, migrating, prompt_whole=bool(shipped and shipped[0])
         )
         used = [decode]
         if migrating:
@@ -273,6 +279,8 @@ class Relay:
         else:
             self.metrics.queue_time.observe(time.monotonic() - queued_since)
         here = not destination.address  # the decode worker prefills: no KV to ship
+        if not shipped:
+            shipped.append(not here)
         renewing = None if here else asyncio.ensure_future(self._renew_lease(decode, destination))
         shipped: asyncio.Future[None] | None = None
         doubtful = False
@@ -343,6 +351,7 @@ class Relay:
         deadline: float | None,
         avoid: list[Worker],
         migrating: bool = False,
+        prompt_whole: bool = False,
     ) -> tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination]:
         """A decode reservation, waiting in line for room when every worker is full. A
         ``migrating`` request (its client may hold tokens already) waits in a line of
@@ -355,7 +364,7 @@ class Relay:
         while True:
             if not await self._any_placeable(Pool.DECODE, deadline):
                 raise self._none_available(Pool.DECODE)
-            opened, error = await self._try_decode(worker_req, deadline, avoid)
+            opened, error = await self._try_decode(worker_req, deadline, avoid, prompt_whole)
             if opened is not None:
                 if queued_at is not None:
                     self.capacity.notify()  # room for us: maybe for the next one too
@@ -394,13 +403,19 @@ class Relay:
         )
 
     async def _try_decode(
-        self, worker_req: worker_pb2.WorkerRequest, deadline: float | None, avoid: list[Worker]
+        self,
+        worker_req: worker_pb2.WorkerRequest,
+        deadline: float | None,
+        avoid: list[Worker],
+        prompt_whole: bool = False,
     ) -> tuple[tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination] | None,
                RouterError | None]:  # fmt: skip
         """Decode workers in turn, up to two that are full; (opened, None) or (None, the
         error: a full worker's if one was, so that the caller waits for room). A worker
         found dead is marked down and does not count: a crashed host's workers must not
-        use up the tries while a live one is free. Where the prompt is prefilled is
+        use up the tries while a live one is free. ``prompt_whole``: a prompt prefilled
+        on the decode worker is computed as the prefill pool computed it before (see
+        LLMEngine.prefill_here). Where the prompt is prefilled is
         decided for the worker picked (disaggregation.py)."""
         tried: list[Worker] = []
         error: RouterError | None = None
@@ -422,7 +437,11 @@ class Relay:
             moved = bool(worker_req.output_token_ids)
             decision = self.routing.decide(to_compute, prefill, worker.load(), moved)
             self.registry.acquire(worker)
-            request = worker_pb2.DecodeRequest(request=worker_req, prefill_here=decision.here)
+            request = worker_pb2.DecodeRequest(
+                request=worker_req,
+                prefill_here=decision.here,
+                prompt_whole=decision.here and prompt_whole,
+            )
             stream = worker.stub.Decode(request, timeout=timeout)
             try:
                 first = await stream.read()

@@ -385,3 +385,23 @@ def test_a_windowed_stream_continued_where_it_decodes_goes_on_as_undisturbed():
     assert tokens == undisturbed[300:]
     assert max(held) <= decode.kv.max_blocks_per_sequence(620, 32) < 16
     assert decode.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog, again and again",
+                                  "hello there, how are you doing today my friend?"])  # fmt: skip
+def test_a_shipped_windowed_stream_moved_goes_on_as_undisturbed(tiny_engine, text):
+    # Its prompt's KV came whole from a prefill worker: computed again in the window's
+    # segments by the decode worker it moved to, it was other KV past the first slide,
+    # and other tokens followed.
+    window = dict(block_size=4, kv_sink_tokens=4, kv_window_tokens=8, max_num_batched_tokens=8)
+    prompt = tiny_engine.tokenizer.encode(text)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    undisturbed = _split(make_engine(block_size=4), make_engine(num_blocks=64, **window), prompt,
+                         params)[0]  # fmt: skip
+    moved = make_engine(num_blocks=64, **window)
+    moved.prefill_here(prompt, params, "moved", output_ids=undisturbed[:10], prompt_whole=True)
+    rest = []
+    while moved.has_unfinished():
+        rest += [t for out in moved.step() for t in out.token_ids]
+    assert rest == undisturbed[10:]
+    assert moved.kv.pool.num_used == 0 or moved.kv.enable_prefix_caching

@@ -325,6 +325,8 @@ def test_a_stream_moved_onto_a_windowed_decode_worker_is_prefilled_there(fronten
             moved = c.decode[1].calls[0].request
             assert moved.prefill_here and list(moved.request.output_token_ids) == [10, 11]
             assert len(c.prefill[0].calls) == 1  # the first attempt's only
+            # whose prompt the prefill pool computed whole: so is it here again
+            assert moved.prompt_whole and not c.decode[0].calls[0].request.prompt_whole
             assert c.router.relay.routing.counts["moved under a kv window"] == 1
 
     run(scenario())

@@ -82,12 +82,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[_tandem_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "prefill_here")
+    __slots__ = ("request", "prefill_here", "prompt_whole")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_WHOLE_FIELD_NUMBER: _ClassVar[int]
     request: WorkerRequest
     prefill_here: bool
-    def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
+    prompt_whole: bool
+    def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., prompt_whole: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("destination", "chunk")

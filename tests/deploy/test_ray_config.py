@@ -57,6 +57,24 @@ def test_yaml_sections_map_onto_the_deploy_config():
         ({"ray": {"autoscale": {"decode": {"target": 2}}}}, "KV utilisation in"),
         ({"rayy": {}}, "unknown section rayy"),
         ({"engine": {"block_size": 3}}, "block_size must be a power of two"),
+        # The first round would have drained 7 of 9 at once, or forced 0 prefill to 1.
+        (
+            {
+                "ray": {
+                    "decode": {"replicas": 9},
+                    "autoscale": {"enabled": True, "decode": {"max_replicas": 2}},
+                }
+            },
+            r"ray.decode.replicas 9 is outside the autoscaling bounds \[1, 2\]",
+        ),
+        (
+            {
+                "router": {"disaggregation": {"mode": "conditional"}},
+                "ray": {"prefill": {"replicas": 0}, "autoscale": {"enabled": True}},
+            },
+            r"ray.prefill.replicas 0 is outside .* \(ray.autoscale.prefill.min_replicas",
+        ),
+        ({"ray": {"monitor_interval_s": float("nan")}}, "ray.monitor_interval_s must be > 0"),
     ],
 )
 def test_bad_settings_fail_with_the_setting_named(values, message):

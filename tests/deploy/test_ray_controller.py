@@ -440,3 +440,25 @@ def test_autoscaling_goes_on_while_a_worker_waits_for_a_node(killed):
         await ctrl.shutdown(grace=0)
 
     _run(ctrl, go)
+
+
+def test_a_scale_down_whose_router_removal_failed_is_removed_later(killed):
+    # The worker was drained and killed anyway, and its address stayed in the router,
+    # polled for ever (and another worker could get its port later).
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    ctrl = _controller(decode_pool=ActorResources(replicas=2, resources={"decode": 1}))
+
+    async def go():
+        assert await ctrl._reconcile() == []
+        ctrl.router.remove_worker.fail = TimeoutError()
+        ctrl.targets["decode"] = 1
+        assert await ctrl._reconcile() == []
+        assert len(ctrl.router.members) == 3  # the stopped one's address stayed
+        await ctrl._monitor_once()  # the router still does not answer: owed still
+        ctrl.router.remove_worker.fail = None
+        await ctrl._monitor_once()
+
+    _run(ctrl, go)
+    assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
+    assert ctrl._owed_removals == set()

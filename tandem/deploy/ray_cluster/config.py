@@ -44,6 +44,7 @@ places it elsewhere (``{}``: any node).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,7 +172,7 @@ class RayDeployConfig:
                 f"ray.log_format must be one of {', '.join(logs.FORMATS)}, got {self.log_format!r}"
             )
         for name in ("startup_timeout_s", "router_timeout_s", "monitor_interval_s"):
-            if getattr(self, name) <= 0:
+            if not (0 < getattr(self, name) < math.inf):  # a NaN passed "<= 0"
                 raise ConfigError(f"ray.{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"ray.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
@@ -182,6 +183,15 @@ class RayDeployConfig:
         self.router.disaggregation.check_prefill_workers(
             self.prefill_pool.replicas, "ray.prefill.replicas"
         )
+        if self.autoscale.enabled:  # else the first round drains or starts the difference
+            for pool in self.pools:
+                policy, start = self.autoscale.policy(pool), self.pool(pool).replicas
+                if not policy.min_replicas <= start <= policy.max_replicas:
+                    raise ConfigError(
+                        f"ray.{pool}.replicas {start} is outside the autoscaling bounds "
+                        f"[{policy.min_replicas}, {policy.max_replicas}] "
+                        f"(ray.autoscale.{pool}.min_replicas / max_replicas)"
+                    )
         if self.engine.tensor_parallel_size != 1:
             raise ConfigError(
                 "set ray.decode.tensor_parallel_size (per pool), not "

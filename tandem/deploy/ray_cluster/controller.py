@@ -91,6 +91,8 @@ class Controller:
         # progress, in the background (a start may wait ``startup_timeout_s``).
         self._top_up: dict[str, asyncio.Task] = {}
         self._resizes: dict[str, asyncio.Task] = {}
+        # (pool, address) of stopped workers the router did not confirm it removed.
+        self._owed_removals: set[tuple[str, str]] = set()
         self._actor_classes: dict[str, Any] = {}
         # Calls wait for this while a restarted controller rebuilds its view.
         self._ready = asyncio.Event()

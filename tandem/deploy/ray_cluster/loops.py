@@ -65,6 +65,7 @@ async def monitor_once(ctrl: Controller) -> None:
         ctrl._event(f"{w.name} lost: {why}")
         await ctrl._stop_worker(w, grace=0)
     await membership.check_router(ctrl)
+    await membership.settle_removals(ctrl)
     # Only answering workers: a silent one's address may be a dead node's.
     owed = [
         w

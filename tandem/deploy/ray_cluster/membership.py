@@ -68,10 +68,29 @@ async def leave_router(ctrl: Controller, w: _Worker) -> bool:
                 )
             w.routed = ""
     except Exception as exc:
-        # A dead router places nothing; a restarted one gets only serving workers.
+        # A dead router places nothing; a restarted one gets only serving workers. A live
+        # one (a call that timed out) is asked again by the monitor (``settle_removals``).
         ctrl._event(f"{w.name} not removed from the router: {type(exc).__name__}")
+        ctrl._owed_removals |= {(w.pool, a) for a in (w.routed, w.address) if a}
         return False
     return True
+
+
+async def settle_removals(ctrl: Controller) -> None:
+    """Removals that failed before (the worker was stopped anyway): asked again, so that
+    the router does not keep a killed worker's address for good. An address a worker
+    holds again (a port given to a later worker) is no longer owed."""
+    held = {(w.pool, a) for w in ctrl.workers.values() for a in (w.routed, w.address) if a}
+    for pool, address in sorted(ctrl._owed_removals):
+        if (pool, address) in held:
+            ctrl._owed_removals.discard((pool, address))
+            continue
+        try:
+            await asyncio.wait_for(ctrl.router.remove_worker.remote(pool, address), CALL_TIMEOUT_S)
+        except Exception:
+            continue  # next round
+        ctrl._owed_removals.discard((pool, address))
+        ctrl._event(f"{pool} worker {address} out of the router at last")
 
 
 async def leave_dead_nodes(ctrl: Controller, silent: list[_Worker]) -> None:

@@ -103,8 +103,8 @@ def store(arch: int, dtype, quant: bool, head_dim: int, kv_heads: int) -> dict:
 
 def variants(arch: int, every: bool):
     """(name, thunk) for the variants the launchers pick: bfloat16 (and float16 with
-    ``every``), float and int8 caches, head_dim 64 and 128; with ``every`` also a short
-    prefill (its own tiles) and the store of 64-wide heads."""
+    ``every``), float and int8 caches, head_dim 64 and 128 (and a prefill of 256); with
+    ``every`` also a short prefill (its own tiles) and the store of 64-wide heads."""
     dtypes = (torch.bfloat16, torch.float16) if every else (torch.bfloat16,)
     yield "checksum", lambda: checksum(arch)
     for dtype in dtypes:
@@ -126,6 +126,11 @@ def variants(arch: int, every: bool):
                         lambda d=dtype, q=quant, h=head_dim: store(arch, d, q, h, 8),
                     )
         yield f"merge, {TYPE[dtype]}", lambda d=dtype: merge(arch, d, 128, 8)
+        for n in (16, 512):  # the widest heads, with tiles of their own
+            yield (
+                f"prefill of {n}, {TYPE[dtype]} float cache, head_dim 256",
+                (lambda d=dtype, n=n: prefill(arch, d, False, 256, 4, n)),
+            )
 
 
 def main(archs: list[int], every: bool, only: str) -> None:

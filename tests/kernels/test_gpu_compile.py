@@ -25,7 +25,9 @@ SCRIPT = Path(__file__).with_name("gpu_compile.py")
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("arch", "only"), [(90, ""), (75, "prefill")], ids=["hopper", "turing-prefill"]
+    ("arch", "only"),
+    [(90, ""), (86, "prefill"), (75, "prefill")],
+    ids=["hopper", "ampere-86-prefill", "turing-prefill"],
 )
 def test_every_kernel_compiles_for_a_gpu_and_fits_its_shared_memory(arch, only, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

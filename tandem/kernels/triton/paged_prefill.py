@@ -141,6 +141,10 @@ def default_tiles(
         return 16, 16, 1, 1
     if dtype == torch.float32:  # a checking dtype, not a serving one: keep shared memory small
         return 64, 32, 4, 2
+    if head_dim > 128:  # twice the rows of K and V per tile (compiled sizes: gpu_compile.py)
+        if max_shared >= 160 * 1024:  # Ampere's A100, Hopper
+            return 128, 64, 8, 3
+        return (64, 64, 4, 2) if max_shared >= 72 * 1024 else (32, 32, 4, 2)
     if query_len <= 64 or max_shared < LARGE_TILES_SHARED:
         return 64, 64, 4, 2
     if head_dim <= 64:

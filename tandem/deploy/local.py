@@ -87,7 +87,8 @@ class ClusterConfig:
     # Every process's cluster credentials (the roles' own sections are replaced); no
     # files named: a throw-away set per run.
     cluster: ClusterSecurityConfig = field(default_factory=ClusterSecurityConfig)
-    threads_per_worker: int | None = None  # default: cores // workers, at least 1
+    # default: engine.num_threads, else the cores shared out between the ranks, at least 1
+    threads_per_worker: int | None = None
     # Each pool's tensor-parallel width (None: engine.tensor_parallel_size); they may
     # differ: the decode worker re-splits the heads it reads (kv_transfer/heads.py).
     prefill_tensor_parallel_size: int | None = None

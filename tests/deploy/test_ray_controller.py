@@ -462,3 +462,69 @@ def test_a_scale_down_whose_router_removal_failed_is_removed_later(killed):
     _run(ctrl, go)
     assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
     assert ctrl._owed_removals == set()
+
+
+def test_a_scale_of_one_pool_does_not_wait_for_the_others_stuck_start(killed):
+    # It reconciled every pool: `scale --prefill 2` waited out a decode worker's start
+    # (startup_timeout_s, twice), then failed naming that decode worker.
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    def setup(w):
+        if w.pool == "decode" and w.name != "decode-1":
+            w.info.hang = True  # no node has room for a second decode worker
+
+    ctrl = _controller(setup, decode_pool=ActorResources(replicas=1, resources={"decode": 1}))
+
+    async def go():
+        assert await ctrl._reconcile() == []  # prefill-0, decode-1
+        ctrl.targets["decode"] = 2
+        ctrl._resize_soon("decode")  # decode-2 waits for a node
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(ctrl.scale(prefill=2), 5)
+        assert sorted(w.name for w in ctrl.workers.values() if w.state == "serving") == [
+            "decode-1", "prefill-0", "prefill-3"]  # fmt: skip
+        await ctrl.shutdown(grace=0)
+
+    _run(ctrl, go)
+
+
+def test_an_owed_router_removal_spares_a_new_worker_on_the_same_address(killed, monkeypatch):
+    # The owed removals were checked against the workers once, before calls that may
+    # take CALL_TIMEOUT_S each: a worker started meanwhile on a stopped one's port was
+    # taken out of the router, and never put back (the controller thought it routed).
+    from tandem.deploy.ray_cluster import membership
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    monkeypatch.setattr(membership, "CALL_TIMEOUT_S", 0.5)
+
+    def setup(w):
+        if w.name == "decode-4":  # given decode-3's old port
+            w.current = w._info("i1", 4003, 1.0)
+
+    ctrl = _controller(setup, decode_pool=ActorResources(replicas=3, resources={"decode": 1}))
+    router = ctrl.router
+
+    async def go():
+        assert await ctrl._reconcile() == []  # prefill-0 :4000, decode-1..3 :4001..4003
+        router.remove_worker.fail = TimeoutError()
+        await ctrl.scale(decode=1)  # decode-2 and decode-3 stopped, their removals owed
+        router.remove_worker.fail = None
+        remove = router.remove_worker.fn
+
+        async def slow_remove(pool, address):
+            await asyncio.sleep(0.3)
+            return remove(pool, address)
+
+        router.remove_worker.fn = slow_remove
+
+        async def scale_up_meanwhile():  # while the monitor round settles the removals
+            await asyncio.sleep(0.1)
+            await ctrl.scale(decode=2)  # decode-4, on :4003
+
+        await asyncio.gather(ctrl._monitor_once(), scale_up_meanwhile())
+        await ctrl._monitor_once()
+        d4 = ctrl.workers["decode-4"]
+        assert ("decode", d4.address) in router.members and d4.routed == d4.address
+        assert router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
+
+    _run(ctrl, go)

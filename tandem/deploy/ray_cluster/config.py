@@ -174,7 +174,7 @@ class RayDeployConfig:
         for name in ("startup_timeout_s", "router_timeout_s", "monitor_interval_s"):
             if not (0 < getattr(self, name) < math.inf):  # a NaN passed "<= 0"
                 raise ConfigError(f"ray.{name} must be > 0, got {getattr(self, name)}")
-        if self.drain_timeout_s < 0:
+        if not (0 <= self.drain_timeout_s < math.inf):
             raise ConfigError(f"ray.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.decode_pool.replicas < 1:
             raise ConfigError(

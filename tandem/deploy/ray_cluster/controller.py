@@ -28,9 +28,10 @@ A worker's life:
 
 Pool sizes change by ``scale`` (by hand) or by the autoscaling policy
 (``tandem/deploy/autoscale.py``), which reads the same stats every
-``autoscale.interval_s``. Either way ``_reconcile`` does the work, one at a time. A
-pool left short of its target (a worker that did not start, or was lost) is topped up
-by the monitor: one attempt at a time, checked each ``monitor_interval_s``.
+``autoscale.interval_s``. Either way ``_reconcile`` does the work, one pool's at a time
+per pool: a start waiting for a node holds up no other pool. A pool left short of its
+target (a worker that did not start, or was lost) is topped up by the monitor: one
+attempt at a time per pool, checked each ``monitor_interval_s``.
 
 A node that dies takes its workers' processes with it: the monitor takes their
 addresses out of the router at once, and Ray restarts each worker (as after a
@@ -93,6 +94,7 @@ class Controller:
         self._resizes: dict[str, asyncio.Task] = {}
         # (pool, address) of stopped workers the router did not confirm it removed.
         self._owed_removals: set[tuple[str, str]] = set()
+        self._scaling: set[str] = set()  # pools a manual ``scale`` is resizing now
         self._actor_classes: dict[str, Any] = {}
         # Calls wait for this while a restarted controller rebuilds its view.
         self._ready = asyncio.Event()
@@ -215,8 +217,14 @@ class Controller:
                 self.targets[pool] = n
                 self.autoscaler.resized(pool, now)
         self._save()
-        failed = await self._reconcile()
-        self._resized([pool for pool, n in wanted.items() if n is not None])
+        named = [pool for pool, n in wanted.items() if n is not None]
+        # Only the pools named: another one's start waiting for a node is not this call's.
+        self._scaling.update(named)
+        try:
+            failed = await self._reconcile(named)
+        finally:
+            self._scaling.difference_update(named)
+        self._resized(named)
         if failed:
             raise NotStarted("; ".join(failed))
         return await self.status()
@@ -302,9 +310,12 @@ class Controller:
             return await asyncio.gather(*jobs, return_exceptions=True)
 
     def resizing(self, pool: str) -> bool:
-        """Whether ``pool`` is starting or draining workers (its numbers do not show it yet)."""
-        lock, task = self._locks.get(pool), self._resizes.get(pool)
-        return bool(lock and lock.locked()) or (task is not None and not task.done())
+        """Whether a resize of ``pool`` (the autoscaler's, or a manual ``scale``) is under
+        way: its numbers do not show it yet. A top-up is not one: a start retried for a
+        node that never comes would hide the pool from the autoscaler, which could
+        otherwise lower the target and end the retries."""
+        task = self._resizes.get(pool)
+        return pool in self._scaling or (task is not None and not task.done())
 
     def _resize_soon(self, pool: str) -> None:
         """Apply ``pool``'s new target in the background; its cooldown counts from the end."""

@@ -79,18 +79,31 @@ async def leave_router(ctrl: Controller, w: _Worker) -> bool:
 async def settle_removals(ctrl: Controller) -> None:
     """Removals that failed before (the worker was stopped anyway): asked again, so that
     the router does not keep a killed worker's address for good. An address a worker
-    holds again (a port given to a later worker) is no longer owed."""
-    held = {(w.pool, a) for w in ctrl.workers.values() for a in (w.routed, w.address) if a}
-    for pool, address in sorted(ctrl._owed_removals):
-        if (pool, address) in held:
-            ctrl._owed_removals.discard((pool, address))
-            continue
-        try:
-            await asyncio.wait_for(ctrl.router.remove_worker.remote(pool, address), CALL_TIMEOUT_S)
-        except Exception:
-            continue  # next round
+    holds again (a port given to a later worker) is no longer owed; one given while
+    the removal was on its way may have been added before it: that worker's add is
+    owed again, and sent. All at once, so that a router that does not answer holds
+    the monitor's round up by one ``CALL_TIMEOUT_S``, not one per address."""
+
+    def holders(address: str) -> list[_Worker]:
+        return [w for w in ctrl.workers.values() if address in (w.routed, w.address)]
+
+    async def settle(pool: str, address: str) -> None:
+        if not holders(address):
+            try:
+                await asyncio.wait_for(
+                    ctrl.router.remove_worker.remote(pool, address), CALL_TIMEOUT_S
+                )
+            except Exception:
+                return  # next round
+            ctrl._event(f"{pool} worker {address} out of the router at last")
         ctrl._owed_removals.discard((pool, address))
-        ctrl._event(f"{pool} worker {address} out of the router at last")
+        for w in holders(address):
+            async with w.router_lock:
+                w.routed = ""  # its add may have come before the removal
+            if w.state == "serving":
+                await sync_router(ctrl, w)
+
+    await asyncio.gather(*(settle(*owed) for owed in sorted(ctrl._owed_removals)))
 
 
 async def leave_dead_nodes(ctrl: Controller, silent: list[_Worker]) -> None:

@@ -181,8 +181,8 @@ def _is(value: Any, hint: Any) -> bool:
         return isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is float:  # YAML's .nan is a float, and passes every "< 0" check
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
     if hint is str:
         return isinstance(value, str)
     if typing.get_origin(hint) is tuple:  # tuple[X, ...] from a YAML list

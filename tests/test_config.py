@@ -137,6 +137,8 @@ def test_a_workers_engine_stall_timeout_must_not_be_negative(role):
         ({"port": 50051.9}, "port must be a whole number, got 50051.9 (float)"),
         ({"max_queue": True}, "max_queue must be a whole number, got True (bool)"),
         ({"queue_timeout_s": "5"}, "queue_timeout_s must be a number, got '5' (str)"),
+        # YAML's .nan passed every "< 0" check: a wait of nan seconds never ends.
+        ({"drain_timeout_s": float("nan")}, "drain_timeout_s must be a number, got nan"),
         ({"max_model_len": "4k"}, "max_model_len must be a whole number or null, got '4k'"),
         ({"decode_workers": "10.0.0.1:5000"}, "decode_workers must be a list of strings"),
         ({"decode_workers": ["a:1", 2]}, "decode_workers must be a list of strings"),

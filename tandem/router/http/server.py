@@ -15,7 +15,8 @@ are checked in protocol.py instead, with OpenAI's error shape.
 
 Each request: API key (``Authorization: Bearer``, the router's keys; /health is
 exempt) → body (at most ``max_request_bytes``, as on the gRPC port: 413 beyond,
-before more is read) → protocol.parse → ``Gateway.generate``. Nothing is sent
+the rest read and dropped, not kept, for up to ``LINGER_S``) → protocol.parse →
+``Gateway.generate``. Nothing is sent
 before the first token: errors before it are proper HTTP statuses (400 naming
 the field, 401, 404 for another model, 413, 429 with ``Retry-After``, 503, 504),
 and a failure after it ends the event stream with an ``error`` event. Whatever
@@ -214,9 +215,9 @@ class HttpApi:
 
         A client still sending when the 413 goes out would have the connection reset
         under it, and a reset can throw the unread 413 away (urllib lost it every
-        time): so the rest is read and dropped for a while first (at most another
-        ``max_request_bytes``, ``LINGER_S`` seconds), as a web server's lingering
-        close does. A client that waits for ``100 Continue`` has sent nothing yet."""
+        time): so the rest is read and dropped for a while first (``LINGER_S``
+        seconds at most), as a web server's lingering close does. A client that waits
+        for ``100 Continue`` has sent nothing yet."""
         limit = self.max_request_bytes
         length = request.headers.get("content-length", "")
         error = _too_large(int(length), limit) if length.isdigit() and int(length) > limit else None
@@ -234,8 +235,6 @@ class HttpApi:
                         linger.reschedule(asyncio.get_running_loop().time() + LINGER_S)
                     if error is None:
                         chunks.append(chunk)
-                    elif size > 2 * limit:
-                        break
         except (ClientDisconnect, TimeoutError):  # it hung up (or was too slow) mid-upload
             if error is None:
                 raise _ClientGone() from None

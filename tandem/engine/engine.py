@@ -257,12 +257,21 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def validate(
-        self, prompt_ids: Seq[int], params: SamplingParams, output_ids: Seq[int] = ()
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        output_ids: Seq[int] = (),
+        prefill_only: bool = False,
     ) -> None:
-        """Raise InvalidRequestError if the request can never run here. Takes no blocks."""
+        """Raise InvalidRequestError if the request can never run here. Takes no blocks.
+        ``prefill_only``: a prefill worker's, which holds the prompt (and any earlier
+        output) whole and no more: the decode worker's pool is what holds the rest."""
         check_request(
             prompt_ids, params, self.max_model_len, self.model_config.vocab_size, output_ids
         )
+        if prefill_only:
+            self._check_fits_whole(len(prompt_ids) + len(output_ids), "a prefill worker ships")
+            return
         total = len(prompt_ids) + params.max_tokens
         # Under a window no prompt chunk is longer than its segment or the prompt, and
         # generated tokens are computed one at a time.
@@ -292,9 +301,10 @@ class LLMEngine:
         ``cache_salt``: the prefix cache's namespace; only requests with the same salt
         share cached blocks (a router gives each API key its own).
         """
-        if prefill_only:  # its KV is shipped whole: no window applies
-            self._check_fits_whole(len(prompt_ids) + len(output_ids), "a prefill worker ships")
-        seq = self._new_sequence(prompt_ids, params, request_id, output_ids, cache_salt=cache_salt)
+        seq = self._new_sequence(
+            prompt_ids, params, request_id, output_ids, cache_salt=cache_salt,
+            prefill_only=prefill_only,
+        )  # fmt: skip
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
         return seq.request_id
@@ -504,8 +514,9 @@ class LLMEngine:
         output_ids: Seq[int] = (),
         register: bool = True,
         cache_salt: str = "",
+        prefill_only: bool = False,
     ) -> Sequence:
-        self.validate(prompt_ids, params, output_ids)
+        self.validate(prompt_ids, params, output_ids, prefill_only)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already running")

@@ -115,7 +115,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             )
         await loop.ended(request.request.request_id)  # an earlier call's, cancelled
         try:
-            req = parse_request(request.request, engine)
+            req = parse_request(request.request, engine, prefill_only=True)
             dest = parse_destination(
                 request.destination, req, engine, self.server.config.kv_backend
             )

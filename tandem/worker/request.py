@@ -25,7 +25,9 @@ class WorkRequest:
     cache_salt: str = ""  # the prefix cache's namespace (LLMEngine.add_request)
 
 
-def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest:
+def parse_request(
+    p: worker_pb2.WorkerRequest, engine: LLMEngine, prefill_only: bool = False
+) -> WorkRequest:
     """Raise InvalidRequestError (field and limit named) unless ``engine`` can run it.
 
     Reads only the engine's fixed limits, so it is safe off the engine thread.
@@ -47,5 +49,5 @@ def parse_request(p: worker_pb2.WorkerRequest, engine: LLMEngine) -> WorkRequest
     params = sampling_from_proto(p.sampling)
     prompt = list(p.prompt_token_ids)
     output = list(p.output_token_ids)
-    engine.validate(prompt, params, output)
+    engine.validate(prompt, params, output, prefill_only)
     return WorkRequest(rid, prompt, params, output, p.cache_salt)

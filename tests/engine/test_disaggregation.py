@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.errors import OutOfBlocksError
+from tandem.errors import InvalidRequestError, OutOfBlocksError
 from tests.conftest import make_engine
 
 # Greedy, seeded sampling, and a first token that ends the request.
@@ -405,3 +405,20 @@ def test_a_shipped_windowed_stream_moved_goes_on_as_undisturbed(tiny_engine, tex
         rest += [t for out in moved.step() for t in out.token_ids]
     assert rest == undisturbed[10:]
     assert moved.kv.pool.num_used == 0 or moved.kv.enable_prefix_caching
+
+
+def test_a_prefill_worker_checks_only_what_it_holds_against_its_pool():
+    # It holds the prompt whole and nothing more: checked against prompt + max_tokens,
+    # a 20-token prompt with max_tokens 200 was refused by a 16-block prefill worker
+    # whose decode worker had room for it.
+    prefill = make_engine(block_size=4, num_blocks=16)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    prefill.validate([7] * 20, params, prefill_only=True)
+    prefill.add_request([7] * 20, params, "p", prefill_only=True)
+    outs = []
+    while not outs:
+        outs = prefill.step()
+    assert len(outs[0].held_block_ids) == 5
+    prefill.release("p")
+    with pytest.raises(InvalidRequestError, match="ships the KV of 80 tokens whole: 20 KV"):
+        prefill.validate([7] * 80, params, prefill_only=True)

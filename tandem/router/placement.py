@@ -211,7 +211,8 @@ class PrefixAware(PlacementPolicy):
                 w
                 for w in candidates
                 if w.kv_blocks_free >= KV_BAND * most
-                or w.kv_blocks_free > len(mine[w.address]) + 1 - matched[w.address]
+                or w.kv_blocks_free
+                > (len(token_ids) - 1) // w.kv_block_size + 1 - matched[w.address]
             ]
         held = {w.address: matched[w.address] * w.kv_block_size for w in candidates}  # tokens
         best = max((held[w.address] for w in eligible), default=0)

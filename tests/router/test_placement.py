@@ -202,6 +202,10 @@ def test_prefix_aware_counts_no_more_than_a_windowed_worker_caches():
     assert policy.cached_tokens == 64
     policy.finished(Pool.DECODE, "a", [*prompt, *range(200)])
     assert len(policy._history[Pool.DECODE]["a"]) == 4
+    # Its room is still counted for the whole prompt, which arrives whole: 7 blocks more.
+    short = load("a", kv_blocks_free=6, kv_blocks_total=1000, prefix_cache_max_tokens=64)
+    roomy = load("b", kv_blocks_free=1000, kv_blocks_total=1000)
+    assert policy.pick(Pool.DECODE, [short, roomy], prompt).address == "b"
 
 
 def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():

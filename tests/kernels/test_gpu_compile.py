@@ -26,8 +26,8 @@ SCRIPT = Path(__file__).with_name("gpu_compile.py")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "only"),
-    [(90, ""), (86, "prefill"), (75, "prefill")],
-    ids=["hopper", "ampere-86-prefill", "turing-prefill"],
+    [(90, ""), (86, "head_dim 256"), (75, "prefill")],
+    ids=["hopper", "ampere-86-widest-heads", "turing-prefill"],
 )
 def test_every_kernel_compiles_for_a_gpu_and_fits_its_shared_memory(arch, only, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -37,6 +37,6 @@ def test_every_kernel_compiles_for_a_gpu_and_fits_its_shared_memory(arch, only, 
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(results) >= (4 if only else 10)
+    assert len(results) >= (2 if only else 10)
     failed = [r for r in results if "error" in r or r["shared"] > r["limit"]]
     assert not failed, json.dumps(failed, indent=1)

@@ -128,6 +128,17 @@ def _prompt(prefix: int, blocks: int, tail: int = 0) -> list[int]:
     return [1000 + prefix] * (16 * blocks) + [7] * tail
 
 
+def _engine_hashes(prompt: list[int], salt: str, block_size: int, blocks: int) -> list[int]:
+    """The hashes an engine's prefix cache gives the first ``blocks`` blocks of ``prompt``."""
+    seq = Sequence("r", list(prompt), len(prompt), SamplingParams())
+    seq.cache_root = seq.last_block_hash = prefix_root(salt)
+    kv = make_kv(num_blocks=16, block_size=block_size)
+    assert kv.ensure(seq, len(prompt))
+    seq.num_computed = len(prompt)
+    kv.commit(seq)
+    return [kv.pool.block_hash[b] for b in seq.block_table[:blocks]]
+
+
 def test_prefix_aware_follows_the_prefix_and_spreads_what_is_new():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
@@ -152,13 +163,7 @@ def test_prefix_aware_matches_within_a_cache_salt_as_the_workers_do():
     assert policy.cached_tokens == 0
     assert policy.pick(Pool.PREFILL, ws, prompt, "alice").address == home
     assert policy.cached_tokens == 8 * 16
-    seq = Sequence("r", list(prompt), len(prompt), SamplingParams())
-    seq.cache_root = seq.last_block_hash = prefix_root("alice")
-    kv = make_kv(num_blocks=16, block_size=16)
-    assert kv.ensure(seq, len(prompt))
-    seq.num_computed = len(prompt)
-    kv.commit(seq)
-    assert [kv.pool.block_hash[b] for b in seq.block_table[:8]] == policy._hashes(prompt, "alice")
+    assert _engine_hashes(prompt, "alice", 16, 8) == policy._hashes(prompt, "alice")
 
 
 def test_prefix_aware_counts_in_each_workers_own_block_size():
@@ -171,13 +176,7 @@ def test_prefix_aware_counts_in_each_workers_own_block_size():
     policy.pick(Pool.PREFILL, big, prompt, "alice")
     policy.pick(Pool.PREFILL, big, prompt, "alice")
     assert policy.cached_tokens == 64
-    seq = Sequence("r", list(prompt), len(prompt), SamplingParams())
-    seq.cache_root = seq.last_block_hash = prefix_root("alice")
-    kv = make_kv(num_blocks=8, block_size=32)
-    assert kv.ensure(seq, len(prompt))
-    seq.num_computed = len(prompt)
-    kv.commit(seq)
-    cached = [kv.pool.block_hash[b] for b in seq.block_table[:2]]
+    cached = _engine_hashes(prompt, "alice", 32, 2)
     assert list(policy._history[Pool.PREFILL]["a"]) == cached[::-1]
     # 4 blocks of 32 hold this prompt and one other of the same length: a third pushes
     # the first out (in blocks of 16 the history would have held 4 of its blocks).

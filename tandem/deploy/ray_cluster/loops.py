@@ -104,9 +104,10 @@ async def autoscale_forever(ctrl: Controller) -> None:
 async def autoscale_once(ctrl: Controller) -> None:
     """One round: each pool not resizing now is sized by the load of its workers that
     answer (a silent one's last numbers are a dead or restarting process's), and a
-    new size is applied in the background. A pool starting or draining workers is
-    left alone until that is done: its numbers do not show the change yet, and one
-    start may wait ``startup_timeout_s`` for a node while the other pool needs sizing."""
+    new size is applied in the background. A pool that a resize (this autoscaler's or
+    a ``scale``) is starting or draining workers for is left alone until that is done:
+    its numbers do not show the change yet (``Controller.resizing``); and one start
+    may wait ``startup_timeout_s`` for a node while the other pool needs sizing."""
     pools = [pool for pool in ctrl.autoscaler.pools if not ctrl.resizing(pool)]
     serving = [w for w in ctrl.workers.values()
                if w.state == "serving" and w.answering and w.stats]  # fmt: skip

@@ -94,6 +94,13 @@ class Tokenizer:
             known = self._token_bytes[token_id] = self._bytes_of(token_id)
         return known
 
+    def special_name(self, token_id: int) -> str | None:
+        """A special token's text as written ("<|im_end|>"), None for any other token.
+        ``token_bytes`` gives every special token b"", so this is what tells them
+        apart where tokens are named (OpenAI's logprobs)."""
+        added = self._hf.added_tokens_decoder.get(token_id)
+        return added.content if added is not None and added.special else None
+
     def _bytes_of(self, token_id: int) -> bytes:
         hf = self._hf
         added = hf.added_tokens_decoder.get(token_id)  # its text as written, not in bytes

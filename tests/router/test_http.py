@@ -384,7 +384,7 @@ def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(front
     ids = tok.encode("aé€b")  # tiny-random's tokens are single bytes: é and € split
     logprobs = [tandem_pb2.TokenLogprob(token_id=i, logprob=-1.0) for i in ids]
     parsed = protocol.parse({"model": MODEL, "prompt": "x", "logprobs": 0}, False, MODEL)
-    shaper = protocol.Shaper(parsed, MODEL, tok.token_bytes)
+    shaper = protocol.Shaper(parsed, MODEL, tok)
     first, rest = shaper.logprobs(logprobs[:2]), shaper.logprobs(logprobs[2:])  # two chunks
     tokens = first["tokens"] + rest["tokens"]
     assert tokens == ["a", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2", "bytes:\\x82",
@@ -392,8 +392,30 @@ def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(front
     # Characters before each token: a character counts once its last byte has come.
     assert first["text_offset"] + rest["text_offset"] == [0, 1, 1, 2, 2, 2, 3]
     chat = protocol.Shaper(protocol.parse({"model": MODEL, "messages": CHAT}, True, MODEL),
-                           MODEL, tok.token_bytes).logprobs(logprobs)  # fmt: skip
+                           MODEL, tok).logprobs(logprobs)  # fmt: skip
     assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == "aé€b".encode()
+
+
+def test_special_tokens_in_logprobs_are_named_apart(frontend):
+    # Each special token stands for no bytes: named by its bytes, <|im_end|> and
+    # <|endoftext|> were both "", and the completions API's dict of alternatives,
+    # keyed by name, kept one of the two.
+    from tandem._proto.tandem.v1 import tandem_pb2
+
+    tok = frontend.tokenizer
+    end, text = tok.encode("<|im_end|>") + tok.encode("<|endoftext|>")
+    top = [tandem_pb2.TopLogprob(token_id=i, logprob=-1.0 - i) for i in (end, text)]
+    logprobs = [tandem_pb2.TokenLogprob(token_id=end, logprob=-1.0, top=top)]
+    parsed = protocol.parse({"model": MODEL, "prompt": "x", "logprobs": 2}, False, MODEL)
+    legacy = protocol.Shaper(parsed, MODEL, tok).logprobs(logprobs)
+    assert legacy["tokens"] == ["<|im_end|>"]
+    assert legacy["top_logprobs"] == [{"<|im_end|>": -1.0 - end, "<|endoftext|>": -1.0 - text}]
+    assert legacy["text_offset"] == [0]  # no characters
+    chat = protocol.Shaper(protocol.parse({"model": MODEL, "messages": CHAT}, True, MODEL),
+                           MODEL, tok).logprobs(logprobs)  # fmt: skip
+    entry = chat["content"][0]
+    assert (entry["token"], entry["bytes"]) == ("<|im_end|>", [])
+    assert [t["token"] for t in entry["top_logprobs"]] == ["<|im_end|>", "<|endoftext|>"]
 
 
 def test_unserved_options_at_their_neutral_values_are_accepted():

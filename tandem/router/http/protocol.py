@@ -277,12 +277,12 @@ def param_of(field: str, parsed: Parsed | None) -> str:
 class Shaper:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, parsed: Parsed, model: str, token_bytes) -> None:
-        """``token_bytes(id)``: the bytes a token stands for (the router's tokenizer)."""
+    def __init__(self, parsed: Parsed, model: str, tokenizer) -> None:
+        """``tokenizer``: the router's, which names the tokens in logprobs."""
         self.chat = parsed.chat
         self.model = model
         self.include_usage = parsed.include_usage
-        self.token_bytes = token_bytes
+        self.tokenizer = tokenizer
         self.offset = 0  # completions' text_offset: characters before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")("replace")  # counts them
         prefix = "chatcmpl-" if self.chat else "cmpl-"
@@ -297,25 +297,35 @@ class Shaper:
         """OpenAI's ``logprobs`` object for these ``tandem.v1.TokenLogprob``s."""
         if not logprobs:
             return None
-        raw = self.token_bytes
         if self.chat:
             return {"content": [
-                {**_token(raw(lp.token_id), lp.logprob),
-                 "top_logprobs": [_token(raw(t.token_id), t.logprob) for t in lp.top]}
+                {**self._token(lp), "top_logprobs": [self._token(t) for t in lp.top]}
                 for lp in logprobs
             ], "refusal": None}  # fmt: skip
         offsets = []
         for lp in logprobs:
             offsets.append(self.offset)  # a character's last token moves past it
-            self.offset += len(self._chars.decode(raw(lp.token_id)))
+            self.offset += len(self._chars.decode(self.tokenizer.token_bytes(lp.token_id)))
         return {
-            "tokens": [token_text(raw(lp.token_id)) for lp in logprobs],
+            "tokens": [self._name(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [
-                {token_text(raw(t.token_id)): t.logprob for t in lp.top} for lp in logprobs
-            ],
+            "top_logprobs": [{self._name(t.token_id): t.logprob for t in lp.top}
+                             for lp in logprobs],  # fmt: skip
             "text_offset": offsets,
         }
+
+    def _name(self, token_id: int) -> str:
+        """A token's name: its text, its bytes where it holds part of a character, or
+        a special token's text as written (each special token stands for no bytes, and
+        the completions API keys alternatives by name)."""
+        special = self.tokenizer.special_name(token_id)
+        if special is not None:
+            return special
+        return token_text(self.tokenizer.token_bytes(token_id))
+
+    def _token(self, lp) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(lp.token_id)
+        return {"token": self._name(lp.token_id), "logprob": lp.logprob, "bytes": list(raw)}
 
     def complete(
         self, text: str, finish: int, usage: tandem_pb2.Usage, logprobs=()
@@ -360,10 +370,6 @@ def token_text(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def _token(raw: bytes, logprob: float) -> dict[str, Any]:
-    return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
 
 def usage_json(usage: tandem_pb2.Usage) -> dict[str, int]:

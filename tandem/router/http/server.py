@@ -274,8 +274,8 @@ class HttpApi:
             if not counted and error.status in _REFUSED:  # as the gateway counts gRPC's
                 self.gateway.metrics.ended(_REFUSED[error.status], "none")
             return _error(error)
-        tokenizer = self.gateway.frontend.tokenizer
-        shaper = Shaper(parsed, self.gateway.frontend.model_id, tokenizer.token_bytes)
+        frontend = self.gateway.frontend
+        shaper = Shaper(parsed, frontend.model_id, frontend.tokenizer)
         if parsed.stream:
             return StreamingResponse(
                 _events(first, responses, shaper, parsed.include_usage),

@@ -309,8 +309,9 @@ class Shaper:
         return {
             "tokens": [self._name(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._name(t.token_id): t.logprob for t in lp.top}
-                             for lp in logprobs],  # fmt: skip
+            "top_logprobs": [
+                {self._name(t.token_id): t.logprob for t in lp.top} for lp in logprobs
+            ],
             "text_offset": offsets,
         }
 

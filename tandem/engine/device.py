@@ -32,15 +32,25 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, gpus: int = 1) -> torch.device:
+    """The torch device that ``device: name`` stands for, checked: "auto", "cpu",
+    "cuda" or "cuda:N", with ``gpus`` GPUs from N on (one per tensor-parallel rank)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as exc:
         raise ConfigError(f"device {name!r} is not a torch device: {exc}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r} is not supported: Tandem runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested but CUDA is not available")
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + gpus > count:
+            needs = f"GPUs {first}..{first + gpus - 1}" if gpus > 1 else f"GPU {first}"
+            raise ConfigError(f"device {name!r} needs {needs} (one per tensor-parallel "
+                              f"rank), but this host has {count}")  # fmt: skip
     return device
 
 

@@ -120,7 +120,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.stats = EngineStats()
         self.tensor_parallel: TensorParallel | None = None
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, config.tensor_parallel_size)
         threads = rank_threads(config, self.device)
         if threads:
             torch.set_num_threads(threads)

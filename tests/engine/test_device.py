@@ -1,4 +1,5 @@
-"""dtype: auto picks bfloat16 where the CPU computes in it natively, float32 elsewhere."""
+"""dtype: auto picks bfloat16 where the CPU computes in it natively, float32 elsewhere;
+a device that Tandem cannot run on is refused by name."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from tandem.engine import device
-from tandem.engine.device import native_bf16_in, resolve_dtype
+from tandem.engine.device import native_bf16_in, resolve_device, resolve_dtype
+from tandem.errors import ConfigError
 
 # Abridged /proc/cpuinfo texts: the flags lines are those of the named CPUs.
 ZEN3 = """processor\t: 0
@@ -58,3 +60,21 @@ def test_no_cpuinfo_means_float32(tmp_path):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_glibc_takes_the_engines_malloc_thresholds():
     assert device.keep_step_buffers_mapped()
+
+
+@pytest.mark.parametrize("name", ["mps", "xpu", "meta"])
+def test_a_device_type_tandem_does_not_run_on_is_refused_by_name(name):
+    # mps got as far as the model's load and failed there with a traceback.
+    with pytest.raises(ConfigError, match=f"device '{name}' is not supported"):
+        resolve_device(name)
+
+
+def test_a_cuda_device_needs_a_gpu_for_each_tensor_parallel_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda", gpus=2) == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"'cuda:1' needs GPUs 1\.\.2 .* this host has 2"):
+        resolve_device("cuda:1", gpus=2)
+    with pytest.raises(ConfigError, match="'cuda:2' needs GPU 2"):
+        resolve_device("cuda:2")

@@ -16,7 +16,7 @@ thread, see tandem/engine/loop.py):
                                      prefill side); its first token's text was streamed by
                                      the prefill worker, not again here
       FAILED (lease expired, checksum, peer lost, aborted)
-                                     reservation aborted, blocks freed, UNAVAILABLE(reason)
+                                     reservation aborted, blocks freed, ABORTED(reason)
     running                          one TokenChunk per step output; finish_reason and
                                      completion_tokens (counting the first token and any
                                      output_token_ids) on the last; the engine frees the

@@ -54,6 +54,9 @@ KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 # (device_checksum.py), and both sides must use the same.
 HOST_CHECKSUM = "xxh3_64-layers"
 LEGACY_HOST_CHECKSUM = "xxh3_64"  # what host caches used before: one xxh3_64 per message
+# The reason a receiver's ack gives for a reservation that its owner gave up (the
+# request ended on the decode side): not a transfer failure at either end.
+GIVEN_UP = "aborted"
 
 
 class TransferState(str, enum.Enum):

@@ -110,7 +110,7 @@ class InProcSender(SenderBase):
         fill = functools.partial(self._read, core, header, heads)
         status = core.deliver(header, self, fill, heads)
         if status is not None:
-            self._finish(out, self._done_status(out, status))
+            self._settle(out, status)
 
     def _read(self, core: ReceiverCore, header: MessageHeader, heads: HeadMap | None) -> int:
         layers = (header.layer_start, header.layer_end)

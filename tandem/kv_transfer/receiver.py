@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.kv_transfer.base import (
+    GIVEN_UP,
     Destination,
     Fingerprint,
     KVReceiver,
@@ -185,7 +186,7 @@ class ReceiverCore:
             res.deadline = max(res.deadline, self.clock() + lease_s)
             return True
 
-    def abort(self, request_id: str, reason: str = "aborted") -> None:
+    def abort(self, request_id: str, reason: str = GIVEN_UP) -> None:
         """Fail a live reservation; on return no more data is written into its blocks.
         Its owner gave it up: no transfer failure is counted."""
         with self._lock:
@@ -202,7 +203,7 @@ class ReceiverCore:
             res = self._table.get(request_id)
             if res is None:
                 return True
-            self._fail_locked(res, "aborted", failure=False)  # its owner's doing
+            self._fail_locked(res, GIVEN_UP, failure=False)  # its owner's doing
         if wait:
             self._drain(res)
         elif res.write_lock.acquire(blocking=False):  # no read is running into the blocks

@@ -24,12 +24,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.kv_transfer.base import (
+    GIVEN_UP,
     Destination,
     Fingerprint,
     HandshakeError,
@@ -210,15 +211,16 @@ class SenderBase(KVSender):
                     self.metrics.record_failure(result.reason)
             else:
                 self.metrics.record_done(time.monotonic() - out.started, sent=out.nbytes)
-        if out.future.cancelled():
+        try:  # its owner may cancel it on another thread at any moment, this one included
+            if isinstance(result, TransferError):
+                out.future.set_exception(result)
+            else:
+                out.future.set_result(result)
+        except InvalidStateError:  # cancelled: nobody waits for the outcome
             return
-        if isinstance(result, TransferError):
-            if failure:
-                log.warning("KV transfer %s failed: %s", out.request_id, result,
-                            extra={"request_id": out.request_id})  # fmt: skip
-            out.future.set_exception(result)
-        else:
-            out.future.set_result(result)
+        if isinstance(result, TransferError) and failure:
+            log.warning("KV transfer %s failed: %s", out.request_id, result,
+                        extra={"request_id": out.request_id})  # fmt: skip
 
     def _fail_all(self, error: TransferError, address: str | None = None) -> int:
         """Fail every unfinished request (to ``address`` only, if given); returns how many."""
@@ -237,15 +239,16 @@ class SenderBase(KVSender):
             self._finish(out, copy)
         return len(doomed)
 
-    def _done_status(self, out: Outgoing, ack: TransferStatus) -> TransferStatus | TransferError:
+    def _settle(self, out: Outgoing, ack: TransferStatus) -> None:
+        """Resolve ``out`` as the receiver's final ack says. A reservation that its owner
+        gave up (the request ended on the decode side) is not a transfer failure."""
         if ack.state is TransferState.DONE:
-            return TransferStatus(
-                TransferState.DONE,
-                bytes=out.nbytes,
-                seconds=time.monotonic() - out.started,
-            )
+            seconds = time.monotonic() - out.started
+            self._finish(out, TransferStatus(TransferState.DONE, bytes=out.nbytes, seconds=seconds))
+            return
         detail = f": {ack.detail}" if ack.detail else ""
-        return TransferError(ack.reason or "failed", f"{ack.reason}{detail}")
+        error = TransferError(ack.reason or "failed", f"{ack.reason}{detail}")
+        self._finish(out, error, failure=ack.reason != GIVEN_UP)
 
     # --- internals -----------------------------------------------------------------
 

@@ -211,6 +211,9 @@ def test_abort_mid_transfer_keeps_later_layers_out(link) -> None:
     with pytest.raises(TransferError, match="aborted"):
         sender.send(dest, src_ids, first_token=1).result(timeout=30)
     assert not dst.kv[2:].any()
+    # The decode side gave it up: no failure at either end (the sender, told so by the
+    # final ack, counted and logged one).
+    assert receiver.metrics.failures == {} and sender.metrics.failures == {}
     receiver.release("r")
     src.pool.free(src_ids)
 

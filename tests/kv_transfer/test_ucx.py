@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -379,6 +380,45 @@ def test_one_receiver_accepts_many_senders(receiver) -> None:
     for side, sender in zip(sides, senders, strict=True):
         sender.close()
         side.check_clean()
+
+
+class _CancelledOnResolve(Future):
+    """A future that its owner cancels at the moment the sender resolves it: the prefill
+    worker cancels one on its gRPC thread when it stops waiting (kv_ack_timeout_s, as
+    the sender's own timeout), and the two may meet."""
+
+    def set_exception(self, exception) -> None:
+        self.cancel()
+        super().set_exception(exception)
+
+
+def test_a_transfer_cancelled_as_its_ack_is_resolved_leaves_the_others_alone(
+    receiver, prefill
+) -> None:
+    # The sender's ack reader raised InvalidStateError, took it for a lost connection
+    # and failed every transfer in flight to that decode worker with "peer lost".
+    side, sender = prefill
+    src = {rid: side.pool.allocate(2) for rid in "AC"}
+    dst = {rid: receiver("allocate", 2) for rid in "AC"}
+    dest = {rid: receiver("expect", rid, dst[rid], 30.0) for rid in "AC"}
+    receiver("abort", "A")  # the decode side gave A up: its final ack fails it
+    sender.send_layers(dest["C"], src["C"], (0, 1))  # C is in flight meanwhile
+    sender.send_layers(dest["A"], src["A"], (0, 1))
+    sender._requests["A"].future = _CancelledOnResolve()
+    sender.send(dest["A"], src["A"], first_token=1)
+    deadline = time.monotonic() + 20
+    while "A" in sender._requests:  # until its ack has come and been resolved
+        assert time.monotonic() < deadline, "A's ack never came"
+        time.sleep(0.01)
+    assert sender.send(dest["C"], src["C"], first_token=2).result(timeout=20).state is (
+        TransferState.DONE
+    )
+    assert torch.equal(receiver("blocks", dst["C"]), side.kv[:, :, src["C"]])
+    assert sender.metrics.failures == {}  # A's decode side gave it up: no failure either
+    for rid in "AC":
+        receiver("release", rid)
+        receiver("free", dst[rid])
+        side.pool.free(src[rid])
 
 
 def test_stray_headers_are_discarded_and_the_connection_keeps_working(receiver, prefill) -> None:

@@ -46,6 +46,7 @@ def _receiver_main(
         "expect": receiver.expect,
         "poll": receiver.poll,
         "release": receiver.release,
+        "abort": receiver.abort,
         "blocks": lambda ids: side.kv[:, :, list(ids)].clone(),
         "metrics": lambda: receiver.metrics,
         "check_clean": side.check_clean,

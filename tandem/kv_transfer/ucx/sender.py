@@ -324,7 +324,7 @@ class UcxSender(SenderBase):
         with self._lock:
             out = self._requests.get(rid)
         if out is not None and out.destination.address == peer.address:
-            self._finish(out, self._done_status(out, status))
+            self._settle(out, status)
 
     def _take_acks(self, peer: _Peer) -> None:
         """A mailbox's ack thread: acks from its ring until the connection ends."""

@@ -3,9 +3,12 @@
 Each step has a token budget. Running decodes come first (one token each, so
 inter-token latency does not suffer from admissions), then running sequences
 that are part-way through a chunked prefill, then waiting requests in arrival
-order. A sequence that cannot get a KV block preempts the most recently admitted
-running sequence, which is swapped out to the host tier where there is one with
-room, else has its blocks freed and its tokens recomputed later.
+order. Where more decodes run than the budget holds (a decode worker takes in
+arrived KV up to ``max_num_seqs``, whatever the budget), they take turns: each
+step starts where the last one's decodes stopped. A sequence that cannot get a KV
+block preempts the most recently admitted running sequence, which is swapped out to
+the host tier where there is one with room, else has its blocks freed and its
+tokens recomputed later.
 
 On a decode worker a request may also hold a slot before it runs: reserved, its
 blocks waiting for the KV a prefill worker sends (``reserve``). Reserved sequences
@@ -42,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.reserved: dict[str, Sequence] = {}  # by request id: a slot each, KV to come
+        self._turn = 0  # where the next step's decodes start, when not all of them fit
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,6 +58,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
+        if len(decodes) > budget:  # the same first ones every step would starve the rest
+            start = self._turn % len(decodes)
+            decodes = decodes[start:] + decodes[:start]
+            self._turn = start + budget
         for seq in decodes + prefills:
             if budget == 0:
                 break

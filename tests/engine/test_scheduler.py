@@ -237,6 +237,20 @@ def test_decodes_are_scheduled_before_running_prefills() -> None:
     assert_drained(h)
 
 
+def test_decodes_past_the_token_budget_take_turns() -> None:
+    # A decode worker runs arrived KV up to max_num_seqs, whatever the budget: the same
+    # first two decodes every step left the others without a token until those ended.
+    h = make_harness(max_num_batched_tokens=2)
+    seqs = [make_seq(name, 3, max_tokens=9) for name in "abcd"]
+    for seq in seqs:
+        seq.token_ids.append(OUT)
+        h.make_running(seq, 3)
+    served = ["".join(s.request_id for s, _ in h.step().work) for _ in range(4)]
+    assert served == ["ab", "cd", "ab", "cd"]
+    h.run_to_completion()
+    assert_drained(h)
+
+
 def test_a_preempted_sequence_is_dropped_from_the_batch_it_was_scheduled_in() -> None:
     h = make_harness(num_blocks=3, max_num_batched_tokens=8)
     older_prefill = make_seq("p", 10, max_tokens=2)  # 12 tokens: fits the pool alone

@@ -42,6 +42,7 @@ from tandem.kernels import INT8_SCALE_BYTES
 GiB = 1 << 30
 DEFAULT_KV_CACHE_BYTES = EngineConfig().kv_cache_bytes
 DEFAULT_MAX_NUM_SEQS = EngineConfig().max_num_seqs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = EngineConfig().max_num_batched_tokens
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
     "fp8": 1, "float8": 1, "int8": 1,
@@ -194,6 +195,10 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
         if seqs > DEFAULT_MAX_NUM_SEQS:  # a worker runs no more than that, room or not
             lines.append(f"and engine.max_num_seqs: {seqs} (the default, {DEFAULT_MAX_NUM_SEQS}, "
                          "would leave the rest of the blocks unused)")  # fmt: skip
+        if seqs > DEFAULT_MAX_NUM_BATCHED_TOKENS:  # a token of a step's budget per stream
+            lines.append(f"and engine.max_num_batched_tokens: {seqs} (with the default, "
+                         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, that many streams take turns "
+                         "at the steps)")  # fmt: skip
     return MemoryPlan(per_token, weights, budget, blocks, blocks * hw.block_size,
                       context_len, per_seq, seqs, tuple(lines))  # fmt: skip
 

@@ -148,6 +148,14 @@ def test_the_plan_says_which_kv_cache_bytes_give_its_budget(smol):
         f"and engine.max_num_seqs: {m.sequences} (the default, 64, would leave the rest of "
         "the blocks unused)"
     )
+    # A step gives each running stream a token of its budget (1024 unless told): past
+    # that, streams take turns, and their inter-token latency grows with the excess.
+    short = plan.memory_plan(smol, Hardware(device_memory_gib=80), 1024)
+    assert short.sequences > 1024
+    assert short.lines[-1] == (
+        f"and engine.max_num_batched_tokens: {short.sequences} (with the default, 1024, "
+        "that many streams take turns at the steps)"
+    )
 
 
 def test_a_colocated_deployment_scales_its_decode_workers_only():

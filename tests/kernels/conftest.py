@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 
 import pytest
@@ -27,10 +26,11 @@ def triton_backend_or_skip():
 def cpu_backend_or_skip():
     """The cpu backend module, loaded; a skip only where there is no C compiler (a
     compiler that fails to build the kernels fails the test)."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C compiler {compiler!r} to build the cpu backend's kernels")
     from tandem.kernels import cpu
+    from tandem.kernels.cpu.build import compiler
+
+    if shutil.which(compiler()[0]) is None:
+        pytest.skip(f"no C compiler {compiler()[0]!r} to build the cpu backend's kernels")
 
     assert cpu.load(), "the cpu backend's kernels did not build: see the log"
     return cpu

@@ -4,7 +4,7 @@ shared cases of test_backends.py (threads, shapes it hands back to the reference
 from __future__ import annotations
 
 import logging
-import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -105,13 +105,25 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path, cpu, monkeypa
         return real_run(cmd, **kwargs)
 
     monkeypatch.setattr(build.subprocess, "run", run)
-    compiler = os.environ.get("CC", "cc")
+    compiler = build.compiler()
     path = build.build(tmp_path, compiler)
     compiles = [c for c in calls if "-o" in c]
     assert len(compiles) == 1 and path.exists() and path.parent == tmp_path / "kernels"
     assert build.build(tmp_path, compiler) == path
     assert len([c for c in calls if "-o" in c]) == 1  # found, not rebuilt
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial files left
+
+
+def test_cc_may_carry_arguments(tmp_path: Path, cpu, monkeypatch) -> None:
+    # CC="ccache gcc" or "cc -pipe" was looked up on PATH whole, not found, and the
+    # engine ran torch's slower ops with a warning in the log.
+    monkeypatch.setattr(build, "_loaded", {})
+    plain = build.compiler()
+    monkeypatch.setenv("CC", shlex.join([*plain, "-pipe"]))
+    assert build.compiler() == [*plain, "-pipe"]
+    assert build.load(tmp_path) is not None
+    # Its arguments may change what it builds: the library is the command's own.
+    assert build.library_path(tmp_path, [*plain, "-pipe"]) != build.library_path(tmp_path, plain)
 
 
 def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(

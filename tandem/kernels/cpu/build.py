@@ -19,10 +19,11 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -61,38 +62,43 @@ def cpu_flags() -> str:
     return os.uname().machine
 
 
-def library_path(cache_dir: Path, compiler: str) -> Path:
-    """Where the library built by ``compiler`` for this CPU lives."""
+def compiler() -> list[str]:
+    """The C compiler's command: ``CC`` split as a shell would ("ccache gcc", "cc -pipe")."""
+    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+
+
+def library_path(cache_dir: Path, compiler: Sequence[str]) -> Path:
+    """Where the library built by ``compiler`` (a command) for this CPU lives."""
     version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        [*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    for part in (version.encode(), " ".join(FLAGS).encode()):
-        key.update(part)
+    for part in (version, " ".join(compiler), " ".join(FLAGS)):
+        key.update(part.encode())
     key.update(cpu_flags().encode())
     return cache_dir / "kernels" / f"cpu-kernels-{key.hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path, compiler: str) -> Path:
+def build(cache_dir: Path, compiler: Sequence[str]) -> Path:
     """The library's path, compiling it first if it is not in the cache."""
     path = library_path(cache_dir, compiler)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-    log.info("compiling the CPU attention kernels with %s into %s", compiler, path)
+    log.info("compiling the CPU attention kernels with %s into %s", " ".join(compiler), path)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"],
+            [*compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             timeout=_BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-5:]
-            raise BuildError(f"{compiler} exited with {done.returncode}: " + " / ".join(tail))
+            raise BuildError(f"{compiler[0]} exited with {done.returncode}: " + " / ".join(tail))
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
@@ -110,11 +116,11 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         if cache in _loaded:
             return _loaded[cache]
         lib = None
-        compiler = os.environ.get("CC", "cc")
+        command = compiler()
         try:
-            if shutil.which(compiler) is None:
-                raise BuildError(f"no C compiler {compiler!r} on PATH (set CC to choose one)")
-            lib = ctypes.CDLL(str(build(cache, compiler)))
+            if shutil.which(command[0]) is None:
+                raise BuildError(f"no C compiler {command[0]!r} on PATH (set CC to choose one)")
+            lib = ctypes.CDLL(str(build(cache, command)))
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
             log.warning(
                 "CPU kernels unavailable in %s, using torch's ops instead (attention, "

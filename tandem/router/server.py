@@ -39,6 +39,9 @@ from tandem.security.cluster import ClusterCredentials
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+# Stopping: how long the calls left once the requests have drained (health watches,
+# which never end by themselves; a last reply on its way) get before they are cut.
+_LAST_REPLIES_S = 0.5
 
 
 class Router:
@@ -206,8 +209,19 @@ class Router:
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
             grace = self.config.drain_timeout_s if grace is None else grace
+            clock = asyncio.get_running_loop().time
+            deadline = clock() + grace
             http = self._http.stop(grace) if self._http is not None else asyncio.sleep(0)
-            await asyncio.gather(self._server.stop(grace), http)  # both drain at once
+            # No new calls from here; the requests in flight (gRPC's and HTTP's, which
+            # both drain at once) get the grace.
+            drained = asyncio.gather(self._server.stop(grace), http)
+            # A health Watch never ends by itself, and gRPC's stop waited the whole
+            # grace for it: once the requests are done, what is left is cut (after a
+            # moment in which the last replies go out).
+            while self.admission.in_flight and clock() < deadline:
+                await asyncio.sleep(0.05)
+            await self._server.stop(min(_LAST_REPLIES_S, max(0.0, deadline - clock())))
+            await drained
             self._server = self._http = None
         await self.registry.stop()
         if self._metrics_endpoint is not None:

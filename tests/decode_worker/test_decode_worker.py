@@ -183,6 +183,17 @@ def test_stop_drains_then_cancels_and_frees_everything(bg):
     worker.channel.close()
 
 
+def test_an_open_health_watch_does_not_hold_the_drain(bg):
+    # gRPC's graceful stop waited the rest of the grace for a Watch, which never ends.
+    worker = start_worker(bg, DecodeConfig(engine=engine_config(num_blocks=16)))
+    watch = health_pb2_grpc.HealthStub(worker.channel).Watch(health_pb2.HealthCheckRequest())
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    start = time.monotonic()
+    asyncio.run_coroutine_threadsafe(worker.server.stop(grace=20), bg.loop).result(TIMEOUT)
+    assert time.monotonic() - start < 5  # nothing was in flight
+    worker.channel.close()
+
+
 def _here(worker, req, timeout=TIMEOUT):
     """Decode with prefill_here: (the first response's destination, the chunks)."""
     stream = worker.stub.Decode(

@@ -112,6 +112,31 @@ def test_stop_drains_in_flight_requests(frontend):
     run(scenario())
 
 
+def test_an_open_health_watch_does_not_hold_the_drain(frontend):
+    # gRPC's graceful stop waits for every call, and a Watch (client-side health
+    # checking, a sidecar) never ends: each stop took the whole drain grace.
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode]) as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                watch = health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(service="")
+                )
+                await watch.read()
+                task = asyncio.create_task(c.client.complete("hello"))
+                await wait_until(lambda: decode.calls, what="placed")
+                loop = asyncio.get_running_loop()
+                start = loop.time()
+                stopping = asyncio.create_task(c.router.stop(grace=20))
+                await asyncio.sleep(0.3)
+                decode.gate.set()
+                assert (await task).finish_reason == "length"  # the request still drains
+                await stopping
+                assert loop.time() - start < 5
+
+    run(scenario())
+
+
 def test_a_taken_port_fails_at_start_naming_the_setting(frontend):
     async def scenario():
         async with cluster(frontend) as c:

@@ -15,10 +15,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem import keepalive
 from tandem.errors import ConfigError
 from tandem.security import tls
 
 API_KEY_ENV = "TANDEM_API_KEY"
+# The clients ping a router every KEEPALIVE_S while a call is open, and fail the call
+# with UNAVAILABLE when a ping is not answered within KEEPALIVE_TIMEOUT_S: a router
+# whose host went away, or whose process froze, sends no reset, and a stream with no
+# deadline waited on it for ever. (Routers accept pings at any rate; a proxy in
+# between may not: ``keepalive_s=None`` turns the pings off.)
+KEEPALIVE_S = 30.0
+KEEPALIVE_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,7 @@ class Connection:
     address: str
     credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)  # None: plaintext
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    options: tuple[tuple[str, int], ...] = ()  # the channel's
 
     @classmethod
     def make(
@@ -37,10 +46,12 @@ class Connection:
         cert_file: str | None = None,
         key_file: str | None = None,
         api_key: str | None = None,
+        keepalive_s: float | None = KEEPALIVE_S,
         environ: Mapping[str, str] = os.environ,
     ) -> Connection:
         """``tls_on`` None: TLS when any of the files is given. ``ca_file`` None with
-        TLS: the system's root certificates. ``api_key`` None: $TANDEM_API_KEY."""
+        TLS: the system's root certificates. ``api_key`` None: $TANDEM_API_KEY.
+        ``keepalive_s`` None: no pings."""
         files = ca_file or cert_file or key_file
         if tls_on is False and files:
             raise ConfigError("ca_file, cert_file and key_file are for TLS, but tls=False")
@@ -55,17 +66,23 @@ class Connection:
             )
         key = checked_api_key(address, api_key, credentials is not None, environ)
         metadata = (("authorization", f"Bearer {key}"),) if key else ()
-        return cls(address, credentials, metadata)
+        options = ()
+        if keepalive_s is not None:
+            if not keepalive_s > 0:
+                raise ConfigError(f"keepalive_s must be > 0 or None, got {keepalive_s!r}")
+            timeout_s = min(KEEPALIVE_TIMEOUT_S, keepalive_s)
+            options = tuple(keepalive.channel_options(keepalive_s, timeout_s))
+        return cls(address, credentials, metadata, options)
 
     def sync_channel(self) -> grpc.Channel:
         if self.credentials is None:
-            return grpc.insecure_channel(self.address)
-        return grpc.secure_channel(self.address, self.credentials)
+            return grpc.insecure_channel(self.address, self.options)
+        return grpc.secure_channel(self.address, self.credentials, self.options)
 
     def aio_channel(self) -> grpc.aio.Channel:
         if self.credentials is None:
-            return grpc.aio.insecure_channel(self.address)
-        return grpc.aio.secure_channel(self.address, self.credentials)
+            return grpc.aio.insecure_channel(self.address, self.options)
+        return grpc.aio.secure_channel(self.address, self.credentials, self.options)
 
 
 def checked_api_key(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import grpc
 
@@ -70,9 +71,32 @@ def generate_request(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{name} must be {_KINDS.get(name, 'a number')}, got {value!r}",
                 ) from None
-    s.stop.extend([stop] if isinstance(stop, str) else stop)  # one string, not its letters
+            if math.isinf(getattr(s, name)) and not math.isinf(value):  # float32's range
+                raise InvalidRequest(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{name} must be within float32's range, got {value!r}",
+                )
+    stops = [stop] if isinstance(stop, str) else list(stop or ())  # one string, not its letters
+    if not all(isinstance(x, str) for x in stops):
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT, f"stop must be strings, got {stop!r}"
+        )
+    s.stop.extend(stops)
     s.ignore_eos = ignore_eos
     return request
+
+
+# A deadline this far off is none: gRPC takes one past its clock's range as already past.
+NO_DEADLINE_S = 1e9
+
+
+def deadline(timeout: float | None) -> float | None:
+    """A call's gRPC timeout for a client's ``timeout`` (seconds; None or inf: none)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    return None if math.isinf(timeout) or timeout >= NO_DEADLINE_S else float(timeout)
 
 
 def tokenize_request(
@@ -91,12 +115,23 @@ def _set_input(request, prompt: str | None, messages: Sequence[Message] | None) 
     if prompt is not None:
         request.prompt = prompt
         return
-    for m in messages or ():
-        if isinstance(m, ChatMessage):
-            role, content = m.role, m.content
-        else:
-            role, content = m["role"], m["content"]
-        request.chat.messages.add(role=role, content=content)
+    if isinstance(messages, (str, Mapping)):  # one message, not a list of them
+        raise InvalidRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"messages must be a list of messages, got a {type(messages).__name__}",
+        )
+    for i, m in enumerate(messages or ()):
+        try:
+            if isinstance(m, ChatMessage):
+                role, content = m.role, m.content
+            else:
+                role, content = m["role"], m["content"]
+            request.chat.messages.add(role=role, content=content)
+        except (KeyError, TypeError, ValueError):
+            raise InvalidRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"messages[{i}] must have a string role and content, got {m!r}",
+            ) from None
     request.chat.SetInParent()  # an empty list is still "chat", which the server refuses
 
 

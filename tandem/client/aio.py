@@ -10,13 +10,14 @@ and with it the request on every worker.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import _convert
-from tandem.client._connect import Connection
+from tandem.client._connect import KEEPALIVE_S, Connection
 from tandem.client.errors import from_rpc_error
 from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
 
@@ -32,33 +33,36 @@ class AsyncTandemClient:
         cert_file: str | None = None,
         key_file: str | None = None,
         api_key: str | None = None,
+        keepalive_s: float | None = KEEPALIVE_S,
     ) -> None:
-        """``timeout``: the default per-call deadline in seconds (None: no deadline); TLS
-        and the API key as for ``TandemClient``."""
+        """``timeout``: the default per-call deadline in seconds (None or inf: none);
+        TLS, the API key and ``keepalive_s`` as for ``TandemClient``."""
         self.address = address
+        _convert.deadline(timeout)  # a bad one is refused here, not at the first call
         self.timeout = timeout
         connection = Connection.make(
             address, tls_on=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
-            api_key=api_key,
+            api_key=api_key, keepalive_s=keepalive_s,
         )  # fmt: skip
         self._metadata = connection.metadata
         self._connection = connection
         # Made on first use, in the event loop that uses it: a gRPC aio channel belongs to
         # the loop it was made in, and a client is often made before any loop runs (at
-        # import, then used under asyncio.run).
+        # import, then used under asyncio.run, once or several times).
         self._aio_channel: grpc.aio.Channel | None = None
         self._aio_stub: tandem_pb2_grpc.TandemStub | None = None
-
-    @property
-    def _channel(self) -> grpc.aio.Channel:
-        if self._aio_channel is None:
-            self._aio_channel = self._connection.aio_channel()
-            self._aio_stub = tandem_pb2_grpc.TandemStub(self._aio_channel)
-        return self._aio_channel
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     @property
     def _stub(self) -> tandem_pb2_grpc.TandemStub:
-        self._channel  # noqa: B018 (made on first use)
+        if self._closed:
+            raise ValueError("this client is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the loop it was made in has ended, or another runs
+            self._aio_channel = self._connection.aio_channel()
+            self._aio_stub = tandem_pb2_grpc.TandemStub(self._aio_channel)
+            self._loop = loop
         return self._aio_stub
 
     def generate(
@@ -123,8 +127,10 @@ class AsyncTandemClient:
         return list(response.token_ids)
 
     async def close(self) -> None:
-        if self._aio_channel is not None:
+        self._closed = True
+        if self._aio_channel is not None and self._loop is asyncio.get_running_loop():
             await self._aio_channel.close()
+        self._aio_channel = self._aio_stub = self._loop = None
 
     async def __aenter__(self) -> AsyncTandemClient:
         return self
@@ -133,7 +139,7 @@ class AsyncTandemClient:
         await self.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        return _convert.deadline(self.timeout if timeout is None else timeout)
 
     async def _stream(
         self, request: tandem_pb2.GenerateRequest, timeout: float | None

@@ -18,7 +18,7 @@ import grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import _convert
-from tandem.client._connect import Connection
+from tandem.client._connect import KEEPALIVE_S, Connection
 from tandem.client.errors import from_rpc_error
 from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
 
@@ -34,20 +34,26 @@ class TandemClient:
         cert_file: str | None = None,
         key_file: str | None = None,
         api_key: str | None = None,
+        keepalive_s: float | None = KEEPALIVE_S,
     ) -> None:
-        """``timeout``: the default per-call deadline in seconds (None: no deadline).
+        """``timeout``: the default per-call deadline in seconds (None or inf: none).
 
         ``tls``: None speaks TLS when any of the files is given; ``ca_file`` verifies
         the router (None: the system's root certificates); ``cert_file`` and
         ``key_file`` are presented to a router that requires client certificates.
         ``api_key`` (None: $TANDEM_API_KEY) is sent with every call; it is refused
         without TLS unless the router is on loopback.
+
+        ``keepalive_s``: while a call is open, the router is pinged this often, and a
+        ping unanswered for 20 s fails the call with ``Unavailable`` (a router that
+        froze or whose host went away sends nothing); None: no pings.
         """
         self.address = address
+        _convert.deadline(timeout)  # a bad one is refused here, not at the first call
         self.timeout = timeout
         connection = Connection.make(
             address, tls_on=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
-            api_key=api_key,
+            api_key=api_key, keepalive_s=keepalive_s,
         )  # fmt: skip
         self._metadata = connection.metadata
         self._channel = connection.sync_channel()
@@ -124,7 +130,7 @@ class TandemClient:
         self.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        return _convert.deadline(self.timeout if timeout is None else timeout)
 
     def _stream(
         self, request: tandem_pb2.GenerateRequest, timeout: float | None

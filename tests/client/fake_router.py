@@ -8,6 +8,7 @@ from concurrent import futures
 
 import grpc
 
+from tandem import keepalive
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 
@@ -63,7 +64,9 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
 class FakeServer:
     def __init__(self, credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicer = FakeTandem()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # As the router's: pings (the clients' keepalive) accepted at any rate.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                  options=keepalive.SERVER_OPTIONS)  # fmt: skip
         tandem_pb2_grpc.add_TandemServicer_to_server(self.servicer, self.server)
         if credentials is None:
             port = self.server.add_insecure_port("127.0.0.1:0")
@@ -74,3 +77,10 @@ class FakeServer:
 
     def stop(self) -> None:
         self.server.stop(None)
+
+
+if __name__ == "__main__":  # a server in its own process, which a test can freeze
+    server = FakeServer()
+    server.servicer.hang = True
+    print(server.address, flush=True)
+    server.server.wait_for_termination()

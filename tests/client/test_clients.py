@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
@@ -18,6 +23,7 @@ from tandem.client import (
     TandemClient,
     Unavailable,
     Usage,
+    _convert,
 )
 
 
@@ -107,3 +113,52 @@ def test_an_async_client_made_before_the_event_loop_runs_works_in_it(fake):
             return await client.complete("hi")
 
     assert asyncio.run(use()).text == "Hello"
+
+
+def test_an_async_client_serves_several_event_loops_and_refuses_use_once_closed(fake):
+    # The channel belonged to the first asyncio.run's loop: the second run failed with
+    # "Event loop is closed".
+    client = AsyncTandemClient(fake.address, timeout=10)
+    for _ in range(2):
+        assert asyncio.run(client.complete("hi")).text == "Hello"
+
+    async def closed():
+        await client.close()
+        with pytest.raises(ValueError, match="this client is closed"):
+            await client.complete("hi")
+
+    asyncio.run(closed())
+
+
+@pytest.mark.parametrize(("timeout", "deadline"), [(None, None), (float("inf"), None),
+                                                    (1e10, None), (2, 2.0)])  # fmt: skip
+def test_an_infinite_timeout_is_none(timeout, deadline):
+    # gRPC took inf (or any deadline past its clock's range) as already past:
+    # DeadlineExceeded at once, where the caller meant "no deadline".
+    assert _convert.deadline(timeout) == deadline
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "10"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(timeout):
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0 or None"):
+        TandemClient("127.0.0.1:1", timeout=timeout)
+
+
+def test_a_router_that_froze_mid_stream_fails_the_call(tmp_path):
+    # A frozen router (or one whose host went away) sends no reset: with no deadline,
+    # generate waited for ever. The client's keepalive pings now end the call.
+    server = subprocess.Popen([sys.executable, "-m", "tests.client.fake_router"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        address = server.stdout.readline().strip()
+        with TandemClient(address, keepalive_s=1.0) as client:
+            stream = client.generate("hi", timeout=60)  # a failing test must not hang
+            assert next(stream).text == "Hel"
+            os.kill(server.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(Unavailable):
+                next(stream)
+            assert time.monotonic() - start < 30
+    finally:
+        server.kill()
+        server.wait()

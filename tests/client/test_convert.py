@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 
@@ -54,6 +56,9 @@ def test_one_stop_string_is_one_stop_string_not_its_letters():
         ("max_tokens", 2**31, "max_tokens must be a 32-bit integer, got 2147483648"),
         ("max_tokens", 1.5, "max_tokens must be a 32-bit integer, got 1.5"),
         ("temperature", "hot", "temperature must be a number, got 'hot'"),
+        # It went out as inf, and the router's error named a value nobody had sent.
+        ("temperature", 1e39, "temperature must be within float32's range, got 1e+39"),
+        ("stop", [1], "stop must be strings, got [1]"),
     ],
 )
 def test_a_value_its_field_cannot_hold_is_an_invalid_request(name, value, message):
@@ -72,6 +77,25 @@ def test_messages_accept_dataclasses_and_mappings():
     ]
     # An empty list is still a chat, for the server to refuse with the field named.
     assert _convert.tokenize_request(None, []).WhichOneof("input") == "chat"
+
+
+def test_no_stop_is_none_as_well():  # as OpenAI-style code passes it
+    request = _convert.generate_request("hi", None, "", **{**NO_SAMPLING, "stop": None})
+    assert list(request.sampling.stop) == []
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ({"role": "user", "content": "hi"}, "messages must be a list of messages, got a dict"),
+        ([{"role": "user"}], "messages[0] must have a string role and content"),
+        ([{"role": "user", "content": 7}], "messages[0] must have a string role and content"),
+    ],
+)
+def test_malformed_messages_are_an_invalid_request_naming_them(messages, message):
+    # A raw TypeError or KeyError, where every other argument gave InvalidRequest.
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        _convert.generate_request(None, messages, "", **NO_SAMPLING)
 
 
 @pytest.mark.parametrize("prompt, messages", [(None, None), ("hi", [])])

@@ -65,6 +65,12 @@ class AsyncTandemClient:
             self._loop = loop
         return self._aio_stub
 
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        """The channel for the running event loop."""
+        self._stub  # noqa: B018 (made on first use in each loop)
+        return self._aio_channel
+
     def generate(
         self,
         prompt: str | None = None,

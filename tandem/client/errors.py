@@ -5,6 +5,9 @@
 - ``Unauthenticated``  (UNAUTHENTICATED) no API key, or one the router does not know;
 - ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff (the router's
   bound, or the API key's own: its streams or its rate);
+- ``RequestTooLarge``  (RESOURCE_EXHAUSTED from gRPC itself, and an ``InvalidRequest``)
+  the message is over the router's ``max_request_bytes``, or the metadata over
+  gRPC's limit: it never fits, so it is not ``Overloaded`` (not to be retried);
 - ``AlreadyInFlight``  (ALREADY_EXISTS) a request with this request_id is in flight
   under the same API key: pick another id (a UUID), or send it again once that one
   has ended;
@@ -42,6 +45,10 @@ class Overloaded(TandemClientError):
     pass
 
 
+class RequestTooLarge(InvalidRequest):
+    pass
+
+
 class AlreadyInFlight(TandemClientError):
     pass
 
@@ -69,8 +76,15 @@ _BY_CODE: dict[grpc.StatusCode, type[TandemClientError]] = {
 }
 
 
+# What gRPC's own size refusals say (its receive bound on a message, its hard limit
+# on metadata): the request can never fit.
+_TOO_LARGE = ("larger than max", "metadata size exceeds")
+
+
 def from_rpc_error(exc: grpc.RpcError) -> TandemClientError:
     """The exception for a failed call (sync ``grpc.RpcError`` or ``grpc.aio.AioRpcError``)."""
     code = exc.code()  # type: ignore[attr-defined]
     details = exc.details() or ""  # type: ignore[attr-defined]
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and any(t in details for t in _TOO_LARGE):
+        return RequestTooLarge(code, details)
     return _BY_CODE.get(code, TandemClientError)(code, details)

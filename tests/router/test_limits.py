@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from tandem.client import Overloaded
+from tandem.client import AsyncTandemClient, InvalidRequest, Overloaded, RequestTooLarge
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.router.frontend import Frontend
@@ -147,11 +147,17 @@ def test_the_default_prompt_limit_is_32_characters_per_token_of_context(frontend
     run(scenario())
 
 
-def test_a_message_over_max_request_bytes_is_resource_exhausted(frontend):
+def test_a_message_over_max_request_bytes_is_too_large_not_overloaded(frontend):
+    # gRPC refuses it with RESOURCE_EXHAUSTED, which the client raised as Overloaded,
+    # "retry later": a caller following that advice retried for ever.
     async def scenario():
         async with cluster(frontend, max_request_bytes=4096) as c:
-            with pytest.raises(Overloaded, match="larger than max"):
+            with pytest.raises(RequestTooLarge, match="larger than max") as info:
                 await c.client.complete("x" * 5000)
+            assert isinstance(info.value, InvalidRequest)
+            assert not isinstance(info.value, Overloaded)
+            with pytest.raises(RequestTooLarge, match="metadata size exceeds"):
+                await AsyncTandemClient(c.router.address, api_key="k" * 20000).complete("x")
             assert await c.client.complete("x" * 3000)
             assert c.worker_calls() == 2  # the first never reached the router's code
 

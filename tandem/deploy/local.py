@@ -295,11 +295,12 @@ class LocalCluster:
         env = ucx_env_defaults(dict(os.environ), cuda=engine is not None and on_gpu(engine.device))
         threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
         env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
+        log_path.write_bytes(b"")
         popen = subprocess.Popen(
             self._lifeline.command(module, ["--config", str(config_path)]),
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_path.open("wb"),
+            stdout=subprocess.PIPE,  # for the READY line; the rest goes to the log
+            stderr=log_path.open("ab"),  # appends, as the stdout reader does: no overwrites
             env=self._lifeline.env(env),
             pass_fds=self._lifeline.pass_fds,
             start_new_session=True,  # a Ctrl-C reaches the launcher, which stops us in order
@@ -312,17 +313,18 @@ class LocalCluster:
         """Read stdout until the READY line; then keep draining it in the background."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         lines: list[str] = []
-        reader = threading.Thread(target=_read_lines, args=(proc.popen.stdout, lines), daemon=True)
+        reader = threading.Thread(
+            target=_read_lines, args=(proc.popen.stdout, lines, proc.log_path), daemon=True
+        )
         reader.start()
         while time.monotonic() < deadline:
-            for line in lines:
-                if line.startswith("READY "):
-                    proc.ready = dict(
-                        part.split("=", 1) for part in line.split()[2:] if "=" in part
-                    )
-                    log.info("%s ready: %s", proc.name, line.strip())
-                    return
+            if lines:
+                line = lines[0]
+                proc.ready = dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
+                log.info("%s ready: %s", proc.name, line.strip())
+                return
             if proc.popen.poll() is not None:
+                reader.join(timeout=2)  # its last stdout lines into the log
                 raise StartError(
                     f"{proc.name} exited with code {proc.popen.returncode} during start-up; "
                     f"last lines of {proc.log_path}:\n{proc.log_tail()}"
@@ -388,6 +390,14 @@ def _signal_group(proc: _Process, sig: int) -> None:
         pass
 
 
-def _read_lines(stream, sink: list[str]) -> None:
-    for raw in iter(stream.readline, b""):
-        sink.append(raw.decode(errors="replace"))
+def _read_lines(stream, ready: list[str], log_path: Path) -> None:
+    """A process's stdout until it closes: the first READY line into ``ready``, every
+    other line into its log (what a library prints there, UCX's lines included)."""
+    with log_path.open("ab") as out:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            if not ready and line.startswith("READY "):
+                ready.append(line)
+            else:
+                out.write(raw)
+                out.flush()

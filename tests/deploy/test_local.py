@@ -58,6 +58,8 @@ def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tm
     assert all(alive(p) for p in cluster.started)
     cluster.stop()
     assert all(p.popen.poll() is not None for p in procs)
+    log_text = (tmp_path / "prefill-0.log").read_text()
+    assert "prefill printed this after READY" in log_text and "READY prefill" not in log_text
     assert not [p for p in cluster.started if alive(p)]
 
 
@@ -67,6 +69,8 @@ def test_a_process_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeyp
     with pytest.raises(StartError, match="decode-0 exited with code 3") as err:
         cluster.start()
     assert "boom: cannot load the model" in str(err.value)
+    # What it printed on stdout is in its log too (UCX's reasons were lost there).
+    assert "a library's reason, on stdout" in str(err.value)
     assert len(cluster.started) == 2  # prefill-0 started and was stopped; decode-0 crashed
     assert not [p for p in cluster.started if alive(p)]
     assert cluster.processes == []

@@ -13,6 +13,7 @@ def test_defaults_fill_an_empty_environment():
         "UCX_TLS": "tcp,sm,self",
         "UCX_WARN_UNUSED_ENV_VARS": "n",
         "UCX_MM_ERROR_HANDLING": "y",  # shared memory under peer-failure error handling
+        "UCX_LOG_FILE": "stderr",  # where a worker's log is, not stdout
     }
 
 

@@ -63,6 +63,9 @@ def ucx_env_defaults(
     # loopback on one host (10x slower); this turns on keepalive-based failure
     # detection for the shared-memory transports so they qualify.
     env.setdefault("UCX_MM_ERROR_HANDLING", "y")
+    # UCX logs to stdout by default (block-buffered into a pipe, and not the log a
+    # worker's stderr goes to); its reasons for a failed start belong in that log.
+    env.setdefault("UCX_LOG_FILE", "stderr")
     return env
 
 

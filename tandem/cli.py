@@ -413,7 +413,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )  # fmt: skip
     params = sampling_params(args)
     connect = client_kwargs(args)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop in order, as on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop in order, as on Ctrl-C
+        signal.signal(sig, signal.default_int_handler)
     with LocalCluster(config) as cluster:
         log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
         _generate_remote(cluster.address, args.prompt, False, params, timeout=300,
@@ -492,7 +493,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # the handler runs in the main thread, which may hold the Event's lock in wait().
         stopping.append(True)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: a closed terminal or a lost ssh session drains as Ctrl-C does (by
+    # default it ended the launcher at once, and its children on their lifelines).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     log = logging.getLogger("tandem")
     log.info(

@@ -129,6 +129,24 @@ def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
         _kill(proc)
 
 
+def test_a_hangup_stops_serve_in_order_as_ctrl_c_does(tmp_path):
+    # A closed terminal or a lost ssh session: SIGHUP ended the launcher at once (exit
+    # 129), its streams cut, and its children went on their lifelines.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().startswith("tandem: serving tiny-random on ")
+        children = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(60) == 0, proc.stderr.read()
+        assert "stopping: draining in-flight requests" in proc.stderr.read()
+        assert not survivors(children, within_s=10.0)
+    finally:
+        _kill(proc)
+
+
 def test_serve_reports_a_process_that_dies_and_ends_when_the_router_does(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],

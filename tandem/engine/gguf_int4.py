@@ -44,7 +44,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -481,7 +480,10 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
         for part, t in forms._asdict().items()
         if t is not None
     }
-    partial = cached.with_name(f"{cached.name}.{socket.gethostname()}.{os.getpid()}.partial")
+    from tandem.engine.loader import owned_name, remove_abandoned
+
+    remove_abandoned(cached.parent, cached.name)
+    partial = cached.with_name(f"{owned_name(cached.name)}.partial")
     try:
         save_file(tensors, str(partial))
         os.replace(partial, cached)

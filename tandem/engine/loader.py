@@ -11,12 +11,14 @@ Nothing is ever fetched from a hub.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -84,11 +86,13 @@ def smollm2_gguf_path() -> Path:
 
 
 def _atomic_dir(target: Path, build) -> Path:
-    """Build into a temporary sibling and rename, so a crash never leaves half a model."""
+    """Build into a temporary sibling and rename, so a crash never leaves half a model
+    where it is looked for; what an interrupted build left beside it goes next time."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    remove_abandoned(target.parent, target.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{owned_name(target.name)}.", dir=target.parent))
     try:
         build(tmp)
         try:
@@ -99,6 +103,38 @@ def _atomic_dir(target: Path, build) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def owned_name(name: str) -> str:
+    """``name`` marked as this process's work in progress: ``name.<host>.<pid>``."""
+    return f"{name}.{socket.gethostname()}.{os.getpid()}"
+
+
+def remove_abandoned(parent: Path, name: str) -> None:
+    """Remove the works in progress on ``name`` in ``parent`` (``owned_name``) whose
+    process, on this host, is gone: a worker stopped by a signal during its first start
+    (the model's dequantisation takes tens of seconds) leaves its copy behind, up to
+    the model's size, and nothing else would ever remove it."""
+    host = socket.gethostname()
+    for path in parent.glob(f"{glob.escape(name)}.{glob.escape(host)}.*"):
+        pid = path.name[len(name) + len(host) + 2 :].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        log.info("removing %s, left by an interrupted start", path)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _converted_gguf(gguf: Path, cache: Path) -> Path:

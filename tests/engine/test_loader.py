@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.engine import tiny_random
+from tandem.engine import loader, tiny_random
 from tandem.engine.loader import resolve_model
 from tandem.errors import ConfigError
 
@@ -131,6 +134,24 @@ def test_corrupt_gguf_is_refused_and_leaves_no_partial_model(tmp_path):
     assert str(err.value).startswith(f"cannot load GGUF {junk}: ")
     # The temporary build directory was removed; no model (whole or half) remains.
     assert list((cache / "models").iterdir()) == []
+
+
+def test_a_start_removes_what_an_interrupted_one_left(tmp_path):
+    # A worker stopped by a signal while it dequantised the model (tens of seconds on a
+    # first start) left its temporary copy, up to the model's size, for good.
+    models = tmp_path / "cache" / "models"
+    name = f"tiny-random-v{loader._CACHE_VERSION}"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = models / f"{name}.{socket.gethostname()}.{ended.stdout.strip()}.abcd1234"
+    dead.mkdir(parents=True)
+    (dead / "config.json").write_text("{}")  # half written
+    live = models / f"{loader.owned_name(name)}.efgh5678"  # this process: still at work
+    live.mkdir()
+    other_host = models / f"{name}.another-host.{ended.stdout.strip()}.ijkl9012"
+    other_host.mkdir()
+    assert resolve_model("tiny-random", tmp_path / "cache") == models / name
+    assert not dead.exists() and live.exists() and other_host.exists()
 
 
 @pytest.mark.slow

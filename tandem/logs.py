@@ -77,3 +77,21 @@ def configure(process: str, level: int = logging.INFO, fmt: str | None = None, s
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def fatal(message: str, exc_info: bool = False) -> None:
+    """A process's last word before it exits: ``tandem: error: MESSAGE`` on stderr, or
+    in the JSON format an ERROR record (with the traceback if ``exc_info``), so that
+    every line of a JSON log is JSON, the reason it ended included."""
+    if _json_configured():
+        logging.getLogger("tandem").error("%s", message, exc_info=exc_info)
+        return
+    if exc_info:
+        import traceback
+
+        traceback.print_exc()
+    print(f"tandem: error: {message}", file=sys.stderr, flush=True)
+
+
+def _json_configured() -> bool:
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)

@@ -82,3 +82,20 @@ def test_the_tandem_command_writes_json_lines_too_when_asked():
         assert run.returncode == code, run.stderr
         lines = run.stderr.splitlines()
         assert lines and all(json.loads(line)["process"] == "tandem" for line in lines), lines
+
+
+@pytest.mark.parametrize("module", ["tandem.decode_worker", "tandem.router"])
+def test_a_process_that_cannot_start_says_why_in_json_when_asked(module):
+    # A worker's or router's last word ("tandem: error: ...", its traceback) was text
+    # in a JSON log.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, logs.ENV: "json"}
+    run = subprocess.run([sys.executable, "-m", module, "--model", "/nonexistent/m.gguf"],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    records = [json.loads(line) for line in run.stderr.splitlines()]
+    assert records[-1]["level"] == "ERROR"
+    assert "/nonexistent/m.gguf" in records[-1]["message"]

@@ -84,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(argv)
         asyncio.run(serve(config))
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        logs.fatal(str(exc))
         return 2
+    except Exception as exc:  # its traceback, in the log's own format
+        logs.fatal(f"router failed: {exc!r}", exc_info=True)
+        return 1
     return 0
 
 

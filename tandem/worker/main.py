@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import logging
 import signal
-import sys
 
 from tandem import logs
 from tandem.config import (
@@ -151,7 +150,10 @@ def main(role: str, argv: list[str] | None = None) -> int:
             torch.set_num_threads(config.engine.num_threads)
         return asyncio.run(serve(role, config))
     except TandemError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
+        logs.fatal(str(exc))
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # its traceback, in the log's own format
+        logs.fatal(f"{role} worker failed: {exc!r}", exc_info=True)
+        return 1

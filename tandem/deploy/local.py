@@ -63,6 +63,7 @@ from tandem.config import (
     section,
 )
 from tandem.deploy.lifeline import Lifeline
+from tandem.engine.loader import needs_building
 from tandem.errors import ConfigError, TandemError
 from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
 from tandem.metrics import targets
@@ -218,16 +219,24 @@ class LocalCluster:
                 drain_timeout_s=cfg.drain_timeout_s,
                 **self._metrics(cfg.decode),
             )
-            prefill = [
-                self._spawn(f"prefill-{i}", self.modules["prefill"], prefill_cfg)
-                for i in range(cfg.num_prefill)
-            ]
-            decode = [
-                self._spawn(f"decode-{i}", self.modules["decode"], decode_cfg)
-                for i in range(cfg.num_decode)
-            ]  # fmt: skip
-            for p in prefill + decode:
-                self._wait_ready(p)
+            workers = [("prefill", i, prefill_cfg) for i in range(cfg.num_prefill)]
+            workers += [("decode", i, decode_cfg) for i in range(cfg.num_decode)]
+            started = []
+            if len(workers) > 1 and needs_building(engine.model, engine.cache_dir):
+                # A first start: one worker builds the model's directory (and its packed
+                # codes) for all, where each would have built its own copy at once.
+                log.info("first start of %s: one worker prepares it for the others",
+                         engine.model)  # fmt: skip
+                role, i, worker_cfg = workers.pop(0)
+                started.append(self._spawn(f"{role}-{i}", self.modules[role], worker_cfg))
+                self._wait_ready(started[0])
+            started += [self._spawn(f"{role}-{i}", self.modules[role], worker_cfg)
+                        for role, i, worker_cfg in workers]  # fmt: skip
+            for p in started:
+                if not p.ready:
+                    self._wait_ready(p)
+            prefill = [p for p in started if p.name.startswith("prefill-")]
+            decode = [p for p in started if p.name.startswith("decode-")]
             router_cfg = dataclasses.replace(
                 cfg.router,
                 model=engine.model,

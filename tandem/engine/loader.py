@@ -137,12 +137,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _converted_gguf(gguf: Path, cache: Path) -> Path:
+def needs_building(model: str, cache_dir: str | Path | None = None) -> bool:
+    """Whether ``resolve_model`` would build the model's directory first (a GGUF's
+    dequantisation: tens of seconds and the model's size in memory, once), read
+    without building anything. A model that cannot resolve says False: loading it
+    reports why."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    try:
+        if model == DEFAULT_MODEL:
+            target = _gguf_target(smollm2_gguf_path(), cache)
+        elif model == "tiny-random":
+            target = _tiny_random_target(cache)
+        elif (path := Path(model).expanduser()).is_file() and path.suffix == ".gguf":
+            target = _gguf_target(path, cache)
+        else:
+            return False
+    except (ConfigError, OSError):
+        return False
+    return not (target / "config.json").is_file()
+
+
+def _gguf_target(gguf: Path, cache: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(
         f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_VERSION}".encode()
     ).hexdigest()[:16]
-    target = cache / "models" / f"{gguf.stem}-{key}"
+    return cache / "models" / f"{gguf.stem}-{key}"
+
+
+def _converted_gguf(gguf: Path, cache: Path) -> Path:
+    target = _gguf_target(gguf, cache)
 
     def build(out: Path) -> None:
         import torch
@@ -170,10 +194,14 @@ def _converted_gguf(gguf: Path, cache: Path) -> Path:
     return _atomic_dir(target, build)
 
 
+def _tiny_random_target(cache: Path) -> Path:
+    return cache / "models" / f"tiny-random-v{_CACHE_VERSION}"
+
+
 def _tiny_random(cache: Path) -> Path:
     from tandem.engine.tiny_random import write_tiny_random
 
-    return _atomic_dir(cache / "models" / f"tiny-random-v{_CACHE_VERSION}", write_tiny_random)
+    return _atomic_dir(_tiny_random_target(cache), write_tiny_random)
 
 
 def read_config(model_dir: Path) -> dict:

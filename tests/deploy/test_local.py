@@ -14,6 +14,7 @@ import yaml
 
 from tandem.config import EngineConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster, StartError
+from tandem.engine.loader import resolve_model
 from tests.processes import alive, survivors
 
 FAKE = "tests.deploy.fake_process"
@@ -61,6 +62,39 @@ def test_start_passes_worker_addresses_to_the_router_and_stop_ends_everything(tm
     log_text = (tmp_path / "prefill-0.log").read_text()
     assert "prefill printed this after READY" in log_text and "READY prefill" not in log_text
     assert not [p for p in cluster.started if alive(p)]
+
+
+class OrderedCluster(FakeCluster):
+    """Records the order of spawns and READY waits."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.events: list[str] = []
+
+    def _spawn(self, name, module, config):
+        self.events.append(f"spawn {name}")
+        return super()._spawn(name, module, config)
+
+    def _wait_ready(self, proc) -> None:
+        super()._wait_ready(proc)
+        self.events.append(f"ready {proc.name}")
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_on_a_first_start_one_worker_prepares_the_model_for_the_others(tmp_path, cold):
+    # Every worker dequantised the same GGUF at once: 4x the CPU and memory on a first
+    # start of 2 + 2 workers, for one directory.
+    cache = tmp_path / "cache"
+    if not cold:
+        resolve_model("tiny-random", cache)
+    engine = EngineConfig(model="tiny-random", cache_dir=str(cache))
+    cluster = OrderedCluster(ClusterConfig(engine=engine, num_prefill=1, num_decode=2), tmp_path)
+    cluster.start()
+    cluster.stop()
+    spawned = ["spawn prefill-0", "spawn decode-0", "spawn decode-1"]
+    if cold:  # the fakes build nothing: the cache stays cold, as the check saw it
+        spawned.insert(1, "ready prefill-0")
+    assert cluster.events[:len(spawned)] == spawned
 
 
 def test_a_process_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeypatch):

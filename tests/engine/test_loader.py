@@ -154,6 +154,17 @@ def test_a_start_removes_what_an_interrupted_one_left(tmp_path):
     assert not dead.exists() and live.exists() and other_host.exists()
 
 
+def test_whether_a_model_needs_building_is_read_without_building_it(tmp_path):
+    cache = tmp_path / "cache"
+    assert loader.needs_building("tiny-random", cache)
+    assert not (cache / "models").exists()  # nothing built to answer
+    resolve_model("tiny-random", cache)
+    assert not loader.needs_building("tiny-random", cache)
+    # A model that cannot resolve is for its loading to report.
+    assert not loader.needs_building("/nonexistent/m.gguf", cache)
+    assert not loader.needs_building(str(tmp_path), cache)
+
+
 @pytest.mark.slow
 def test_default_model_is_a_dequantised_hf_directory():
     model_dir = resolve_model("smollm2-135m-instruct")

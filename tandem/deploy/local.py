@@ -16,8 +16,10 @@ anything still alive a few seconds after that. Each process logs to ``<run dir>/
 
 Inside, the cluster is encrypted with zero set-up: ``start`` creates a
 throw-away CA, a member certificate and a KV secret for this run (in
-``<run dir>/cluster/``, owner-only, deleted as soon as every process has read it,
-so that a launcher killed outright leaves no key behind), and every process
+``<run dir>/cluster/``, owner-only, deleted as soon as every process has read it:
+once the router is ready, so that a launcher killed outright after that leaves no
+key behind; one killed outright during start-up leaves them there, owner-only,
+valid for that run's processes only), and every process
 gets them through its config: the router calls the workers over mutual TLS and
 the workers authenticate their KV connections. A ``cluster:`` section naming
 the operator's own files is used instead; ``cluster: {insecure: true}`` runs

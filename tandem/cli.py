@@ -477,6 +477,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     PublicPort.load(config.router)  # a bad or unsafe setting fails now, not after the workers
+    for setting in ("port", "http_port", "metrics_port"):  # and a port already taken
+        _check_port_free(config.router.host, getattr(config.router, setting), setting)
     if args.log_format:
         from tandem import logs
 
@@ -533,6 +535,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
     return code
+
+
+def _check_port_free(host: str, port: int | None, setting: str) -> None:
+    """ConfigError naming ``setting`` when something listens on ``host:port`` already:
+    found before the workers load (a minute with the default model on a first start),
+    not when the router starts after them. The router still reports one taken since."""
+    import socket
+
+    if not port:  # None: off; 0: a free one
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError:  # the router names a host it cannot resolve
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and uvicorn bind
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"the router cannot listen on {host}:{port} (setting {setting}): {exc.strerror}"
+            ) from None
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -129,6 +129,24 @@ def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
         _kill(proc)
 
 
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_a_taken_port_fails_serve_before_any_worker_starts(flag):
+    # It was found when the router started, after every worker had loaded the model.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random",
+             *(["--port", "0"] if flag != "--port" else []), flag, str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    setting = flag.removeprefix("--").replace("-", "_")
+    assert f"cannot listen on 127.0.0.1:{port} (setting {setting})" in run.stderr
+    assert "starting" not in run.stderr  # no worker was started
+
+
 def test_a_hangup_stops_serve_in_order_as_ctrl_c_does(tmp_path):
     # A closed terminal or a lost ssh session: SIGHUP ended the launcher at once (exit
     # 129), its streams cut, and its children went on their lifelines.

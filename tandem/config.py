@@ -422,6 +422,11 @@ class RouterConfig:
     # An admitted request that finds every decode worker full waits this long for room
     # (or until its deadline), then gets RESOURCE_EXHAUSTED.
     queue_timeout_s: float = 120.0
+    # A stream whose client takes none of what is ready for it this long (it stopped
+    # reading, with its flow-control window full) is ended (gRPC: CANCELLED; HTTP: the
+    # connection closed): it held its place in max_queue and its key's max_streams
+    # for as long as the client liked.
+    stream_stall_timeout_s: float = 60.0
     # A request whose decode or prefill worker dies mid-stream continues on another
     # worker (prompt + tokens already streamed re-prefilled) at most this many times.
     max_migrations: int = 2
@@ -509,6 +514,10 @@ class RouterConfig:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
         if self.queue_timeout_s < 0:
             raise ConfigError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
+        if not self.stream_stall_timeout_s > 0:
+            raise ConfigError(
+                f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}"
+            )
         for name in ("prefill_timeout_s", "kv_path_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

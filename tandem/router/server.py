@@ -128,7 +128,8 @@ class Router:
                 ParseInterceptor(),
             ],
         )
-        tandem_pb2_grpc.add_TandemServicer_to_server(TandemService(self.gateway), server)
+        service = TandemService(self.gateway, self.config.stream_stall_timeout_s)
+        tandem_pb2_grpc.add_TandemServicer_to_server(service, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

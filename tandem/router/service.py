@@ -16,6 +16,8 @@ error; and with API keys on, the key is checked first.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from contextlib import aclosing
 
@@ -32,17 +34,23 @@ log = logging.getLogger(__name__)
 
 
 class TandemService(tandem_pb2_grpc.TandemServicer):
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, stream_stall_timeout_s: float = 60.0) -> None:
         self.gateway = gateway
         self.frontend = gateway.frontend
         self.admission = gateway.admission
+        self.stream_stall_timeout_s = stream_stall_timeout_s
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         stream = self.gateway.generate(request, current_key.get(), context.time_remaining())
+        # gRPC asks for the next response once the last one is written, which waits
+        # while the client's flow-control window is full: a client that stopped reading
+        # is let go after stream_stall_timeout_s (its call ends CANCELLED).
+        stalled = _Stalled(self.stream_stall_timeout_s, context)
         try:
             async with aclosing(stream):
                 async for response in stream:
-                    yield response
+                    with stalled:
+                        yield response
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
@@ -66,6 +74,39 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         except RouterError as exc:
             await context.abort(exc.code, exc.message)
         return tandem_pb2.TokenizeResponse(token_ids=ids)
+
+
+class _Stalled:
+    """Around a handler's ``yield``: if the response is not taken within ``timeout_s``,
+    the handler's task is cancelled (the request's slots and worker calls are let go at
+    once) and the call ends CANCELLED, which the client reads after what it was sent."""
+
+    _ending: set[asyncio.Task] = set()  # the status calls on their way (held, not lost)
+
+    def __init__(self, timeout_s: float, context: grpc.aio.ServicerContext) -> None:
+        self.timeout_s = timeout_s
+        self._context = context
+        self._task = asyncio.current_task()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.timeout_s, self._expire)
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        why = f"the client took no response for {self.timeout_s:g} s (stream_stall_timeout_s)"
+        log.info("%s: ending its stream", why)
+        self._task.cancel()
+        ending = asyncio.ensure_future(self._end(why))
+        self._ending.add(ending)
+        ending.add_done_callback(self._ending.discard)
+
+    async def _end(self, why: str) -> None:
+        with contextlib.suppress(Exception):  # AbortError once sent; a call already over
+            await self._context.abort(grpc.StatusCode.CANCELLED, why)
 
 
 class _Unparsed:

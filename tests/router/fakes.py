@@ -103,6 +103,7 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
     # Chunks wait until one of these has delivered the request's KV (None: they don't).
     kv_from: list[FakePrefill] | None = None
     report_completion_tokens: bool = True
+    text_padding: int = 0  # characters added to each chunk's text (a stream of bulk)
 
     lease_seconds: float = 30
     renewals: list[str] = field(default_factory=list)
@@ -149,7 +150,7 @@ class FakeDecode(FakeWorker, worker_pb2_grpc.DecodeWorkerServicer):
                 yield worker_pb2.DecodeResponse(
                     chunk=worker_pb2.TokenChunk(
                         token_ids=ids,
-                        text="".join(f"<{i}>" for i in ids),
+                        text="".join(f"<{i}>" for i in ids) + "." * self.text_padding,
                         finish_reason=finish,
                         completion_tokens=done if finish and self.report_completion_tokens else 0,
                     )

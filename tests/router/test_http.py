@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 
 import grpc
 import httpx
@@ -16,7 +18,7 @@ import pytest
 
 from tandem.bench.load.openai_api import OpenAIClient
 from tandem.router.http import protocol
-from tests.router.fakes import FakeDecode, FakePrefill, cluster, wait_until
+from tests.router.fakes import LENGTH, FakeDecode, FakePrefill, cluster, wait_until
 
 MODEL = "tiny-random"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -473,6 +475,33 @@ def test_a_connection_whose_request_does_not_arrive_in_time_is_closed(frontend, 
                 writer.close()
 
     run(scenario())
+
+
+def test_a_streaming_client_that_stops_reading_is_let_go(frontend, caplog):
+    # It held its place in max_queue (and its key's max_streams) for as long as it
+    # kept its connection open: four such clients and every other caller got 429s.
+    bulk = FakeDecode(chunks=[([11], 0)] * 3000 + [([14], LENGTH)], text_padding=1000)
+
+    async def scenario():
+        async with cluster(frontend, decode=[bulk], http_port=0,
+                           stream_stall_timeout_s=1.0) as c:  # fmt: skip
+            host, port = c.router.http_address.rsplit(":", 1)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3002,
+                               "stream": True}).encode()  # fmt: skip
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                         f"{len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            await wait_until(lambda: c.router.admission.in_flight == 0, timeout=20,
+                             what="the stalled stream let go")  # fmt: skip
+            writer.close()
+
+    with caplog.at_level(logging.INFO, logger="tandem.router.http.server"):
+        run(scenario())
+    assert "took nothing for 1 s (stream_stall_timeout_s)" in caplog.text
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])

@@ -9,11 +9,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import ChatMessage
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.router import Router
-from tests.router.fakes import FakeDecode, cluster, serve, wait_until
+from tests.router.fakes import LENGTH, FakeDecode, cluster, serve, wait_until
 
 
 def run(coro):
@@ -133,6 +134,31 @@ def test_an_open_health_watch_does_not_hold_the_drain(frontend):
                 assert (await task).finish_reason == "length"  # the request still drains
                 await stopping
                 assert loop.time() - start < 5
+
+    run(scenario())
+
+
+def test_a_client_that_stops_reading_its_stream_is_let_go(frontend):
+    # It held its place in max_queue (and its key's max_streams) for as long as it
+    # kept the call open, the decode worker long done.
+    bulk = FakeDecode(chunks=[([11], 0)] * 2000 + [([14], LENGTH)], text_padding=1000)
+
+    async def scenario():
+        async with cluster(frontend, decode=[bulk], stream_stall_timeout_s=1.0) as c:
+            # No BDP probe: the window stays at 64 KiB, which the stream fills.
+            options = [("grpc.http2.bdp_probe", 0)]
+            async with grpc.aio.insecure_channel(c.router.address, options) as channel:
+                call = tandem_pb2_grpc.TandemStub(channel).Generate(tandem_pb2.GenerateRequest(
+                    prompt="hi", sampling=tandem_pb2.SamplingParams(max_tokens=2002)
+                ))  # fmt: skip
+                await call.read()
+                await wait_until(lambda: c.router.admission.in_flight == 0, timeout=20,
+                                 what="the stalled stream let go")  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as info:  # what it reads then
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                assert info.value.code() is grpc.StatusCode.CANCELLED
+                assert "took no response for 1 s (stream_stall_timeout_s)" in info.value.details()
 
     run(scenario())
 

@@ -118,8 +118,10 @@ class HttpApi:
             tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
             if config.tls_client_ca_file:
                 tls.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        protocol = type("_Protocol", (_Protocol,),
+                        {"stall_timeout_s": config.stream_stall_timeout_s})  # fmt: skip
         server = _Server(uvicorn.Config(
-            self.app, lifespan="off", log_level="warning", access_log=False, http=_Protocol,
+            self.app, lifespan="off", log_level="warning", access_log=False, http=protocol,
             **tls,
         ))  # fmt: skip
         self._server = server
@@ -318,7 +320,9 @@ class _Protocol(H11Protocol):
     waiting for it is closed (a request arriving slowly: 408's place, with no reply)."""
 
     cap = _connection_cap()
+    stall_timeout_s = 60.0  # RouterConfig.stream_stall_timeout_s, set at start
     _refused, _told_at = 0, 0.0  # connections closed at the cap, and when last logged
+    _stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -355,9 +359,31 @@ class _Protocol(H11Protocol):
         if not self.transport.is_closing():
             self._await_request()  # the next request on this connection
 
+    def pause_writing(self) -> None:
+        """The client is not taking what is sent (the socket's buffer is full): if it
+        takes nothing more for ``stall_timeout_s``, the connection is dropped, and the
+        stream on it ends as on a disconnect (it held its place in max_queue)."""
+        super().pause_writing()
+        self._stall = self.loop.call_later(self.stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        log.info("HTTP: the client took nothing for %g s (stream_stall_timeout_s): "
+                 "closing its connection", self.stall_timeout_s)  # fmt: skip
+        self.transport.abort()  # close() would wait to send what it will not take
+
     def connection_lost(self, exc) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         super().connection_lost(exc)
 
 

@@ -9,12 +9,18 @@ it has TLS *and* authentication (API keys or a client CA), because keys without
 TLS would travel in clear and a port without either serves anyone who reaches it.
 ``insecure: true`` (``--insecure``) allows it, for example behind a proxy that
 ends TLS. On loopback, where only this machine can connect, both stay optional.
+
+Connections are bounded before any key is seen: a connection costs the router a
+file descriptor, and descriptors run out for every port at once. The HTTP port
+holds at most half of them (http/server.py) and the gRPC port a quarter
+(``grpc_connection_options``), leaving the rest for the workers and files.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,6 +32,29 @@ from tandem.router.auth import ENV_VAR, ApiKeys
 from tandem.security import tls
 
 log = logging.getLogger(__name__)
+
+# The gRPC port: a connection with no call for this long is closed (gRPC keeps one
+# that finished its handshake and never calls for good; a client reconnects by itself
+# at its next call), and a client in a call is pinged this often, so that one that
+# froze or whose host went away is let go when a ping goes unanswered.
+IDLE_CONNECTION_S = 120.0
+CLIENT_PING_S, CLIENT_PING_TIMEOUT_S = 60.0, 20.0
+
+
+def connection_cap(share: float) -> int:
+    """``share`` of the descriptors this process may open, between 64 and 8192."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(8192, int(soft * share) if soft != resource.RLIM_INFINITY else 8192))
+
+
+def grpc_connection_options() -> list[tuple[str, int]]:
+    """The public gRPC server's bounds on its connections."""
+    return [
+        ("grpc.max_connection_idle_ms", round(IDLE_CONNECTION_S * 1000)),
+        ("grpc.max_allowed_incoming_connections", connection_cap(0.25)),
+        ("grpc.keepalive_time_ms", round(CLIENT_PING_S * 1000)),
+        ("grpc.keepalive_timeout_ms", round(CLIENT_PING_TIMEOUT_S * 1000)),
+    ]
 
 
 @dataclass(frozen=True)

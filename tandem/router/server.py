@@ -30,7 +30,7 @@ from tandem.router.disaggregation import PrefillRouting
 from tandem.router.frontend import Frontend
 from tandem.router.gateway import Gateway
 from tandem.router.placement import Pool, make_policy
-from tandem.router.public_port import PublicPort
+from tandem.router.public_port import PublicPort, grpc_connection_options
 from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
 from tandem.router.service import ParseInterceptor, TandemService
@@ -120,6 +120,7 @@ class Router:
         server = grpc.aio.server(
             options=[
                 *SERVER_OPTIONS,
+                *grpc_connection_options(),
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
             ],
             # The key first: a refused one is UNAUTHENTICATED whatever the message holds.

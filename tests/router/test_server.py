@@ -163,6 +163,44 @@ def test_a_client_that_stops_reading_its_stream_is_let_go(frontend):
     run(scenario())
 
 
+# A client's HTTP/2 connection preface, an empty SETTINGS frame and the ACK of the
+# server's: a connection ready for calls, which makes none.
+_IDLE_CLIENT = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+                + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00")  # fmt: skip
+
+
+def test_a_connection_that_makes_no_call_is_closed(frontend, monkeypatch):
+    # gRPC kept one for good, no key needed, each a descriptor of the router: enough of
+    # them and neither the gRPC nor the HTTP port served anyone.
+    from tandem.router import public_port
+
+    monkeypatch.setattr(public_port, "IDLE_CONNECTION_S", 1.0)
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            host, port = c.router.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_IDLE_CLIENT)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while await asyncio.wait_for(reader.read(65536), 20):  # frames, then the close
+                pass
+            assert loop.time() - start < 10
+            writer.close()
+            assert (await c.client.complete("hi")).finish_reason == "length"  # still serves
+
+    run(scenario())
+
+
+def test_the_public_grpc_port_bounds_its_connections():
+    from tandem.router.public_port import grpc_connection_options
+
+    options = dict(grpc_connection_options())
+    assert options["grpc.max_connection_idle_ms"] == 120_000
+    assert 64 <= options["grpc.max_allowed_incoming_connections"] <= 8192
+    assert options["grpc.keepalive_time_ms"] == 60_000  # a frozen client is let go
+
+
 def test_a_taken_port_fails_at_start_naming_the_setting(frontend):
     async def scenario():
         async with cluster(frontend) as c:

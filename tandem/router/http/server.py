@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import resource
 import socket
 import ssl
 import time
@@ -58,6 +57,7 @@ from tandem.router.errors import RouterError
 from tandem.router.gateway import Gateway
 from tandem.router.http import protocol
 from tandem.router.http.protocol import ApiError, Parsed, Shaper
+from tandem.router.public_port import connection_cap
 
 log = logging.getLogger(__name__)
 
@@ -302,13 +302,6 @@ REQUEST_TIMEOUT_S = 30.0
 LINGER_S = 2.0
 
 
-def _connection_cap() -> int:
-    """Connections the HTTP port holds at once: half the descriptors this process may
-    open (the rest for gRPC, the workers and files), at most 8192."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(64, min(8192, soft // 2 if soft != resource.RLIM_INFINITY else 8192))
-
-
 # The client's states once its whole request is in (MUST_CLOSE: a request that asked
 # for Connection: close, or came over HTTP/1.0).
 _REQUEST_IN = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
@@ -319,7 +312,7 @@ class _Protocol(H11Protocol):
     and one whose request has not all arrived ``REQUEST_TIMEOUT_S`` after it began
     waiting for it is closed (a request arriving slowly: 408's place, with no reply)."""
 
-    cap = _connection_cap()
+    cap = connection_cap(0.5)  # connections held at once (public_port.py)
     stall_timeout_s = 60.0  # RouterConfig.stream_stall_timeout_s, set at start
     _refused, _told_at = 0, 0.0  # connections closed at the cap, and when last logged
     _stall: asyncio.TimerHandle | None = None

@@ -1,6 +1,6 @@
 """The one path a generation takes through the router, whatever API it came in by.
 
-    key's rate → the checks that need no tokenizer (InvalidRequestError, nothing
+    not while the router stops (UNAVAILABLE) → key's rate → the checks that need no tokenizer (InvalidRequestError, nothing
     allocated) → admission, per key and for the router (RESOURCE_EXHAUSTED beyond
     a bound) → tokenizing off the event loop and the context-length check →
     ``Relay.generate``, whose responses are yielded as they come
@@ -41,6 +41,7 @@ class Gateway:
         self.admission = admission
         self.relay = relay
         self.metrics = metrics
+        self.stopping = False  # the router drains: new requests are refused
 
     async def generate(
         self,
@@ -54,6 +55,7 @@ class Gateway:
         track = self.metrics.track()
         code, reason = "OK", ""
         try:
+            self._refuse_if_stopping()
             self.admission.check_rate(key)
             checked = self.frontend.check(request)
             request_id = checked.request_id
@@ -86,7 +88,12 @@ class Gateway:
 
     async def tokenize(self, request, key: ApiKey | None) -> list[int]:
         """The token ids of a ``GenerateRequest``'s or ``TokenizeRequest``'s input."""
+        self._refuse_if_stopping()
         self.admission.check_rate(key)
         text = self.frontend.check_input(request)
         with self.admission.admit(key):
             return await self.frontend.encode(text)
+
+    def _refuse_if_stopping(self) -> None:
+        if self.stopping:
+            raise RouterError.unavailable("the router is stopping; send it to another")

@@ -213,17 +213,18 @@ class Router:
             grace = self.config.drain_timeout_s if grace is None else grace
             clock = asyncio.get_running_loop().time
             deadline = clock() + grace
+            # No new requests from here (gRPC: UNAVAILABLE "stopping"; HTTP: no new
+            # connections); those in flight, gRPC's and HTTP's at once, get the grace.
+            self.gateway.stopping = True
             http = self._http.stop(grace) if self._http is not None else asyncio.sleep(0)
-            # No new calls from here; the requests in flight (gRPC's and HTTP's, which
-            # both drain at once) get the grace.
-            drained = asyncio.gather(self._server.stop(grace), http)
-            # A health Watch never ends by itself, and gRPC's stop waited the whole
-            # grace for it: once the requests are done, what is left is cut (after a
-            # moment in which the last replies go out).
+            http = asyncio.ensure_future(http)
             while self.admission.in_flight and clock() < deadline:
                 await asyncio.sleep(0.05)
+            # What is left gets a moment for its last replies, then is cut: a health
+            # Watch never ends by itself, and gRPC's own graceful stop waited the whole
+            # grace for it. (gRPC's stop is called once: twice at a time crashes it.)
             await self._server.stop(min(_LAST_REPLIES_S, max(0.0, deadline - clock())))
-            await drained
+            await http
             self._server = self._http = None
         await self.registry.stop()
         if self._metrics_endpoint is not None:

@@ -1,9 +1,10 @@
 """The one path a generation takes through the router, whatever API it came in by.
 
-    not while the router stops (UNAVAILABLE) → key's rate → the checks that need no tokenizer (InvalidRequestError, nothing
-    allocated) → admission, per key and for the router (RESOURCE_EXHAUSTED beyond
-    a bound) → tokenizing off the event loop and the context-length check →
-    ``Relay.generate``, whose responses are yielded as they come
+    not while the router stops (UNAVAILABLE) → key's rate → the checks that need no
+    tokenizer (InvalidRequestError, nothing allocated) → admission, per key and for
+    the router (RESOURCE_EXHAUSTED beyond a bound) → tokenizing off the event loop
+    and the context-length check → ``Relay.generate``, whose responses are yielded
+    as they come
 
 The gRPC service (service.py) and the OpenAI-compatible HTTP API (http/) both
 call ``Gateway.generate`` with a ``tandem.v1.GenerateRequest``, so both get the

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from tandem.client import ChatMessage
+from tandem.client import ChatMessage, Unavailable
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 from tandem.router import Router
@@ -130,6 +130,8 @@ def test_an_open_health_watch_does_not_hold_the_drain(frontend):
                 start = loop.time()
                 stopping = asyncio.create_task(c.router.stop(grace=20))
                 await asyncio.sleep(0.3)
+                with pytest.raises(Unavailable, match="the router is stopping"):
+                    await c.client.complete("a newcomer")  # refused while it drains
                 decode.gate.set()
                 assert (await task).finish_reason == "length"  # the request still drains
                 await stopping

@@ -31,14 +31,15 @@ class TokenBucket:
         self._clock = clock
         self._last = clock()
 
-    def take(self) -> bool:
+    def take(self) -> float:
+        """Takes a call: 0.0, or the seconds until one may be taken (nothing taken)."""
         now = self._clock()
         self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)
         self._last = now
         if self.tokens < 1:
-            return False
+            return (1 - self.tokens) / self.rate
         self.tokens -= 1
-        return True
+        return 0.0
 
 
 @dataclass
@@ -77,11 +78,13 @@ class Admission:
         if key is None:
             return
         bucket = self._state(key).bucket
-        if bucket is not None and not bucket.take():
+        wait = 0.0 if bucket is None else bucket.take()
+        if wait:
             raise RouterError.overloaded(
                 f"API key {key.name!r} is over its rate limit "
-                f"(requests_per_s={bucket.rate:g}); retry later",
+                f"(requests_per_s={bucket.rate:g}); retry in {wait:.2g} s",
                 reason="key_rate",
+                retry_after_s=wait,
             )
 
     def key_in_flight(self, key: ApiKey) -> int:

@@ -49,15 +49,18 @@ class Gateway:
         request: tandem_pb2.GenerateRequest,
         key: ApiKey | None,
         timeout: float | None,
+        rate_taken: bool = False,
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        """``timeout``: the client's remaining seconds (None: no deadline). Raises
-        InvalidRequestError or RouterError; either way the request is counted."""
+        """``timeout``: the client's remaining seconds (None: no deadline);
+        ``rate_taken``: the caller has taken this call from the key's rate already.
+        Raises InvalidRequestError or RouterError; either way the request is counted."""
         request_id = ""
         track = self.metrics.track()
         code, reason = "OK", ""
         try:
             self._refuse_if_stopping()
-            self.admission.check_rate(key)
+            if not rate_taken:
+                self.admission.check_rate(key)
             checked = self.frontend.check(request)
             request_id = checked.request_id
             logs.request_id.set(request_id)  # this task's log lines carry it
@@ -87,10 +90,11 @@ class Gateway:
         finally:
             track.end(code, reason)
 
-    async def tokenize(self, request, key: ApiKey | None) -> list[int]:
+    async def tokenize(self, request, key: ApiKey | None, rate_taken: bool = False) -> list[int]:
         """The token ids of a ``GenerateRequest``'s or ``TokenizeRequest``'s input."""
         self._refuse_if_stopping()
-        self.admission.check_rate(key)
+        if not rate_taken:
+            self.admission.check_rate(key)
         text = self.frontend.check_input(request)
         with self.admission.admit(key):
             return await self.frontend.encode(text)

@@ -131,13 +131,15 @@ def test_identify_finds_the_key_by_digest_only(keys_file):
 def test_the_token_bucket_allows_a_burst_of_the_rate_then_refills():
     now = [0.0]
     bucket = TokenBucket(2.0, clock=lambda: now[0])
-    assert [bucket.take() for _ in range(3)] == [True, True, False]
+    assert [bucket.take() for _ in range(3)] == [0.0, 0.0, 0.5]  # taken, taken, wait 0.5 s
     now[0] += 0.5  # one token back
-    assert [bucket.take() for _ in range(2)] == [True, False]
-    slow = TokenBucket(0.5, clock=lambda: now[0])  # burst max(1, rate) = 1
-    assert [slow.take(), slow.take()] == [True, False]
-    now[0] += 2.0
-    assert slow.take()
+    assert [bucket.take() for _ in range(2)] == [0.0, 0.5]
+    slow = TokenBucket(0.2, clock=lambda: now[0])  # burst max(1, rate) = 1
+    assert slow.take() == 0.0
+    now[0] += 1.0
+    assert slow.take() == pytest.approx(4.0)  # what a 429's Retry-After says
+    now[0] += 4.0
+    assert slow.take() == 0.0
 
 
 def test_admission_bounds_each_key_and_the_router(keys_file):

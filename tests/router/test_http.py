@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tandem.bench.load.openai_api import OpenAIClient
+from tandem.metrics.scrape import scrape, total
 from tandem.router.http import protocol
 from tests.router.fakes import LENGTH, FakeDecode, FakePrefill, cluster, wait_until
 
@@ -323,6 +324,38 @@ def test_listing_the_models_takes_from_the_keys_rate_as_over_grpc(frontend, tmp_
                 refused = await http.get("/v1/models", headers=bearer)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert "'app' is over its rate limit" in refused.json()["error"]["message"]
+
+    run(scenario())
+
+
+def test_a_call_over_its_keys_rate_is_refused_before_its_body_is_read(frontend, tmp_path):
+    # Each refusal first read and parsed the whole body (up to max_request_bytes): a
+    # flood of them took a core of the router. And Retry-After said 1 s, whatever the
+    # rate: a client that honoured it was refused again and again.
+    key = "k" * 32
+    keys = tmp_path / "keys"
+    keys.write_text(f"{key} name=app requests_per_s=0.2\n")
+
+    async def scenario():
+        async with cluster(frontend, api_keys_file=str(keys), http_port=0,
+                           metrics_port=0) as c:  # fmt: skip
+            host, port = c.router.http_address.rsplit(":", 1)
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as http:
+                bearer = {"authorization": f"Bearer {key}"}
+                assert (await http.get("/v1/models", headers=bearer)).status_code == 200
+            for path in ("/v1/completions", "/tokenize"):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                             f"{key}\r\nContent-Length: 1000000\r\n\r\n{{".encode())  # fmt: skip
+                status = await asyncio.wait_for(reader.readline(), 5)  # the body never comes
+                assert status.startswith(b"HTTP/1.1 429"), status
+                head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).lower()
+                assert b"retry-after: 5\r\n" in head
+                writer.close()
+            samples = await asyncio.to_thread(scrape, c.router.metrics_address)
+        # Counted as the gateway counts it (tokenize is not a request there).
+        assert total(samples, "tandem_router_admission_rejections_total", reason="key_rate") == 1
+        assert total(samples, "tandem_router_requests_total", code="RESOURCE_EXHAUSTED") == 1
 
     run(scenario())
 

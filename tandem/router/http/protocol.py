@@ -35,11 +35,13 @@ class ApiError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        retry_after_s: float = 1.0,  # a 429's
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
             status, message, param, type, code,
         )  # fmt: skip
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import ssl
 import time
@@ -185,11 +186,12 @@ class HttpApi:
         parsed: Parsed | None = None
         try:
             key = self._key(request)
+            self.gateway.admission.check_rate(key)  # before the body is read and parsed
             body = await _json(await self._body(request))
             chat = isinstance(body, dict) and "messages" in body
             parsed = protocol.parse({**body, "max_tokens": 1} if chat else body, chat,
                                     self.gateway.frontend.model_id)  # fmt: skip
-            ids = await self.gateway.tokenize(parsed.request, key)
+            ids = await self.gateway.tokenize(parsed.request, key, rate_taken=True)
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it
         except (ApiError, InvalidRequestError, RouterError) as exc:
@@ -259,10 +261,13 @@ class HttpApi:
         counted = False  # by the gateway, from its first step on
         try:
             key = self._key(request)
+            # A call over its key's rate costs nothing more: not its body's read and
+            # parse (up to max_request_bytes), which a flood of them made the router's.
+            self.gateway.admission.check_rate(key)
             body = await _json(await self._body(request))
             parsed = protocol.parse(body, chat, self.gateway.frontend.model_id)
             logs.request_id.set(parsed.request.request_id)  # before any task copies the context
-            responses = self.gateway.generate(parsed.request, key, None)
+            responses = self.gateway.generate(parsed.request, key, None, rate_taken=True)
             counted = True
             try:  # errors before the first token: a status
                 first = await _unless_gone(request, anext(responses))
@@ -273,8 +278,13 @@ class HttpApi:
             return Response(status_code=499)  # nobody reads it
         except (ApiError, InvalidRequestError, RouterError) as exc:
             error = _api_error(exc, parsed)
-            if not counted and error.status in _REFUSED:  # as the gateway counts gRPC's
-                self.gateway.metrics.ended(_REFUSED[error.status], "none")
+            if not counted:  # refused before the gateway, which counts what it refuses
+                metrics = self.gateway.metrics
+                if isinstance(exc, RouterError):  # the key's rate
+                    metrics.ended(exc.code.name, "none")
+                    metrics.rejected(exc.reason)
+                elif error.status in _REFUSED:
+                    metrics.ended(_REFUSED[error.status], "none")
             return _error(error)
         frontend = self.gateway.frontend
         shaper = Shaper(parsed, frontend.model_id, frontend.tokenizer)
@@ -516,10 +526,11 @@ def _api_error(exc: Exception, parsed: Parsed | None) -> ApiError:
         return ApiError(400, message, param)
     status = _STATUS.get(exc.code, 500)
     return ApiError(status, exc.message, None, _TYPE.get(status, "server_error"),
-                    exc.code.name.lower())  # fmt: skip
+                    exc.code.name.lower(), exc.retry_after_s)  # fmt: skip
 
 
 def _error(exc: ApiError, headers: dict[str, str] | None = None) -> Response:
     if exc.status == 429:
-        headers = {**(headers or {}), "Retry-After": "1"}
+        # Whole seconds (RFC 9110), rounded up: a client that waits that long gets in.
+        headers = {**(headers or {}), "Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
     return JSONResponse(exc.body(), exc.status, headers=headers)

@@ -11,6 +11,7 @@ and with it the request on every worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -147,14 +148,44 @@ class AsyncTandemClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return _convert.deadline(self.timeout if timeout is None else timeout)
 
-    async def _stream(
+    def _stream(
         self, request: tandem_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return _Stream(lambda: self._stub.Generate(request, timeout=timeout,
+                                                   metadata=self._metadata))  # fmt: skip
+
+
+class _Stream:
+    """One Generate call's chunks. Leaving the loop early (``break``, an exception)
+    cancels the call at once, as the iterator is dropped: an async generator's clean-up
+    waited for the event loop to get to it, and a retry under the same request_id sent
+    meanwhile found the first still in flight."""
+
+    def __init__(self, start) -> None:
+        self._start = start  # the call, made on first use (in the loop that iterates)
+        self._call = None
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        if self._call is None:
+            self._call = self._start()
         try:
-            async for response in call:
-                yield _convert.chunk(response)
+            response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        if response is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return _convert.chunk(response)
+
+    async def aclose(self) -> None:
+        self._cancel()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at exit, its event loop may be gone
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()  # a no-op once the call has ended

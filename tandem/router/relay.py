@@ -106,6 +106,10 @@ _DEAD = (Code.UNAVAILABLE, Code.CANCELLED)
 # An attempt that ends with one of these after its reservation can be migrated:
 # a worker is gone, or the KV transfer between the two failed (ABORTED).
 _LOST = (*_DEAD, Code.ABORTED)
+# How long a request waits for a call in flight under its id to end before it is
+# ALREADY_EXISTS: a cancelled call's clean-up is a task of the event loop's, behind
+# whatever else it runs.
+REUSE_WAIT_S = 1.0
 
 
 class AttemptLost(Exception):
@@ -195,7 +199,8 @@ class Relay:
         self._failed_paths: dict[tuple[str, str], float] = {}
         self.capacity = DecodeCapacity()
         self.migrations = 0  # attempts that took over a lost one on a new worker, since start
-        self._active: set[str] = set()  # worker ids (PreparedRequest.worker_id) in flight
+        # Worker ids (PreparedRequest.worker_id) in flight, each with its end.
+        self._active: dict[str, asyncio.Event] = {}
 
     async def generate(
         self, req: PreparedRequest, timeout: float | None, arrived: float | None = None
@@ -205,12 +210,8 @@ class Relay:
         its queue time."""
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if timeout is None else time.monotonic() + timeout
-        if req.worker_id in self._active:
-            # Workers key KV reservations and transfers by request id.
-            raise RouterError(
-                Code.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
-            )
-        self._active.add(req.worker_id)  # before any wait: a twin arriving meanwhile is refused
+        await self._claim(req)
+        ended = self._active[req.worker_id] = asyncio.Event()
         try:
             if self.routing.needs_prefill_pool and not await self._any_placeable(
                 Pool.PREFILL, deadline
@@ -221,7 +222,23 @@ class Relay:
                 async for response in responses:
                     yield response
         finally:
-            self._active.discard(req.worker_id)
+            del self._active[req.worker_id]
+            ended.set()
+
+    async def _claim(self, req: PreparedRequest) -> None:
+        """Wait (``REUSE_WAIT_S`` at most) for a call in flight with this request's id
+        to end, else ALREADY_EXISTS: workers key KV reservations and transfers by
+        request id. A client that cancels and sends the id again at once finds the
+        first call ending (its clean-up runs when the router gets to it), not in flight."""
+        limit = asyncio.get_running_loop().time() + REUSE_WAIT_S
+        while (holder := self._active.get(req.worker_id)) is not None:
+            try:
+                async with asyncio.timeout_at(limit):
+                    await holder.wait()
+            except TimeoutError:
+                raise RouterError(
+                    Code.ALREADY_EXISTS, f"request_id {req.request_id!r} is already in flight"
+                ) from None
 
     async def _run(
         self, req: PreparedRequest, deadline: float | None, arrived: float

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+import tandem.router.relay as relay_module
 from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
 from tandem.router.placement import Pool
@@ -662,6 +663,32 @@ def test_a_request_id_in_flight_is_refused(frontend):
             decode.gate.set()
             await first
             assert (await c.client.complete("hello", request_id="same")).request_id == "same"
+
+    run(scenario())
+
+
+def test_a_request_id_sent_again_as_its_cancelled_call_ends_is_served(frontend, monkeypatch):
+    # The cancelled call's clean-up runs when the router's event loop gets to it, after
+    # whatever it runs first; a retry sent at once under the same id was refused
+    # ALREADY_EXISTS (1 in 8 in a reviewer's run against real workers), though the
+    # client cannot know when its cancelled call has "ended".
+    monkeypatch.setattr(relay_module, "REUSE_WAIT_S", 2.0)
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            # A call under "same" (its worker id, with no API keys) whose clean-up is
+            # under way.
+            ending = asyncio.Event()
+            c.router.relay._active["same"] = ending
+            asyncio.get_running_loop().call_later(0.3, ending.set)
+            asyncio.get_running_loop().call_later(0.3, c.router.relay._active.clear)
+            done = await c.client.complete("hello", request_id="same")
+            assert done.finish_reason == "length"
+            # One that does not end within REUSE_WAIT_S is in flight: refused.
+            c.router.relay._active["held"] = asyncio.Event()
+            with pytest.raises(TandemClientError) as info:
+                await c.client.complete("hello", request_id="held")
+            assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
 
     run(scenario())
 

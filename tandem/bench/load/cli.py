@@ -275,7 +275,10 @@ def cmd_load(args: argparse.Namespace) -> int:
     before: dict[str, str] = {}
 
     def scrape_before() -> None:  # after the warm-up: only the measured requests count
-        before.update(server_metrics.snapshot(args.metrics))
+        try:
+            before.update(server_metrics.snapshot(args.metrics))
+        except ScrapeError as exc:  # the run goes on; the server's view is what is lost
+            log.warning("load: no server metrics before the measured requests: %s", exc)
 
     if args.metrics:
         server_metrics.snapshot(args.metrics)  # a wrong address fails now, not after the run
@@ -283,7 +286,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     print(report.table(result), flush=True)
     paths = report.write(result, args.out) if args.out else []  # first: the run's own
     after = None
-    if args.metrics:
+    if args.metrics and before:
         try:
             after = server_metrics.snapshot(args.metrics)
         except ScrapeError as exc:  # the run's results stand without the server's view

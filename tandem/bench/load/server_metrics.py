@@ -15,18 +15,36 @@ cached over prompt tokens looked up).
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 from tandem.bench.load.metrics import Summary
-from tandem.metrics.scrape import buckets, delta, fetch, parse, quantile, total, worker_targets
+from tandem.metrics.scrape import (
+    ScrapeError,
+    buckets,
+    delta,
+    fetch,
+    parse,
+    quantile,
+    total,
+    worker_targets,
+)
+
+log = logging.getLogger(__name__)
 
 
 def snapshot(router_address: str) -> dict[str, str]:
-    """Process name ("router", or a worker's id) -> its metrics text, now."""
+    """Process name ("router", or a worker's id) -> its metrics text, now. The router's
+    must answer (ScrapeError); a worker that does not (it died, and the router still
+    lists it) is left out with a warning: the rest of the view stands."""
     texts = {"router": fetch(router_address)}
     for address, info in worker_targets(parse(texts["router"])).items():
-        texts[info.labels.get("worker_id") or address] = fetch(address)
+        name = info.labels.get("worker_id") or address
+        try:
+            texts[name] = fetch(address)
+        except ScrapeError as exc:
+            log.warning("load: worker %s's metrics left out: %s", name, exc)
     return texts
 
 
@@ -68,6 +86,10 @@ def compare(before: dict[str, str], after: dict[str, str], client: Summary) -> s
             f"TTFT p50 {c.ttft_ms.median:.0f} ms p99 {c.ttft_ms.p99:.0f} ms, "
             f"ITL p50 {c.itl_ms.median:.0f} ms p99 {c.itl_ms.p99:.0f} ms")  # fmt: skip
     workers = [*_decode_lines(before, after), *_prefix_lines(before, after)]
+    missing = sorted((set(before) ^ set(after)) - {"router"})
+    if missing:  # a worker's counts over the run need both of its scrapes
+        workers.append("workers scraped only before or only after the run (left out): "
+                       + ", ".join(missing))  # fmt: skip
     return "\n".join([server, ours, *_decisions(a, b), *workers])
 
 
@@ -94,8 +116,8 @@ def _decisions(a: list, b: list) -> list[str]:
 def _decode_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
     lines = []
     batch = "tandem_worker_batch_size"
-    for name in sorted(set(after) - {"router"}):
-        a, b = parse(after[name]), parse(before.get(name, ""))
+    for name in _workers(before, after):
+        a, b = parse(after[name]), parse(before[name])
         steps = total(a, f"{batch}_count", role="decode") - total(b, f"{batch}_count")
         if steps <= 0:  # a prefill worker, or no step during the run
             continue
@@ -115,8 +137,8 @@ def _prefix_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
     looked_up, found = (f"tandem_worker_prefix_cache_{kind}_tokens_total"
                         for kind in ("query", "hit"))  # fmt: skip
     lines = []
-    for name in sorted(set(after) - {"router"}):
-        a, b = parse(after[name]), parse(before.get(name, ""))
+    for name in _workers(before, after):
+        a, b = parse(after[name]), parse(before[name])
         looked = total(a, looked_up) - total(b, looked_up)
         if looked <= 0:  # no prompt reached its cache during the run
             continue
@@ -125,6 +147,11 @@ def _prefix_lines(before: dict[str, str], after: dict[str, str]) -> list[str]:
         lines.append(f"prefix cache, {role} {name}: {hit / looked:.1%} hit ({hit:.0f} of "
                      f"{looked:.0f} prompt tokens looked up)")  # fmt: skip
     return lines
+
+
+def _workers(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """The workers scraped both before and after the run."""
+    return sorted((set(before) & set(after)) - {"router"})
 
 
 def _ms(seconds: float | None) -> str:

@@ -145,3 +145,33 @@ def test_the_server_side_report_says_where_the_runs_prompts_were_prefilled_and_w
         "on the prefill pool 3 (long 2, decode busy 1)"
     ]
     assert _decisions(before, before) == []  # nothing decided during the run: no line
+
+
+def test_a_worker_that_does_not_answer_is_left_out_of_the_servers_view(monkeypatch, caplog):
+    # The router lists a dead worker until it is removed: its failed scrape refused the
+    # whole run (exit 2), or dropped the server's view of it, the router's included.
+    from tandem.bench.load import server_metrics
+    from tandem.metrics.scrape import ScrapeError
+
+    info = ('tandem_router_worker_info{{metrics_address="{0}",role="decode",'
+            'worker="{0}",worker_id="{1}"}} 1.0\n')  # fmt: skip
+    router = ("# TYPE tandem_router_worker_info gauge\n" + info.format("h:1", "decode-0")
+              + info.format("h:2", "decode-1") + "tandem_router_requests_total{code=\"OK\"} 3\n")
+    texts = {"r:9": router, "h:1": "tandem_worker_batch_size_count{role=\"decode\"} 4\n"}
+
+    def fetch(address):
+        if address not in texts:
+            raise ScrapeError(f"cannot scrape http://{address}/metrics: refused")
+        return texts[address]
+
+    monkeypatch.setattr(server_metrics, "fetch", fetch)
+    before = server_metrics.snapshot("r:9")
+    assert sorted(before) == ["decode-0", "router"]
+    assert "worker decode-1's metrics left out" in caplog.text
+    del texts["h:1"]  # decode-0 dies during the run
+    texts["h:2"] = ""  # and decode-1 comes back
+    after = server_metrics.snapshot("r:9")
+    summary = summarize([], 1.0, SLO())
+    lines = server_metrics.compare(before, after, summary).splitlines()
+    assert lines[-1] == ("workers scraped only before or only after the run (left out): "
+                         "decode-0, decode-1")  # fmt: skip

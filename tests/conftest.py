@@ -6,16 +6,24 @@ Triton kernels run under Triton's interpreter in the tests (tests/kernels):
 imported, and a test module may import triton indirectly at collection
 (transformers' model classes do), so it is set here, before anything else. A value
 already in the environment wins.
+
+The processes that tests start find the ``tests`` package through PYTHONPATH: the
+launcher starts its children with PYTHONSAFEPATH, so not through the working
+directory, and the launcher's tests start stand-ins from ``tests.deploy``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).resolve().parent.parent),
+     *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)  # fmt: skip
 
 from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

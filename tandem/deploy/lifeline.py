@@ -78,7 +78,11 @@ class Lifeline:
         return [sys.executable, "-m", "tandem.deploy.lifeline", module, *args]
 
     def env(self, env: dict[str, str]) -> dict[str, str]:
-        return {**env, ENV: str(self._read_fd)}
+        # PYTHONSAFEPATH (Python 3.11+): "python -m" would put the launcher's working
+        # directory first on the children's module path, where any queue.py or
+        # logging.py there took the place of the standard library's, in processes
+        # that hold the cluster's keys.
+        return {**env, ENV: str(self._read_fd), "PYTHONSAFEPATH": "1"}
 
     def close(self) -> None:
         for fd in (self._read_fd, self._write_fd):

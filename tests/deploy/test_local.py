@@ -97,6 +97,20 @@ def test_on_a_first_start_one_worker_prepares_the_model_for_the_others(tmp_path,
     assert cluster.events[:len(spawned)] == spawned
 
 
+def test_a_module_in_the_launchers_directory_does_not_take_the_place_of_the_real_one(
+    tmp_path, monkeypatch
+):
+    # "python -m" put the working directory first on the children's path: a queue.py
+    # there failed every worker's start, and ran inside processes holding the keys.
+    here = tmp_path / "cwd"
+    here.mkdir()
+    (here / "logging.py").write_text("raise ImportError('the launcher directory's logging')\n")
+    monkeypatch.chdir(here)
+    cluster = FakeCluster(_config(), tmp_path / "run")
+    cluster.start()
+    cluster.stop()
+
+
 def test_a_process_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MODE_DECODE", "crash")
     cluster = FakeCluster(_config(), tmp_path)

@@ -12,6 +12,11 @@ GOAWAY "too_many_pings", which would turn keepalive into a connection killer).
 
 from __future__ import annotations
 
+# A server stopping, once its calls have drained: how long what is left (health
+# watches, which never end by themselves; a last reply on its way) gets before it is
+# cut. gRPC's own graceful stop waited the whole grace for a watch.
+LAST_REPLIES_S = 0.5
+
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
     ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 import grpc
@@ -66,7 +67,7 @@ def generate_request(
         if value is not None:
             try:
                 setattr(s, name, value)
-            except (TypeError, ValueError):  # of another type, or past its field's range
+            except (TypeError, ValueError, OverflowError):  # another type, or past the range
                 raise InvalidRequest(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{name} must be {_KINDS.get(name, 'a number')}, got {value!r}",
@@ -94,7 +95,7 @@ def deadline(timeout: float | None) -> float | None:
     """A call's gRPC timeout for a client's ``timeout`` (seconds; None or inf: none)."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
     return None if math.isinf(timeout) or timeout >= NO_DEADLINE_S else float(timeout)
 

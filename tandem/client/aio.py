@@ -68,7 +68,7 @@ class AsyncTandemClient:
 
     @property
     def _channel(self) -> grpc.aio.Channel:
-        """The channel for the running event loop."""
+        """The channel for the running event loop (the tests call raw methods on it)."""
         self._stub  # noqa: B018 (made on first use in each loop)
         return self._aio_channel
 

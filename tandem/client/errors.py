@@ -11,9 +11,11 @@
 - ``AlreadyInFlight``  (ALREADY_EXISTS) a request with this request_id is in flight
   under the same API key: pick another id (a UUID), or send it again once that one
   has ended;
-- ``Unavailable``      (UNAVAILABLE) no worker of a pool can serve, or one died mid-request;
+- ``Unavailable``      (UNAVAILABLE) no worker of a pool can serve, or one died mid-request,
+  or the router is stopping;
 - ``DeadlineExceeded`` (DEADLINE_EXCEEDED) the timeout passed; every stage stopped;
-- ``Cancelled``        (CANCELLED) the call was cancelled;
+- ``Cancelled``        (CANCELLED) the call was cancelled, or the router ended it because
+  its responses went untaken for ``stream_stall_timeout_s``;
 - ``TandemClientError`` anything else (``code`` says which).
 """
 

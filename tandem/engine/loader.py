@@ -11,6 +11,7 @@ Nothing is ever fetched from a hub.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -106,25 +107,37 @@ def _atomic_dir(target: Path, build) -> Path:
 
 
 def owned_name(name: str) -> str:
-    """``name`` marked as this process's work in progress: ``name.<host>.<pid>``."""
-    return f"{name}.{socket.gethostname()}.{os.getpid()}"
+    """``name`` marked as this process's work in progress: ``name.<owner>.<pid>``."""
+    return f"{name}.{_owner()}.{os.getpid()}"
 
 
 def remove_abandoned(parent: Path, name: str) -> None:
-    """Remove the works in progress on ``name`` in ``parent`` (``owned_name``) whose
-    process, on this host, is gone: a worker stopped by a signal during its first start
-    (the model's dequantisation takes tens of seconds) leaves its copy behind, up to
-    the model's size, and nothing else would ever remove it."""
-    host = socket.gethostname()
-    for path in parent.glob(f"{glob.escape(name)}.{glob.escape(host)}.*"):
-        pid = path.name[len(name) + len(host) + 2 :].split(".", 1)[0]
+    """Remove (best effort) the works in progress on ``name`` in ``parent``
+    (``owned_name``) whose process is gone: a worker stopped by a signal during its
+    first start (the model's dequantisation takes tens of seconds) leaves its copy
+    behind, up to the model's size, and nothing else would ever remove it. Only this
+    host's and this PID namespace's are judged: containers that share a host name
+    and a cache do not share process ids."""
+    prefix = f"{name}.{_owner()}."
+    for path in parent.glob(glob.escape(prefix) + "*"):
+        pid = path.name[len(prefix) :].split(".", 1)[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         log.info("removing %s, left by an interrupted start", path)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only cache still serves
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def _owner() -> str:
+    """This host and PID namespace, as a name part."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux
+        namespace = 0
+    return f"{socket.gethostname()}.{namespace}"
 
 
 def _alive(pid: int) -> bool:

@@ -42,6 +42,8 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf_tokenizer)
         self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers so far
+        # transformers builds added_tokens_decoder anew at each read: read once.
+        self._added = dict(hf_tokenizer.added_tokens_decoder)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None) -> Tokenizer:
@@ -98,12 +100,12 @@ class Tokenizer:
         """A special token's text as written ("<|im_end|>"), None for any other token.
         ``token_bytes`` gives every special token b"", so this is what tells them
         apart where tokens are named (OpenAI's logprobs)."""
-        added = self._hf.added_tokens_decoder.get(token_id)
+        added = self._added.get(token_id)
         return added.content if added is not None and added.special else None
 
     def _bytes_of(self, token_id: int) -> bytes:
         hf = self._hf
-        added = hf.added_tokens_decoder.get(token_id)  # its text as written, not in bytes
+        added = self._added.get(token_id)  # its text as written, not in bytes
         if added is not None:
             return b"" if added.special else added.content.encode()
         piece = hf.convert_ids_to_tokens(token_id)

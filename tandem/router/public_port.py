@@ -41,6 +41,20 @@ IDLE_CONNECTION_S = 120.0
 CLIENT_PING_S, CLIENT_PING_TIMEOUT_S = 60.0, 20.0
 
 
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft limit on open descriptors to its hard limit, as servers
+    do (a shell's soft limit is often 1024, which bounds the connections the ports
+    may hold); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:  # a kernel bound below the hard limit
+            log.info("open descriptors stay at %d: %s", soft, exc)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def connection_cap(share: float) -> int:
     """``share`` of the descriptors this process may open, between 64 and 8192."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.config import RouterConfig, host_port
 from tandem.errors import ConfigError
-from tandem.keepalive import SERVER_OPTIONS, channel_options
+from tandem.keepalive import LAST_REPLIES_S, SERVER_OPTIONS, channel_options
 from tandem.metrics import MetricsEndpoint, RouterMetrics
 from tandem.router.admission import Admission
 from tandem.router.auth import AuthInterceptor
@@ -30,7 +30,12 @@ from tandem.router.disaggregation import PrefillRouting
 from tandem.router.frontend import Frontend
 from tandem.router.gateway import Gateway
 from tandem.router.placement import Pool, make_policy
-from tandem.router.public_port import PublicPort, grpc_connection_options
+from tandem.router.public_port import (
+    PublicPort,
+    connection_cap,
+    grpc_connection_options,
+    raise_descriptor_limit,
+)
 from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
 from tandem.router.service import ParseInterceptor, TandemService
@@ -39,9 +44,6 @@ from tandem.security.cluster import ClusterCredentials
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
-# Stopping: how long the calls left once the requests have drained (health watches,
-# which never end by themselves; a last reply on its way) get before they are cut.
-_LAST_REPLIES_S = 0.5
 
 
 class Router:
@@ -117,6 +119,9 @@ class Router:
             self.registry.add_worker(Pool.DECODE, address)
         await self.registry.poll_once()  # placement has numbers from the first request on
 
+        descriptors = raise_descriptor_limit()  # the ports' connection caps come from it
+        log.info("open descriptors: up to %d; gRPC holds at most %d connections, HTTP %d",
+                 descriptors, connection_cap(0.25), connection_cap(0.5))  # fmt: skip
         server = grpc.aio.server(
             options=[
                 *SERVER_OPTIONS,
@@ -223,7 +228,7 @@ class Router:
             # What is left gets a moment for its last replies, then is cut: a health
             # Watch never ends by itself, and gRPC's own graceful stop waited the whole
             # grace for it. (gRPC's stop is called once: twice at a time crashes it.)
-            await self._server.stop(min(_LAST_REPLIES_S, max(0.0, deadline - clock())))
+            await self._server.stop(min(LAST_REPLIES_S, max(0.0, deadline - clock())))
             await http
             self._server = self._http = None
         await self.registry.stop()

@@ -69,7 +69,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.kv_cache import KVAllocator
 from tandem.engine.loop import EngineLoop
 from tandem.errors import ConfigError
-from tandem.keepalive import SERVER_OPTIONS
+from tandem.keepalive import LAST_REPLIES_S, SERVER_OPTIONS
 from tandem.kv_transfer.base import TransferMetrics
 from tandem.metrics import MetricsEndpoint, WorkerMetrics
 from tandem.security.cluster import ClusterCredentials
@@ -80,9 +80,6 @@ from tandem.worker.step_cost import StepCost
 log = logging.getLogger(__name__)
 _EXIT_LOG_S = 5.0  # how long an exiting worker gives its last log line
 _ENGINE_ANSWER_S = 10.0  # how long a stopping worker waits for its engine, drained
-# Stopping, once its calls have drained: how long what is left (health watches, a last
-# reply on its way) gets before it is cut.
-_LAST_REPLIES_S = 0.5
 
 
 class EngineLoad(NamedTuple):
@@ -275,7 +272,7 @@ class WorkerServer(abc.ABC):
             await asyncio.sleep(0.05)
         # What is left (a health Watch, which never ends by itself and would hold the
         # rest of the grace; a last reply on its way) gets a moment, then is cut.
-        await self._server.stop(min(_LAST_REPLIES_S, max(0.0, deadline - clock())))
+        await self._server.stop(min(LAST_REPLIES_S, max(0.0, deadline - clock())))
         self._server = None
         # Cancelled handlers queued their clean-up first; this runs after it (FIFO).
         join_s = 10.0

@@ -10,6 +10,7 @@ import sys
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from tandem.client import (
@@ -131,7 +132,8 @@ def test_an_async_client_serves_several_event_loops_and_refuses_use_once_closed(
 
 
 @pytest.mark.parametrize(("timeout", "deadline"), [(None, None), (float("inf"), None),
-                                                    (1e10, None), (2, 2.0)])  # fmt: skip
+                                                    (1e10, None), (2, 2.0),
+                                                    (np.int64(3), 3.0)])  # fmt: skip
 def test_an_infinite_timeout_is_none(timeout, deadline):
     # gRPC took inf (or any deadline past its clock's range) as already past:
     # DeadlineExceeded at once, where the caller meant "no deadline".
@@ -162,3 +164,18 @@ def test_a_router_that_froze_mid_stream_fails_the_call(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_leaving_an_async_stream_early_cancels_it_at_once(fake):
+    # The call was cancelled by the async generator's clean-up, a task the event loop
+    # ran later: a retry under the same request_id sent meanwhile found it in flight.
+    fake.servicer.hang = True
+
+    async def scenario():
+        async with AsyncTandemClient(fake.address, timeout=10) as client:
+            async for _ in client.generate("hi"):
+                break
+            # No await since: the event loop has run nothing else.
+            assert fake.servicer.cancelled.wait(10)
+
+    asyncio.run(scenario())

@@ -58,6 +58,7 @@ def test_one_stop_string_is_one_stop_string_not_its_letters():
         ("temperature", "hot", "temperature must be a number, got 'hot'"),
         # It went out as inf, and the router's error named a value nobody had sent.
         ("temperature", 1e39, "temperature must be within float32's range, got 1e+39"),
+        ("temperature", 10**400, f"temperature must be a number, got {10**400!r}"),
         ("stop", [1], "stop must be strings, got [1]"),
     ],
 )

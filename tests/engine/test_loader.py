@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -143,15 +142,21 @@ def test_a_start_removes_what_an_interrupted_one_left(tmp_path):
     name = f"tiny-random-v{loader._CACHE_VERSION}"
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True, check=True)  # fmt: skip
-    dead = models / f"{name}.{socket.gethostname()}.{ended.stdout.strip()}.abcd1234"
+    pid = ended.stdout.strip()
+    dead = models / f"{name}.{loader._owner()}.{pid}.abcd1234"
     dead.mkdir(parents=True)
     (dead / "config.json").write_text("{}")  # half written
     live = models / f"{loader.owned_name(name)}.efgh5678"  # this process: still at work
     live.mkdir()
-    other_host = models / f"{name}.another-host.{ended.stdout.strip()}.ijkl9012"
-    other_host.mkdir()
+    # Another host's, or another PID namespace's (a container sharing the host name and
+    # the cache): its pid means nothing here.
+    host, namespace = loader._owner().rsplit(".", 1)
+    others = [models / f"{name}.another-host.{namespace}.{pid}.ijkl9012",
+              models / f"{name}.{host}.{int(namespace) + 1}.{pid}.mnop3456"]  # fmt: skip
+    for other in others:
+        other.mkdir()
     assert resolve_model("tiny-random", tmp_path / "cache") == models / name
-    assert not dead.exists() and live.exists() and other_host.exists()
+    assert not dead.exists() and live.exists() and all(o.exists() for o in others)
 
 
 def test_whether_a_model_needs_building_is_read_without_building_it(tmp_path):

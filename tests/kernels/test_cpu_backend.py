@@ -126,6 +126,15 @@ def test_cc_may_carry_arguments(tmp_path: Path, cpu, monkeypatch) -> None:
     assert build.library_path(tmp_path, [*plain, "-pipe"]) != build.library_path(tmp_path, plain)
 
 
+def test_a_cc_that_is_no_command_falls_back_as_no_compiler_does(tmp_path: Path, monkeypatch,
+                                                                caplog) -> None:
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setenv("CC", 'gcc "-O2')  # an unbalanced quote: it failed the engine
+    with caplog.at_level(logging.WARNING):
+        assert build.load(tmp_path) is None
+    assert "CC='gcc \"-O2' is not a command" in caplog.text
+
+
 def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:

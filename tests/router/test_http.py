@@ -565,7 +565,7 @@ def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(frontend, path):
 def test_connections_past_the_cap_are_closed_at_once(frontend, monkeypatch):
     from tandem.router.http import server
 
-    monkeypatch.setattr(server._Protocol, "cap", 2)
+    monkeypatch.setattr(server, "connection_cap", lambda share: 2)
 
     async def scenario():
         async with cluster(frontend, http_port=0) as c:

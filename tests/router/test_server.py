@@ -211,3 +211,20 @@ def test_a_taken_port_fails_at_start_naming_the_setting(frontend):
                 await Router(taken, frontend=frontend).start()
 
     run(scenario())
+
+
+def test_the_router_raises_its_descriptor_limit_to_the_hard_one():
+    # A shell's soft limit (1024) capped the gRPC port at 256 connections; the 257th
+    # client was refused with what reads like a network fault.
+    import resource
+
+    from tandem.router.public_port import raise_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        raised = raise_descriptor_limit()
+        assert raised == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert raised == hard or hard == resource.RLIM_INFINITY or hard <= 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -64,7 +64,10 @@ def cpu_flags() -> str:
 
 def compiler() -> list[str]:
     """The C compiler's command: ``CC`` split as a shell would ("ccache gcc", "cc -pipe")."""
-    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    try:
+        return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    except ValueError as exc:  # an unbalanced quote
+        raise BuildError(f"CC={os.environ['CC']!r} is not a command: {exc}") from None
 
 
 def library_path(cache_dir: Path, compiler: Sequence[str]) -> Path:
@@ -116,8 +119,8 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         if cache in _loaded:
             return _loaded[cache]
         lib = None
-        command = compiler()
         try:
+            command = compiler()
             if shutil.which(command[0]) is None:
                 raise BuildError(f"no C compiler {command[0]!r} on PATH (set CC to choose one)")
             lib = ctypes.CDLL(str(build(cache, command)))

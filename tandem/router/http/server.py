@@ -119,8 +119,10 @@ class HttpApi:
             tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
             if config.tls_client_ca_file:
                 tls.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        protocol = type("_Protocol", (_Protocol,),
-                        {"stall_timeout_s": config.stream_stall_timeout_s})  # fmt: skip
+        protocol = type("_Protocol", (_Protocol,), {
+            "stall_timeout_s": config.stream_stall_timeout_s,
+            "cap": connection_cap(0.5),  # of the descriptor limit in force now
+        })  # fmt: skip
         server = _Server(uvicorn.Config(
             self.app, lifespan="off", log_level="warning", access_log=False, http=protocol,
             **tls,
@@ -322,7 +324,7 @@ class _Protocol(H11Protocol):
     and one whose request has not all arrived ``REQUEST_TIMEOUT_S`` after it began
     waiting for it is closed (a request arriving slowly: 408's place, with no reply)."""
 
-    cap = connection_cap(0.5)  # connections held at once (public_port.py)
+    cap = 64  # connections held at once: half the descriptors (public_port.py), at start
     stall_timeout_s = 60.0  # RouterConfig.stream_stall_timeout_s, set at start
     _refused, _told_at = 0, 0.0  # connections closed at the cap, and when last logged
     _stall: asyncio.TimerHandle | None = None

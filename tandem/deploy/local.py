@@ -159,6 +159,24 @@ class _Process:
     popen: subprocess.Popen
     log_path: Path
     ready: dict[str, str] = field(default_factory=dict)  # parsed READY fields
+    # Its stdout's reader, from the start (a pipe nobody reads would block the process
+    # once full): the READY line into ``ready_line``, the rest into its log.
+    reader: threading.Thread | None = None
+    ready_line: list[str] = field(default_factory=list)
+
+    def read_stdout(self) -> None:
+        self.reader = threading.Thread(
+            target=_read_lines, args=(self.popen.stdout, self.ready_line, self.log_path),
+            daemon=True,
+        )  # fmt: skip
+        self.reader.start()
+
+    def start_failure(self) -> StartError:
+        self.reader.join(timeout=2)  # its last stdout lines into the log
+        return StartError(
+            f"{self.name} exited with code {self.popen.returncode} during start-up; "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -317,29 +335,24 @@ class LocalCluster:
             start_new_session=True,  # a Ctrl-C reaches the launcher, which stops us in order
         )
         proc = _Process(name, popen, log_path)
+        proc.read_stdout()
         self.processes.append(proc)
         return proc
 
     def _wait_ready(self, proc: _Process) -> None:
-        """Read stdout until the READY line; then keep draining it in the background."""
+        """Until ``proc``'s READY line. Any process started that exits meanwhile fails
+        the start at once: one that dies while an earlier one still loads is not
+        found only after that one is ready (or blamed on its timeout)."""
         deadline = time.monotonic() + self.config.startup_timeout_s
-        lines: list[str] = []
-        reader = threading.Thread(
-            target=_read_lines, args=(proc.popen.stdout, lines, proc.log_path), daemon=True
-        )
-        reader.start()
         while time.monotonic() < deadline:
-            if lines:
-                line = lines[0]
+            if proc.ready_line:
+                line = proc.ready_line[0]
                 proc.ready = dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
                 log.info("%s ready: %s", proc.name, line.strip())
                 return
-            if proc.popen.poll() is not None:
-                reader.join(timeout=2)  # its last stdout lines into the log
-                raise StartError(
-                    f"{proc.name} exited with code {proc.popen.returncode} during start-up; "
-                    f"last lines of {proc.log_path}:\n{proc.log_tail()}"
-                )
+            for p in self.processes:
+                if p.popen.poll() is not None:
+                    raise p.start_failure()
             time.sleep(0.05)
         raise StartError(
             f"{proc.name} was not ready after {self.config.startup_timeout_s:.0f} s; "

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -122,6 +123,22 @@ def test_a_process_that_dies_at_start_is_reported_with_its_log(tmp_path, monkeyp
     assert len(cluster.started) == 2  # prefill-0 started and was stopped; decode-0 crashed
     assert not [p for p in cluster.started if alive(p)]
     assert cluster.processes == []
+
+
+def test_a_process_that_dies_while_an_earlier_one_loads_fails_the_start_at_once(
+    tmp_path, monkeypatch
+):
+    # Its death was found only once the earlier one was ready, or blamed on the
+    # earlier one's start-up timeout (600 s by default) if that one never got ready.
+    monkeypatch.setenv("FAKE_MODE_PREFILL", "silent")
+    monkeypatch.setenv("FAKE_MODE_DECODE", "crash")
+    cluster = FakeCluster(_config(startup_timeout_s=120), tmp_path)
+    start = time.monotonic()
+    with pytest.raises(StartError, match="decode-0 exited with code 3") as err:
+        cluster.start()
+    assert time.monotonic() - start < 60
+    assert "a library's reason, on stdout" in str(err.value)
+    assert not [p for p in cluster.started if alive(p)]
 
 
 def test_a_silent_process_times_out_and_a_stubborn_one_is_killed(tmp_path, monkeypatch):

@@ -91,7 +91,13 @@ def _atomic_dir(target: Path, build) -> Path:
     where it is looked for; what an interrupted build left beside it goes next time."""
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # HOME a file, a read-only disk: a setting to fix, by name
+        raise ConfigError(
+            f"cannot use the cache directory {target.parent}: {exc.strerror} (engine.cache_dir,"
+            " or $TANDEM_CACHE_DIR, $XDG_CACHE_HOME, $HOME)"
+        ) from None
     remove_abandoned(target.parent, target.name)
     tmp = Path(tempfile.mkdtemp(prefix=f"{owned_name(target.name)}.", dir=target.parent))
     try:

@@ -170,6 +170,14 @@ def test_whether_a_model_needs_building_is_read_without_building_it(tmp_path):
     assert not loader.needs_building(str(tmp_path), cache)
 
 
+def test_a_cache_directory_that_cannot_be_made_is_named(tmp_path):
+    # A worker ended with a traceback (a HOME that is a file, a read-only disk).
+    not_a_dir = tmp_path / "home"
+    not_a_dir.write_text("")
+    with pytest.raises(ConfigError, match=r"cannot use the cache directory .*home/cache/models"):
+        resolve_model("tiny-random", not_a_dir / "cache")
+
+
 @pytest.mark.slow
 def test_default_model_is_a_dequantised_hf_directory():
     model_dir = resolve_model("smollm2-135m-instruct")

@@ -3,9 +3,10 @@
 Each step has a token budget. Running decodes come first (one token each, so
 inter-token latency does not suffer from admissions), then running sequences
 that are part-way through a chunked prefill, then waiting requests in arrival
-order. Where more decodes run than the budget holds (a decode worker takes in
-arrived KV up to ``max_num_seqs``, whatever the budget), they take turns: each
-step starts where the last one's decodes stopped. A sequence that cannot get a KV
+order. Where the running decodes alone fill the budget (a decode worker takes in
+arrived KV up to ``max_num_seqs``, whatever the budget), every running sequence
+takes turns, least recently run first (a running prefill too), and a preempted
+sequence waiting to run again is kept a token of each step. A sequence that cannot get a KV
 block preempts the most recently admitted running sequence, which is swapped out to
 the host tier where there is one with room, else has its blocks freed and its
 tokens recomputed later.
@@ -45,7 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.reserved: dict[str, Sequence] = {}  # by request id: a slot each, KV to come
-        self._turn = 0  # where the next step's decodes start, when not all of them fit
+        self._step = 0  # steps scheduled so far (Sequence.turn)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,15 +55,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self._step += 1
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_uncomputed == 1]
-        prefills = [s for s in self.running if s.num_uncomputed > 1]
-        if len(decodes) > budget:  # the same first ones every step would starve the rest
-            start = self._turn % len(decodes)
-            decodes = decodes[start:] + decodes[:start]
-            self._turn = start + budget
-        for seq in decodes + prefills:
+        order = decodes + [s for s in self.running if s.num_uncomputed > 1]
+        held = 0  # kept for a preempted sequence's return
+        if len(decodes) >= budget:
+            # Not every running sequence gets a token: the same first ones every step
+            # would starve the rest (and a prefill, and a preempted sequence, until
+            # they ended). Least recently run first; decodes first among equals.
+            order.sort(key=lambda s: s.turn)
+            held = int(bool(self.waiting) and self.waiting[0].admitted)
+        budget -= held
+        for seq in order:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
@@ -72,6 +78,8 @@ class Scheduler:
             if n:
                 batch.work.append((seq, n))
                 budget -= n
+                seq.turn = self._step
+        budget += held
 
         while self.waiting and budget > 0 and self.slots_taken() < self.max_num_seqs:
             seq = self.waiting[0]
@@ -90,6 +98,7 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.count_admission(seq)
             seq.status = Status.RUNNING
+            seq.turn = self._step
             self.running.append(seq)
             batch.work.append((seq, n))
             budget -= n

@@ -67,6 +67,7 @@ class Sequence:
     # again (after a preemption): no slide until the prompt is done.
     prompt_whole: bool = False
     admitted: bool = False  # scheduled once (its prefix lookup counted; a recompute is not)
+    turn: int = 0  # the scheduler step it last ran in (who goes first when not all fit)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -251,6 +251,23 @@ def test_decodes_past_the_token_budget_take_turns() -> None:
     assert_drained(h)
 
 
+def test_a_running_prefill_takes_its_turn_when_decodes_fill_the_budget() -> None:
+    # A prompt prefilled where it decodes (prefill_here) got no budget until the
+    # decodes ahead of it had ended: its first token came 80 steps late.
+    h = make_harness(max_num_batched_tokens=2)
+    for name in "abcd":
+        seq = make_seq(name, 3, max_tokens=30)
+        seq.token_ids.append(OUT)
+        h.make_running(seq, 3)
+    here = make_seq("here", 6)
+    h.make_running(here, 0)
+    turns = [[s.request_id for s, _ in h.step().work] for _ in range(3)]
+    assert any("here" in t for t in turns), turns
+    assert all(len(t) <= 2 for t in turns)
+    h.run_to_completion()
+    assert_drained(h)
+
+
 def test_a_preempted_sequence_is_dropped_from_the_batch_it_was_scheduled_in() -> None:
     h = make_harness(num_blocks=3, max_num_batched_tokens=8)
     older_prefill = make_seq("p", 10, max_tokens=2)  # 12 tokens: fits the pool alone

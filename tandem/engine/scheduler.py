@@ -66,7 +66,9 @@ class Scheduler:
             # would starve the rest (and a prefill, and a preempted sequence, until
             # they ended). Least recently run first; decodes first among equals.
             order.sort(key=lambda s: s.turn)
-            held = int(bool(self.waiting) and self.waiting[0].admitted)
+            # (Not out of a budget of 1: the running ones would get nothing, and if the
+            # waiting one found no blocks, nothing would run to free any.)
+            held = int(budget > 1 and bool(self.waiting) and self.waiting[0].admitted)
         budget -= held
         for seq in order:
             if budget == 0:

@@ -111,12 +111,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
-    env = {**os.environ, "FAKE_MODE_ROUTER": "silent"}  # start-up never ends by itself
-    proc = subprocess.Popen(
+def _serve_with_fakes(env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+
+
+def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
+    env = {**os.environ, "FAKE_MODE_ROUTER": "silent"}  # start-up never ends by itself
+    proc = _serve_with_fakes(env)
     try:
         deadline = time.monotonic() + 60
         while len(children := psutil.Process(proc.pid).children()) < 3:  # the router started
@@ -150,10 +154,7 @@ def test_a_taken_port_fails_serve_before_any_worker_starts(flag):
 def test_a_hangup_stops_serve_in_order_as_ctrl_c_does(tmp_path):
     # A closed terminal or a lost ssh session: SIGHUP ended the launcher at once (exit
     # 129), its streams cut, and its children went on their lifelines.
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _serve_with_fakes()
     try:
         assert proc.stdout.readline().startswith("tandem: serving tiny-random on ")
         children = psutil.Process(proc.pid).children()
@@ -166,10 +167,7 @@ def test_a_hangup_stops_serve_in_order_as_ctrl_c_does(tmp_path):
 
 
 def test_serve_reports_a_process_that_dies_and_ends_when_the_router_does(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _serve_with_fakes()
     try:
         assert proc.stdout.readline().startswith("tandem: serving tiny-random on ")
         by_role = {}

@@ -78,7 +78,7 @@ class Lifeline:
         return [sys.executable, "-m", "tandem.deploy.lifeline", module, *args]
 
     def env(self, env: dict[str, str]) -> dict[str, str]:
-        # PYTHONSAFEPATH (Python 3.11+): "python -m" would put the launcher's working
+        # PYTHONSAFEPATH: "python -m" would put the launcher's working
         # directory first on the children's module path, where any queue.py or
         # logging.py there took the place of the standard library's, in processes
         # that hold the cluster's keys.

@@ -149,7 +149,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             except ValueError as exc:  # the destination cannot take these blocks
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {exc}")
             # ABORTED, not UNAVAILABLE: this worker is fine, the decode side failed.
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 # A failed transfer (wait_for's cancel of its future reads, to the
                 # sender, as this call's give-up, which is not counted).
                 self.server.transfer_metrics.record_failure("timeout")

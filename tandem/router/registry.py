@@ -189,7 +189,7 @@ class WorkerRegistry:
             self._polled = asyncio.Event()
         try:
             await asyncio.wait_for(asyncio.shield(self._polled.wait()), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return bool(self.placeable(pool))
 

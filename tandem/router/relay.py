@@ -538,7 +538,7 @@ class Relay:
             call = worker.stub.Prefill(request, timeout=timeout)
             try:
                 first = await _read_within(call, self.prefill_timeout_s or None)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 call.cancel()
                 self.registry.release(worker)
                 # Busy or stalled, it is not taken for dead, and no other attempt is
@@ -762,7 +762,7 @@ async def _read_within(call: grpc.aio.UnaryStreamCall, timeout: float | None):
         raise
     if not read.done():
         read.cancel()
-        raise asyncio.TimeoutError
+        raise TimeoutError
     return read.result()
 
 

@@ -32,7 +32,7 @@ class KeyPair:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def make_ca(common_name: str = "Tandem cluster CA", days: int = 365) -> KeyPair:

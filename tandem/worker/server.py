@@ -278,7 +278,7 @@ class WorkerServer(abc.ABC):
         join_s = 10.0
         try:
             await asyncio.wait_for(self.loop.call(self._abort_all), _ENGINE_ANSWER_S)
-        except asyncio.TimeoutError:  # a hung engine: the process ends without it
+        except TimeoutError:  # a hung engine: the process ends without it
             log.error("%s worker %s: the engine did not answer within %g s; stopping "
                       "without it", self.role, self.address, _ENGINE_ANSWER_S)  # fmt: skip
             if self.engine.tensor_parallel is not None:

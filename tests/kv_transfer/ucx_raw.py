@@ -65,7 +65,7 @@ async def closed(ep, timeout: float = 10.0) -> bool:
     """True once the other side has dropped the connection."""
     try:
         await asyncio.wait_for(wire.recv_msg(ep, 0), timeout)
-    except (asyncio.TimeoutError, wire.ProtocolError):  # still open, or it sent something
+    except (TimeoutError, wire.ProtocolError):  # still open, or it sent something
         return False
     except Exception:  # connection reset / endpoint error: dropped
         return True

@@ -334,7 +334,7 @@ async def _measure(
     bar = _progress(config)
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
-    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     start = time.perf_counter()
     positions = _positions(turns, first, more)
     # Multi-turn: the last send of each spec. A cycled file sends a spec again only

@@ -176,7 +176,7 @@ class UcxSender(SenderBase):
             raise
         except HandshakeError as exc:
             self._lost(peer, exc)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             why = f"connecting to {peer.address} timed out"
             self._lost(peer, TransferError("unreachable", why))
         except Exception as exc:

@@ -143,7 +143,7 @@ def main(role: str, argv: list[str] | None = None) -> int:
     try:
         logs.configure(role, logging.DEBUG if args.verbose else logging.INFO)
         config = load_config(role, args)
-        ucx_env_defaults(cuda=on_gpu(config.engine.device))  # before UCX starts
+        ucx_env_defaults(cuda=on_gpu(config.engine.device), host=config.host)  # before UCX starts
         if config.engine.num_threads:  # before torch spins up its pools (the engine does too)
             import torch
 

@@ -6,6 +6,7 @@ leaves each worker with zero used KV blocks.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -127,6 +129,34 @@ def test_concurrent_streams_complete_and_every_worker_gets_work(cluster, tiny_en
     served = {w.name: _status(cluster, w).served - before[w.name] for w in _workers(cluster)}
     assert all(v > 0 for v in served.values()), served
     _assert_no_blocks_used(cluster)
+
+
+def _address(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    address = ipaddress.ip_address(ip)
+    return getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1 is loopback
+
+
+def test_workers_listen_on_loopback_only(cluster):
+    """A local cluster is reachable from this machine only. UCX's TCP transport listens
+    on every interface unless told which; the decode worker's KV listener is the one
+    wildcard, and a socket filter keeps it to its host (kv_transfer/ucx/sockets.py)."""
+    _remote(cluster.address, PROMPTS[0], max_tokens=2)  # KV has moved: UCX is up
+    for worker in _workers(cluster):
+        kv_port = int(worker.ready["kv"].rsplit(":", 1)[1]) if worker.ready["kv"] != "-" else None
+        process = psutil.Process(worker.popen.pid)
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for p in (process, *process.children(recursive=True))
+            for c in p.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert listening, worker.name
+        off_loopback = {
+            (ip, port) for ip, port in listening
+            if not _address(ip).is_loopback
+            and not (_address(ip).is_unspecified and port == kv_port)
+        }  # fmt: skip
+        assert not off_loopback, (worker.name, off_loopback)
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,8 @@ class WorkerActor:
         self.pool, self.name = pool, name
         self.node = _node()
         worker_config = config.worker_config(pool, host=self.node["node_ip"])
-        ucx_env_defaults(cuda=on_gpu(worker_config.engine.device))  # before UCX starts
+        # before UCX starts
+        ucx_env_defaults(cuda=on_gpu(worker_config.engine.device), host=worker_config.host)
         if pool == "prefill":
             from tandem.prefill_worker.server import PrefillServer as Server
         else:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Coroutine, MutableMapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from tandem.security.tls import is_loopback
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -41,6 +43,7 @@ def ucx_env_defaults(
     env: MutableMapping[str, str] | None = None,
     tls: str | None = "tcp,sm,self",
     cuda: bool = False,
+    host: str | None = None,
 ) -> MutableMapping[str, str]:
     """Set Tandem's UCX defaults in ``env`` (``os.environ`` when None) where unset; returns it.
 
@@ -51,10 +54,18 @@ def ucx_env_defaults(
     is on a GPU) adds CUDA_TLS to it. Across hosts operators set UCX_TLS themselves
     (to include ``rc``/``ud`` for RDMA, say), and what the environment already holds
     wins.
+
+    ``host``: where the worker listens. A loopback host keeps UCX's TCP transport on
+    the loopback device too: by default it opens a listener on every interface of
+    the machine, reachable from the network before any of Tandem's checks. (Other
+    hosts leave the devices to UCX and the operator: naming the host's interface
+    would also leave out the RDMA devices that carry KV between nodes.)
     """
     env = os.environ if env is None else env
     if tls is not None:
         env.setdefault("UCX_TLS", f"{tls},{CUDA_TLS}" if cuda else tls)
+    if host is not None and is_loopback(host):
+        env.setdefault("UCX_NET_DEVICES", "lo")
     # Without this UCX warns about the UCX_* variables that ucxx itself sets.
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     # Endpoints here use peer-failure error handling (a killed peer fails its

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, InvalidRequestError
 
 # What a byte-level or SentencePiece decoder yields for an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
@@ -44,6 +44,11 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers so far
         # transformers builds added_tokens_decoder anew at each read: read once.
         self._added = dict(hf_tokenizer.added_tokens_decoder)
+        # The text of any control token, as a message's content might hold it.
+        controls = sorted((t.content for t in self._added.values() if t.special), key=len)
+        self._control = re.compile(
+            "|".join(re.escape(c) for c in reversed(controls)) if controls else "(?!)"
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None) -> Tokenizer:
@@ -85,7 +90,46 @@ class Tokenizer:
         # apply_chat_template(tokenize=True). The template writes BOS itself, so the
         # encode must not add it a second time.
         text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self._hf.encode(text, add_special_tokens=False))
+        written = [i for i, m in enumerate(messages) if self._control.search(m["content"])]
+        if not written:
+            return list(self._hf.encode(text, add_special_tokens=False))
+        return self._encode_chat_as_written(text, messages, written)
+
+    def _encode_chat_as_written(
+        self, text: str, messages: list[dict[str, str]], written: list[int]
+    ) -> list[int]:
+        """``text`` encoded with every control token that a message wrote ("<|im_end|>"
+        typed in a user's content) encoded as the plain text it is: control tokens
+        come only from the chat template. Otherwise a user could end their turn and
+        open a system one. The rest is encoded as HF does."""
+        spans, at = [], 0
+        for i, message in enumerate(messages):  # a template writes the contents in order
+            content = message["content"]
+            start = text.find(content, at) if content else -1
+            if start < 0:
+                if i in written:
+                    raise InvalidRequestError(
+                        f"messages[{i}].content",
+                        "holds the text of a control token, and the model's chat template "
+                        "does not write the content as given, so it cannot be kept as text",
+                    )
+                continue
+            spans.append((start, start + len(content)))
+            at = start + len(content)
+        encoded = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = []
+        for token_id, (start, end) in zip(
+            encoded["input_ids"], encoded["offset_mapping"], strict=True
+        ):
+            if self.special_name(token_id) is not None and any(
+                a <= start and end <= b for a, b in spans
+            ):
+                ids += self._hf.encode(
+                    text[start:end], add_special_tokens=False, split_special_tokens=True
+                )
+            else:
+                ids.append(token_id)
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, b"" for a special token (which ``decode``

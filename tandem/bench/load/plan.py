@@ -65,9 +65,9 @@ class Hardware:
                 raise InvalidRequestError(
                     flag, f"{flag} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}"
                 )
-        if not self.device_memory_gib > 0:
-            raise InvalidRequestError("device_memory_gib", "--device-memory-gib must be > 0, "
-                                      f"got {self.device_memory_gib}")  # fmt: skip
+        if not (math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0):
+            raise InvalidRequestError("device_memory_gib", "--device-memory-gib must be > 0 "
+                                      f"and finite, got {self.device_memory_gib}")  # fmt: skip
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size", "--block-size must be a power of two >= 1 "
                                       f"(as engine.block_size), got {self.block_size}")  # fmt: skip
@@ -140,8 +140,14 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
     """What fits on one decode worker of ``hw.devices_per_worker`` ranks (figures per rank)."""
     if context_len < 1:
         raise InvalidRequestError("context_len", f"--context-len must be >= 1, got {context_len}")
+    if context_len > mc.max_position_embeddings:  # every such request would be refused
+        raise InvalidRequestError(
+            "context_len", f"--context-len {context_len} is longer than the model's context "
+            f"({mc.max_position_embeddings} tokens, max_position_embeddings)",
+        )  # fmt: skip
     n = hw.devices_per_worker
     rank = rank_config(mc, n)
+    rank_config(mc, hw.prefill_devices_per_worker)  # the prefill pool's width splits it too
     w_dtype = weight_dtype(hw)
     per_token = kv_bytes_per_token(rank, hw.kv_dtype)
     params = param_count(rank)
@@ -185,6 +191,10 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
     if budget == 0:
         lines.append("the weights do not leave room for a KV cache: more memory, a wider "
                      "--decode-tp or a smaller --weight-dtype")  # fmt: skip
+    elif seqs == 0:
+        lines.append(f"a decode worker holds no sequence of {context_len:,} tokens: more "
+                     "memory, a wider --decode-tp, --kv-dtype int8 or a shorter "
+                     "--context-len")  # fmt: skip
     else:
         default = DEFAULT_KV_CACHE_BYTES // block_bytes
         lines.append(
@@ -248,7 +258,13 @@ def worker_plan(
         in_flight = target_rate * e2e_s
         per_seq = math.ceil(tokens / block_size)
         fits = memory.num_blocks // per_seq
-        decode_mem = math.ceil(in_flight / fits - 1e-9) if fits else math.inf
+        if not fits:
+            raise InvalidRequestError(
+                "memory", f"a decode worker's {memory.num_blocks:,} KV blocks do not hold one "
+                f"of the sweep's requests ({tokens:.0f} tokens = {per_seq} blocks): more "
+                "memory, a wider --decode-tp or --kv-dtype int8",
+            )  # fmt: skip
+        decode_mem = math.ceil(in_flight / fits - 1e-9)
         decode = max(decode_thr, decode_mem)
         lines += [
             f"decode KV: {target_rate:g} req/s x {e2e_s:.2f} s mean E2E = {in_flight:.1f} "

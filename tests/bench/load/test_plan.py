@@ -208,6 +208,26 @@ def test_a_rate_sweeps_capacity_is_what_its_point_sustained_not_what_it_offered(
     assert sweep_json(config, [kept])["capacity_rps"] == 1.0
 
 
+def test_a_worker_that_holds_no_request_is_an_error_not_infinite_workers(smol):
+    memory = plan.memory_plan(smol, Hardware(device_memory_gib=80), 4096)
+    memory = plan.MemoryPlan(**{**memory.__dict__, "num_blocks": 30})  # a request is 94
+    with pytest.raises(InvalidRequestError, match="30 KV blocks do not hold one of the "
+                       r"sweep's requests \(1500 tokens = 94 blocks\)"):  # fmt: skip
+        plan.worker_plan(_sweep(point=0), 10.0, memory)
+    small = plan.memory_plan(smol, Hardware(device_memory_gib=0.29), 8192)
+    assert small.kv_budget_bytes > 0 and small.sequences == 0
+    assert "holds no sequence of 8,192 tokens" in small.lines[-1]
+    assert not any(line.startswith("deploy with") for line in small.lines)
+
+
+def test_a_context_longer_than_the_model_and_a_prefill_width_that_does_not_split_it(smol):
+    with pytest.raises(InvalidRequestError, match=r"--context-len 100000 is longer than the "
+                       r"model's context \(8192 tokens"):  # fmt: skip
+        plan.memory_plan(smol, Hardware(), context_len=100_000)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size 4 must divide"):
+        plan.memory_plan(smol, Hardware(prefill_devices_per_worker=4), context_len=4096)
+
+
 def test_a_sweep_without_capacity_cannot_plan():
     with pytest.raises(InvalidRequestError, match="no point with SLO attainment >= 90%"):
         plan.worker_plan(_sweep(capacity=None), 1.0, None)
@@ -217,7 +237,8 @@ def test_a_sweep_without_capacity_cannot_plan():
     "kw, message",
     [(dict(kv_dtype="int3"), "--kv-dtype must be one of"),
      (dict(memory_utilization=1.5), "--memory-utilization must be in"),
-     (dict(device_memory_gib=0), "--device-memory-gib must be > 0")],
+     (dict(device_memory_gib=0), "--device-memory-gib must be > 0 and finite"),
+     (dict(device_memory_gib=math.inf), "--device-memory-gib must be > 0 and finite")],
 )  # fmt: skip
 def test_bad_hardware_names_the_flag(kw, message):
     with pytest.raises(InvalidRequestError, match=message):

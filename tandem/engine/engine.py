@@ -424,8 +424,11 @@ class LLMEngine:
             total = min(total, max(arrived + chunk, evicted + held))
         if not self.kv.ensure(seq, total):
             need = self.kv.blocks_for(self.kv.table_index(seq, total)) - len(seq.block_table)
-            self.kv.free(seq)  # the shared prefix blocks, if any
-            raise OutOfBlocksError(f"request needs {need} KV blocks, {self.kv.pool.num_free} free")
+            held = len(seq.block_table)  # its cached prefix, counted free once let go
+            free = self.kv.pool.num_free
+            self.kv.free(seq)
+            cached = f" ({held} of its prefix cached)" if held else ""
+            raise OutOfBlocksError(f"request needs {need} more KV blocks{cached}, {free} free")
         return seq
 
     def _check_fits_whole(self, num_tokens: int, holder: str) -> None:

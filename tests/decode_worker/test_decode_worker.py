@@ -123,7 +123,7 @@ def test_reservation_that_does_not_fit_now_is_resource_exhausted(pair):
     with pytest.raises(grpc.RpcError) as err:
         _open(pair.decode, request([8] * 400, params, rid="big2"))  # nothing of it cached
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "needs 33 KV blocks, 31 free" in err.value.details()
+    assert "needs 33 more KV blocks, 31 free" in err.value.details()
     held.cancel()
     wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 
@@ -239,7 +239,7 @@ def test_prefill_here_that_does_not_fit_now_is_resource_exhausted(pair):
     with pytest.raises(grpc.RpcError) as err:
         _here(pair.decode, request([6] * 400, params, rid="big2"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "needs 33 KV blocks, 31 free" in err.value.details()
+    assert "needs 33 more KV blocks, 31 free" in err.value.details()
     held.cancel()
     wait_until(lambda: pair.decode.used_blocks() == 0, what="blocks freed after cancel")
 

@@ -84,11 +84,23 @@ def test_reserve_refuses_what_does_not_fit_and_abort_frees(pair):
     assert len(held) == 15 and decode.kv.pool.num_used == 15
     for rid in ("big2", "big3", "big4"):
         decode.reserve([5] * 100, params, rid)
-    with pytest.raises(OutOfBlocksError, match="needs 15 KV blocks, 4 free"):
+    with pytest.raises(OutOfBlocksError, match="needs 15 more KV blocks, 4 free"):
         decode.reserve([5] * 100, params, "big5")
     for rid in ("big", "big2", "big3", "big4"):
         assert decode.abort(rid)
     assert decode.kv.pool.num_used == 0 and not decode.has_unfinished()
+
+
+def test_a_refusal_counts_the_blocks_free_before_its_cached_prefix_is_let_go():
+    engine = make_engine(num_blocks=8, reserve_output_tokens=16)
+    prefix = list(range(1, 65))  # 4 full blocks, cached once the request ends
+    list(engine.stream(prefix, SamplingParams(max_tokens=1, ignore_eos=True)))
+    engine.prefill_here(list(range(100, 130)), SamplingParams(max_tokens=16), "B")  # 3 blocks
+    assert engine.kv.pool.num_free == 5  # 1 empty + the 4 cached, evictable
+    with pytest.raises(OutOfBlocksError, match=r"needs 3 more KV blocks \(4 of its prefix "
+                       r"cached\), 1 free"):  # fmt: skip
+        engine.prefill_here(prefix + list(range(140, 172)), SamplingParams(max_tokens=16), "C")
+    assert engine.kv.pool.num_free == 5
 
 
 @pytest.mark.parametrize("ahead", [None, 1])

@@ -99,17 +99,44 @@ def _atomic_dir(target: Path, build) -> Path:
             " or $TANDEM_CACHE_DIR, $XDG_CACHE_HOME, $HOME)"
         ) from None
     remove_abandoned(target.parent, target.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{owned_name(target.name)}.", dir=target.parent))
     try:
-        build(tmp)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{owned_name(target.name)}.", dir=target.parent))
         try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; its copy is as good as ours
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            _sync(tmp)  # on disk before it is found complete: a power cut leaves no stubs
+            _rename_over(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:  # read-only, full: a ConfigError names the place and the way out
+        raise ConfigError(
+            f"cannot build {target.name} in the cache directory {target.parent}: {exc} "
+            "(free space there, or point engine.cache_dir or $TANDEM_CACHE_DIR elsewhere)"
+        ) from None
     return target
+
+
+def _rename_over(tmp: Path, target: Path) -> None:
+    try:
+        tmp.rename(target)
+    except OSError:
+        if (target / "config.json").is_file():
+            return  # another process won the race; its copy is as good as ours
+        if not target.exists():
+            raise
+        # A directory without its config (a copy cut short, a hand-made one): never
+        # complete, and in the way for good. Put aside as abandoned work and replaced.
+        log.warning("replacing %s: it has no config.json", target)
+        aside = target.parent / f"{owned_name(target.name)}.incomplete"
+        target.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)  # what is left, remove_abandoned takes
+        tmp.rename(target)
+
+
+def _sync(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def owned_name(name: str) -> str:
@@ -186,6 +213,12 @@ def _gguf_target(gguf: Path, cache: Path) -> Path:
 
 def _converted_gguf(gguf: Path, cache: Path) -> Path:
     target = _gguf_target(gguf, cache)
+    if not (target / "config.json").is_file():
+        # A model Tandem cannot run is refused from its metadata, before the whole
+        # dequantisation (minutes, and the model's float32 size on disk) is spent on it.
+        from tandem.engine.model_config import ModelConfig
+
+        ModelConfig.from_hf(_gguf_config(gguf))
 
     def build(out: Path) -> None:
         import torch
@@ -206,7 +239,10 @@ def _converted_gguf(gguf: Path, cache: Path) -> Path:
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if config.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        except Exception as exc:  # safetensors' own error type, for a full disk too
+            raise OSError(f"writing model.safetensors: {exc}") from exc
         (out / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(out)
 
@@ -244,7 +280,14 @@ def load_state_dict(
         raise ConfigError(f"{model_dir} has no *.safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as weights:
+        try:
+            weights = safe_open(str(f), framework="pt")
+        except Exception as exc:  # safetensors' own error type: a file cut short, damaged
+            raise ConfigError(
+                f"cannot read the weights in {f}: {exc} (a model in Tandem's cache, "
+                "engine.cache_dir, is built again once its directory is deleted)"
+            ) from exc
+        with weights:
             for name in weights.keys():
                 if only is not None and not only(name):
                     continue
@@ -268,6 +311,10 @@ def read_model_config(model: str, cache_dir: str | Path | None = None) -> dict:
     gguf = gguf_file(model)
     if gguf is None:
         return read_config(resolve_model(model, cache_dir))
+    return _gguf_config(gguf)
+
+
+def _gguf_config(gguf: Path) -> dict:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:

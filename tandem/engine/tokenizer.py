@@ -62,10 +62,16 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         path = Path(path)
-        if gguf_file is None:
-            hf = AutoTokenizer.from_pretrained(path)
-        else:
-            hf = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        try:
+            if gguf_file is None:
+                hf = AutoTokenizer.from_pretrained(path)
+            else:
+                hf = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        except (OSError, ValueError) as exc:  # transformers' message guesses at packages
+            raise ConfigError(
+                f"cannot load the tokenizer of {path / (gguf_file or '')}: a model directory "
+                f"needs its tokenizer files (tokenizer.json, tokenizer_config.json) ({exc})"
+            ) from exc
         eos: set[int] = set()
         for name in ("generation_config.json", "config.json"):
             eos |= _eos_ids_in(path / name)

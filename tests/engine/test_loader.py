@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -130,9 +131,9 @@ def test_corrupt_gguf_is_refused_and_leaves_no_partial_model(tmp_path):
     cache = tmp_path / "cache"
     with pytest.raises(ConfigError) as err:
         resolve_model(str(junk), cache)
-    assert str(err.value).startswith(f"cannot load GGUF {junk}: ")
-    # The temporary build directory was removed; no model (whole or half) remains.
-    assert list((cache / "models").iterdir()) == []
+    assert str(err.value).startswith(f"cannot read the GGUF metadata of {junk}: ")
+    # Refused from its metadata: no model (whole or half) was started.
+    assert not (cache / "models").exists()
 
 
 def test_a_start_removes_what_an_interrupted_one_left(tmp_path):
@@ -176,6 +177,55 @@ def test_a_cache_directory_that_cannot_be_made_is_named(tmp_path):
     not_a_dir.write_text("")
     with pytest.raises(ConfigError, match=r"cannot use the cache directory .*home/cache/models"):
         resolve_model("tiny-random", not_a_dir / "cache")
+
+
+def test_a_gguf_of_a_model_tandem_cannot_run_is_refused_before_it_is_dequantised(
+    tmp_path, monkeypatch
+):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(loader, "_gguf_config", lambda path: {"model_type": "stablelm"})
+    built = []
+    monkeypatch.setattr(loader, "_atomic_dir", lambda target, build: built.append(target))
+    with pytest.raises(ConfigError, match="model_type 'stablelm' is not supported"):
+        resolve_model(str(gguf), tmp_path / "cache")
+    assert built == []
+
+
+def test_a_cache_entry_without_its_config_is_replaced(tmp_path):
+    # A copy cut short, or made by hand: the rename over it failed at every start.
+    entry = tmp_path / "cache" / "models" / f"tiny-random-v{loader._CACHE_VERSION}"
+    entry.mkdir(parents=True)
+    (entry / "model.safetensors").write_text("x")
+    assert resolve_model("tiny-random", tmp_path / "cache") == entry
+    assert loader.load_state_dict(entry)  # the real weights
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
+def test_weights_cut_short_are_named_with_the_way_to_rebuild(tmp_path):
+    entry = resolve_model("tiny-random", tmp_path / "cache")
+    weights = entry / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=f"cannot read the weights in {weights}: .*built again"):
+        loader.load_state_dict(entry)
+
+
+def test_a_cache_directory_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    def read_only(**kw):
+        raise OSError(errno.EROFS, "Read-only file system", kw["dir"])
+
+    monkeypatch.setattr(loader.tempfile, "mkdtemp", read_only)
+    with pytest.raises(ConfigError, match=r"cannot build tiny-random-v\d+ in the cache "
+                       r"directory .*/cache/models: .*Read-only file system"):  # fmt: skip
+        resolve_model("tiny-random", tmp_path / "cache")
+
+
+def test_a_model_directory_without_a_tokenizer_is_named(tmp_path):
+    from tandem.engine.tokenizer import Tokenizer
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"cannot load the tokenizer of {tmp_path}"):
+        Tokenizer.from_pretrained(tmp_path)
 
 
 @pytest.mark.slow

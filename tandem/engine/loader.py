@@ -233,7 +233,7 @@ def _converted_gguf(gguf: Path, cache: Path) -> Path:
             )
         except Exception as exc:  # transformers raises many types for unsupported files
             raise ConfigError(f"cannot load GGUF {gguf}: {exc}") from exc
-        config = hf.config.to_dict()
+        config = with_rope_scaling(hf.config.to_dict(), gguf_rope_scaling(gguf))
         config.pop("quantization_config", None)
         config.pop("_name_or_path", None)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -318,6 +318,49 @@ def _gguf_config(gguf: Path) -> dict:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        return load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
     except Exception as exc:  # transformers raises many types for unsupported files
         raise ConfigError(f"cannot read the GGUF metadata of {gguf}: {exc}") from exc
+    return with_rope_scaling(config, gguf_rope_scaling(gguf))
+
+
+def gguf_rope_scaling(gguf: Path) -> dict:
+    """The RoPE scaling a GGUF states, as config.json spells it ({} for none).
+    transformers' GGUF loader drops it for Llama and Qwen2 models, so the model would
+    run with plain RoPE past its trained positions: wrong tokens, no error. A scaling
+    Tandem does not run is refused by ModelConfig; Llama 3's, which a GGUF stores as
+    a frequency tensor, is refused here."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+        arch = reader.fields["general.architecture"].contents()
+    except Exception as exc:  # the reader's own errors for a file that is not GGUF
+        raise ConfigError(f"cannot read the GGUF metadata of {gguf}: {exc}") from exc
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ConfigError(
+            f"{gguf} scales RoPE with per-frequency factors (rope_freqs.weight, as Llama 3.1 "
+            "does), which Tandem cannot take from a GGUF: use the model's Hugging Face directory"
+        )
+
+    def field(name: str):
+        found = reader.fields.get(f"{arch}.rope.scaling.{name}")
+        return None if found is None else found.contents()
+
+    kind = field("type")
+    if kind in (None, "none"):
+        return {}
+    scaling = {"rope_type": kind, "factor": float(field("factor") or 1.0)}
+    if (original := field("original_context_length")) is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def with_rope_scaling(config: dict, scaling: dict) -> dict:
+    """``config`` with ``scaling`` where ModelConfig.from_hf reads it (transformers 5
+    writes ``rope_parameters``, 4 ``rope_scaling``)."""
+    if not scaling:
+        return config
+    if isinstance(config.get("rope_parameters"), dict):
+        return {**config, "rope_parameters": {**config["rope_parameters"], **scaling}}
+    return {**config, "rope_scaling": scaling}

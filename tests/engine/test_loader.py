@@ -192,6 +192,43 @@ def test_a_gguf_of_a_model_tandem_cannot_run_is_refused_before_it_is_dequantised
     assert built == []
 
 
+def _gguf_with(path: Path, scaling: dict, freqs: bool = False) -> Path:
+    """A GGUF holding only RoPE metadata (and rope_freqs.weight if ``freqs``)."""
+    import numpy as np
+    from gguf import GGUFWriter, RopeScalingType
+
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in scaling.items():
+        value = RopeScalingType(value) if key == "type" else value
+        getattr(writer, f"add_rope_scaling_{key}")(value)
+    if freqs:
+        writer.add_tensor("rope_freqs.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_ggufs_rope_scaling_reaches_the_config(tmp_path):
+    # transformers' GGUF loader drops it for Llama: plain RoPE past the trained
+    # positions, wrong tokens and no error.
+    linear = _gguf_with(tmp_path / "l.gguf", {"type": "linear", "factor": 4.0})
+    assert loader.gguf_rope_scaling(linear) == {"rope_type": "linear", "factor": 4.0}
+    config = loader.with_rope_scaling({"rope_theta": 1e5}, loader.gguf_rope_scaling(linear))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    v5 = loader.with_rope_scaling({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}},
+                                  {"rope_type": "linear", "factor": 4.0})  # fmt: skip
+    assert v5["rope_parameters"] == {"rope_theta": 1e5, "rope_type": "linear", "factor": 4.0}
+    yarn = _gguf_with(tmp_path / "y.gguf", {"type": "yarn", "factor": 4.0,
+                                            "orig_ctx_len": 8192})  # fmt: skip
+    assert loader.gguf_rope_scaling(yarn) == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    assert loader.gguf_rope_scaling(_gguf_with(tmp_path / "n.gguf", {})) == {}
+    with pytest.raises(ConfigError, match="rope_freqs.weight"):
+        loader.gguf_rope_scaling(_gguf_with(tmp_path / "f.gguf", {}, freqs=True))
+
+
 def test_a_cache_entry_without_its_config_is_replaced(tmp_path):
     # A copy cut short, or made by hand: the rename over it failed at every start.
     entry = tmp_path / "cache" / "models" / f"tiny-random-v{loader._CACHE_VERSION}"

@@ -592,13 +592,18 @@ def test_a_large_body_is_parsed_off_the_event_loop(frontend, monkeypatch):
 
     from tandem.router.http import server
 
-    parse, where = server._parse, []
+    parse, build, where = server._parse, protocol.parse, []
 
     def spy(raw):
         where.append(threading.current_thread() is threading.main_thread())
         return parse(raw)
 
+    def spy_build(*args):  # the body mapped into a request, on the same thread
+        where.append(threading.current_thread() is threading.main_thread())
+        return build(*args)
+
     monkeypatch.setattr(server, "_parse", spy)
+    monkeypatch.setattr(protocol, "parse", spy_build)
 
     async def scenario():
         async with cluster(frontend, http_port=0) as c, httpx.AsyncClient() as http:
@@ -608,7 +613,34 @@ def test_a_large_body_is_parsed_off_the_event_loop(frontend, monkeypatch):
                 assert (await http.post(url, json=body, timeout=30)).status_code == 200
 
     run(scenario())
-    assert where == [True, False]  # the small one inline, the large one on a thread
+    assert where == [True, True, False, False]  # the small one inline, the large one not
+
+
+def test_retry_after_of_a_rate_too_low_to_count_is_a_day_not_a_500():
+    import math
+
+    from tandem.router.http import server
+
+    wait = math.inf  # TokenBucket's wait at key_requests_per_s: 1e-320
+    refusal = protocol.ApiError(429, "over the rate", retry_after_s=wait)
+    assert server._error(refusal).headers["Retry-After"] == "86400"
+
+
+def test_counts_are_checked_before_a_request_is_built_from_them():
+    # 100,000 tiny messages were mapped into a request before max_chat_messages
+    # refused them: 0.2 s of the loop that every stream shares.
+    from tandem.router.limits import InputLimits
+
+    limits = InputLimits(1000, max_chat_messages=4, max_stop_strings=2, max_stop_chars=8)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 4 + [7]}
+    with pytest.raises(protocol.ApiError, match="messages must be at most 4 messages, got 5"):
+        protocol.parse(chat, True, MODEL, limits)
+    with pytest.raises(protocol.ApiError, match=r"messages\[4\] must be an object"):
+        protocol.parse(chat, True, MODEL)  # (what building them found first)
+    stops = {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c"]}
+    with pytest.raises(protocol.ApiError, match="stop must be at most 2 strings, got 3") as err:
+        protocol.parse(stops, False, MODEL, limits)
+    assert err.value.param == "stop"
 
 
 def test_requests_the_http_layer_refuses_are_counted_as_grpcs_are(frontend):

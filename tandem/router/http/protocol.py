@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.router.limits import InputLimits
 
 MAX_LOGPROBS = 20
 FINISH = {tandem_pb2.FINISH_REASON_STOP: "stop", tandem_pb2.FINISH_REASON_LENGTH: "length"}
@@ -116,7 +117,9 @@ def served_model(model: str, model_id: str) -> None:
                             f"`{model_id}`)", "model", code="model_not_found")  # fmt: skip
 
 
-def parse(body: Any, chat: bool, model_id: str) -> Parsed:
+def parse(body: Any, chat: bool, model_id: str, limits: InputLimits | None = None) -> Parsed:
+    """``limits``: counts (messages, stop strings) checked before anything is built
+    from them; the gateway checks every limit again."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     model = _field(body, "model", str)
@@ -130,6 +133,12 @@ def parse(body: Any, chat: bool, model_id: str) -> Parsed:
         if name in body and not is_default(body[name]):
             raise bad(name, f"{name} is not supported by this server; leave it out")
     request = tandem_pb2.GenerateRequest(request_id=uuid.uuid4().hex)
+    if limits is not None:
+        for name, limit, unit in (("messages", limits.max_chat_messages, "messages"),
+                                  ("stop", limits.max_stop_strings, "strings")):  # fmt: skip
+            given = body.get(name)
+            if isinstance(given, list) and len(given) > limit:
+                raise bad(name, f"{name} must be at most {limit} {unit}, got {len(given)}")
     if chat:
         _messages(body, request)
     else:

@@ -398,8 +398,12 @@ class RouterConfig:
     cache_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
-    # Prometheus metrics over HTTP on ``host`` (tandem/metrics/); 0: a free port; None: off.
+    # Prometheus metrics over HTTP (tandem/metrics/); 0: a free port; None: off.
     metrics_port: int | None = None
+    # Where metrics_port listens. They take no API key and name every worker's address,
+    # so None is ``host`` only when that is loopback, else 127.0.0.1: give an address
+    # inside the cluster's network for a Prometheus elsewhere.
+    metrics_host: str | None = None
     # The OpenAI-compatible HTTP API on ``host`` (tandem/router/http/), same TLS and keys
     # as the gRPC port; 0: a free port; None: off.
     http_port: int | None = None
@@ -494,6 +498,15 @@ class RouterConfig:
     max_stop_chars: int = 256  # per stop string: a delimiter, not a document
     # OpenAI's bound on a chat's messages; an 8k context holds far fewer turns.
     max_chat_messages: int = 2048
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where metrics_port listens (see ``metrics_host``)."""
+        from tandem.security.tls import is_loopback
+
+        if self.metrics_host is not None:
+            return self.metrics_host
+        return self.host if is_loopback(self.host) else "127.0.0.1"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))

@@ -158,7 +158,7 @@ class Router:
         if self.config.metrics_port is not None:
             endpoint = MetricsEndpoint(self.metrics.registry)
             try:
-                endpoint.start(self.config.host, self.config.metrics_port)
+                endpoint.start(self.config.metrics_bind_host, self.config.metrics_port)
             except ConfigError:
                 await self.registry.stop()
                 raise

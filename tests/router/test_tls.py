@@ -105,13 +105,23 @@ def test_a_non_loopback_router_refuses_to_start_without_tls_and_auth(
     assert router.port is None  # nothing was started
 
 
+def test_the_metrics_listen_on_the_public_host_only_when_told():
+    assert RouterConfig(host="0.0.0.0").metrics_bind_host == "127.0.0.1"
+    assert RouterConfig(host="127.0.0.2").metrics_bind_host == "127.0.0.2"
+    assert RouterConfig(host="0.0.0.0", metrics_host="10.0.0.7").metrics_bind_host == "10.0.0.7"
+
+
 def test_insecure_allows_a_non_loopback_router_without_tls(frontend):
     async def scenario():
-        config = RouterConfig(model="tiny-random", host="0.0.0.0", port=0, insecure=True)
+        config = RouterConfig(model="tiny-random", host="0.0.0.0", port=0, insecure=True,
+                              metrics_port=0)  # fmt: skip
         router = Router(config, frontend=frontend)
         await router.start()
         try:
             assert router.address.startswith("0.0.0.0:")
+            # The metrics take no key and name every worker: not on the public host
+            # unless metrics_host says so.
+            assert router.metrics_address.startswith("127.0.0.1:")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=5

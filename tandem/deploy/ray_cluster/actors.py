@@ -22,6 +22,7 @@ importing this module needs neither Ray nor torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -160,16 +161,22 @@ class RouterActor:
         from tandem.router.server import Router
 
         self.node = _node()
+        if config.metrics_host is None:  # scraped by the cluster's Prometheus, on its network
+            config = dataclasses.replace(config, metrics_host=self.node["node_ip"])
         self.router = Router(config, credentials=credentials)
         self._loop = _EventLoopThread("router-server")
         self._loop.run(self.router.start())
-        host = config.host
-        advertised = self.node["node_ip"] if host in ("", "0.0.0.0", "::", "[::]") else host
-        self.address = f"{advertised}:{self.router.port}"
+        self.address = f"{self._advertised(config.host)}:{self.router.port}"
         metrics = self.router.metrics_address
-        self.metrics_address = f"{advertised}:{metrics.rsplit(':', 1)[1]}" if metrics else ""
+        self.metrics_address = (
+            f"{self._advertised(config.metrics_bind_host)}:{metrics.rsplit(':', 1)[1]}"
+            if metrics else ""
+        )  # fmt: skip
         self.incarnation = uuid.uuid4().hex
         log.info("router serving on %s", self.address)
+
+    def _advertised(self, host: str) -> str:
+        return self.node["node_ip"] if host in ("", "0.0.0.0", "::", "[::]") else host
 
     def info(self) -> dict[str, Any]:
         return {"address": self.address, "metrics_address": self.metrics_address,

@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -410,11 +410,22 @@ def _read(path: str | Path) -> str:
         raise InvalidRequestError("dataset", f"cannot read {path}: {exc.strerror}") from None
 
 
-async def _gather_limited(coros: list[Awaitable[int]], limit: int = 16) -> list[int]:
+async def _gather_limited(coros: list[Coroutine[Any, Any, int]], limit: int = 16) -> list[int]:
+    """Their results, ``limit`` at a time; the first failure cancels the rest."""
     sem = asyncio.Semaphore(limit)
 
-    async def one(c: Awaitable[int]) -> int:
-        async with sem:
-            return await c
+    async def one(c: Coroutine[Any, Any, int]) -> int:
+        try:
+            async with sem:
+                return await c
+        finally:
+            c.close()  # one cancelled before its turn was never awaited: no warning
 
-    return list(await asyncio.gather(*(one(c) for c in coros)))
+    tasks = [asyncio.ensure_future(one(c)) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

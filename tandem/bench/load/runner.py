@@ -28,15 +28,17 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import grpc
 
 from tandem.bench.load import arrivals, datasets
 from tandem.bench.load.datasets import LengthDist, RequestSpec
 from tandem.bench.load.metrics import SLO, RequestRecord, Summary, summarize
 from tandem.client import AsyncTandemClient, ModelInfo
-from tandem.client.errors import TandemClientError
+from tandem.client.errors import InvalidRequest, TandemClientError
 from tandem.errors import InvalidRequestError
 
 # Requests a duration-bounded run prepares up front; past them a file's are sent again
@@ -261,6 +263,32 @@ class _Turns:
             turn.reply.set_result(reply)
 
 
+T = TypeVar("T")
+
+# Counting a dataset sends up to 16 Tokenize calls at once (datasets._gather_limited),
+# which a router with a small max_queue, or a key's rate, refuses: those are sent again.
+TOKENIZE_RETRY_S = 60.0
+RETRY_WAIT_S = (0.05, 1.0)  # the first wait, doubled up to the second
+
+
+async def _overloaded_again(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, again with backoff while the router answers RESOURCE_EXHAUSTED
+    (``Overloaded``; not ``RequestTooLarge``, which never fits), for up to
+    TOKENIZE_RETRY_S."""
+    (wait, most), deadline = RETRY_WAIT_S, time.monotonic() + TOKENIZE_RETRY_S
+    while True:
+        try:
+            return await call()
+        except TandemClientError as exc:
+            overloaded = exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED and not isinstance(
+                exc, InvalidRequest
+            )
+            if not overloaded or time.monotonic() + wait > deadline:
+                raise
+        await asyncio.sleep(wait)
+        wait = min(2 * wait, most)
+
+
 async def build_dataset(
     client: AsyncTandemClient, config: LoadConfig, model: ModelInfo
 ) -> tuple[list[RequestSpec], Callable[[int], list[RequestSpec]] | None]:
@@ -276,7 +304,7 @@ async def build_dataset(
         n = config.num_warmup + DURATION_POOL
 
     async def count(**kw) -> int:
-        return len(await client.tokenize(**kw))
+        return len(await _overloaded_again(lambda: client.tokenize(**kw)))
 
     if ds.kind == "synthetic":
         longest = ds.input_len.upper + ds.output_len.upper

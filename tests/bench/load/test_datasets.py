@@ -7,7 +7,9 @@ The server's tokenizer is stood in for by counters whose rules are known: byte-l
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -204,3 +206,60 @@ def test_unreadable_files_are_named(tmp_path):
     (tmp_path / "x.json").write_text('{"not": "a list"}')
     with pytest.raises(InvalidRequestError, match="expected a JSON list"):
         datasets.load_sharegpt(tmp_path / "x.json")
+
+
+class _BusyRouter:
+    """Tokenize as the byte counter does, but refused (Overloaded) while more than
+    ``max_queue`` calls are in flight, as a router with a small max_queue is."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue, self.in_flight, self.refused = max_queue, 0, 0
+
+    async def tokenize(self, prompt=None, messages=None) -> list[int]:
+        import grpc
+
+        from tandem.client.errors import Overloaded
+
+        if self.in_flight >= self.max_queue:
+            self.refused += 1
+            raise Overloaded(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's queue is full")
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(0)  # the others get in meanwhile
+            return [0] * (await bytes_counter(prompt, messages))
+        finally:
+            self.in_flight -= 1
+
+
+def test_a_dataset_is_counted_through_a_router_that_takes_fewer_calls_at_once(monkeypatch):
+    # 16 Tokenize calls at once failed the run against a router with max_queue 2.
+    from tandem.bench.load import runner
+    from tandem.client import ModelInfo
+
+    monkeypatch.setattr(runner, "RETRY_WAIT_S", (0.001, 0.004), raising=False)
+
+    config = runner.LoadConfig(target="-", num_requests=6, dataset=runner.DatasetConfig(
+        input_len=LengthDist("fixed", 20), output_len=LengthDist("fixed", 4)))  # fmt: skip
+    busy = _BusyRouter(max_queue=2)
+    specs, _ = run(runner.build_dataset(busy, config, ModelInfo("m", 512, 256)))
+    assert busy.refused > 0 and len(specs) == 8
+    assert all(s.input_len == 20 for s in specs)
+
+
+def test_the_first_failure_of_a_limited_gather_leaves_no_coroutine_unawaited():
+    started = []
+
+    async def call(i: int) -> int:
+        started.append(i)
+        await asyncio.sleep(0.01)
+        if i == 0:
+            raise InvalidRequestError("prompt", "bad")
+        return i
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidRequestError, match="bad"):
+            run(datasets._gather_limited([call(i) for i in range(40)], limit=4))
+        gc.collect()
+    assert len(started) < 40
+    assert not [w for w in caught if "never awaited" in str(w.message)]

@@ -444,7 +444,7 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     """The packed codes of ``model``'s projections (its float32 weights loaded, not yet
     cast) from ``model_dir``'s cache file, or read from ``gguf``, checked and cached.
     ``dtype``: bfloat16, or float32 where ``f32_available``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from tandem.kernels.cpu.build import cpu_flags
 
@@ -457,7 +457,7 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
     if cached.is_file():
         try:
-            packed = _fitting(model, load_file(str(cached)), amx, f32)
+            packed = _fitting(model, _load_checked(cached), amx, f32)
             wrong = _wrong_tiles(model, packed)
             if wrong:
                 raise ValueError(f"the codes of {wrong[0]} do not expand to its weights")
@@ -485,13 +485,39 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     remove_abandoned(cached.parent, cached.name)
     partial = cached.with_name(f"{owned_name(cached.name)}.partial")
     try:
-        save_file(tensors, str(partial))
+        save_file(tensors, str(partial), metadata={"sha256": _digest(tensors)})
+        with open(partial, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(partial, cached)
     except Exception as exc:  # a read-only cache still serves: the next start reads again
         log.warning("cannot keep the packed 4-bit codes in %s: %s", cached, exc)
     finally:
         partial.unlink(missing_ok=True)
     return packed
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """Of every tensor's name, shape, dtype and bytes: what a cache file was written with."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _load_checked(path: Path) -> dict[str, torch.Tensor]:
+    """A cache file's tensors, if they are the bytes it was written with (ValueError
+    otherwise). Only some forms can be checked against the weights (_wrong_tiles):
+    a damaged torch-packed form decoded wrong tokens from the second on."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        written = (f.metadata() or {}).get("sha256")
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if written != _digest(tensors):
+        raise ValueError("its bytes are not those it was written with")
+    return tensors
 
 
 # (part, is the head) -> the dtype that gguf_linear.c and codes_f32.c read it as.

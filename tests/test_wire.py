@@ -52,7 +52,7 @@ def test_the_documented_bounds_pass_through_the_float32_fields():
         ({"top_p": 0.0}, "top_p", "top_p must be in (0, 1], got 0.0"),
         ({"top_k": -1}, "top_k", "top_k must be >= 0 (0 disables it), got -1"),
         ({"min_p": 2.0}, "min_p", "min_p must be in [0, 1], got 2.0"),
-        ({"stop": [""]}, "stop", "stop strings must be non-empty, got an empty string"),
+        ({"stop": [""]}, "stop", "stop strings must be non-empty, got an empty stop[0]"),
     ],
 )
 def test_bad_values_name_the_field(fields, field, message):

@@ -73,8 +73,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if any(s == "" for s in self.stop):
-            _bad("stop", "stop strings must be non-empty, got an empty string")
+        for i, s in enumerate(self.stop):
+            if s == "":
+                _bad("stop", f"stop strings must be non-empty, got an empty stop[{i}]")
 
     @property
     def greedy(self) -> bool:

@@ -9,10 +9,10 @@ Names follow Prometheus' conventions (base units in the name: seconds, bytes,
 tokens; counters end in ``_total``) and, where they mean the same thing, match
 what vLLM and SGLang export (time to first token, inter-token latency, prefix
 cache queries and hits in tokens). Labels are bounded: ``model`` everywhere,
-``worker`` and ``role`` on workers (and ``worker``/``pool`` for the router's view
-of them), gRPC status codes, finish reasons and failure causes; never a request
-id. The README's "Monitoring" section lists every metric; ``METRICS`` below is
-that list, and a test checks that it, the README and a real scrape agree.
+``worker`` and ``role`` on workers and on the router's view of them, gRPC status
+codes, finish reasons and failure causes; never a request id. The README's
+"Monitoring" section lists every metric; ``METRICS`` below is that list, and a
+test checks that it, the README and a real scrape agree.
 
 Numbers the worker already keeps for ``Status`` (queue, KV blocks, prefix cache,
 transfer totals) are read at scrape time by a collector, so a scrape is

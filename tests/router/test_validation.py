@@ -39,7 +39,7 @@ CASES = [
     (hi(temperature=1e-38), "temperature must be 0 (greedy) or at least 1e-05, got 1e-38"),
     (hi(repetition_penalty=0.001), "repetition_penalty must be in [0.01, 100], got 0.001"),
     (hi(repetition_penalty=1000), "repetition_penalty must be in [0.01, 100], got 1000"),
-    (hi(stop=["ok", ""]), "stop strings must be non-empty, got an empty string"),
+    (hi(stop=["ok", ""]), "stop strings must be non-empty, got an empty stop[1]"),
     (dict(prompt=""), "prompt must not be empty"),
     (dict(), "one of prompt or chat must be set"),
     (dict(chat=tandem_pb2.Chat()), "chat.messages must not be empty"),

@@ -15,14 +15,35 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
+import time
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
 from tandem.errors import ConfigError
 
 request_id: ContextVar[str] = ContextVar("tandem_request_id", default="")
+
+
+class Throttle:
+    """One kind of line that a flood repeats (a refusal per overloaded request):
+    logged at most once per ``every_s``, with a count of those left out since."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self.logger, self.every_s = logger, every_s
+        self._at, self._held = -math.inf, 0
+
+    def log(self, level: int, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._at < self.every_s:
+            self._held += 1
+            return
+        if self._held:
+            message += f" (and {self._held} more like it since the last one logged)"
+        self.logger.log(level, message, *args)
+        self._at, self._held = now, 0
 FORMATS = ("text", "json")
 ENV = "TANDEM_LOG_FORMAT"
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from grpc import StatusCode as Code
+
 from tandem import logs
 from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.errors import InvalidRequestError
@@ -43,6 +45,7 @@ class Gateway:
         self.relay = relay
         self.metrics = metrics
         self.stopping = False  # the router drains: new requests are refused
+        self._overloaded = logs.Throttle(log)
 
     async def generate(
         self,
@@ -77,8 +80,10 @@ class Gateway:
         except RouterError as exc:
             code, reason = exc.code.name, exc.reason
             who = f" (key {key.name})" if key is not None else ""
-            log.info("request %s%s failed: %s: %s", request_id or "-", who, exc.code.name,
-                     exc.message)  # fmt: skip
+            # Overload refuses at the rate requests arrive: that line, throttled.
+            say = self._overloaded.log if exc.code is Code.RESOURCE_EXHAUSTED else log.log
+            say(logging.INFO, "request %s%s failed: %s: %s", request_id or "-", who,
+                exc.code.name, exc.message)  # fmt: skip
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled or timed out
             late = timeout is not None and time.monotonic() >= track.arrived + timeout - 0.01

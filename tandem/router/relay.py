@@ -84,7 +84,7 @@ from contextlib import aclosing
 
 import grpc
 
-from tandem import wire
+from tandem import logs, wire
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import DisaggregationConfig
 from tandem.metrics import RouterMetrics
@@ -189,6 +189,7 @@ class Relay:
         registry.on_forget = policy.forget
         self.prefix_cache_across_keys = prefix_cache_across_keys
         self.metrics = metrics or RouterMetrics("")
+        self._full = logs.Throttle(log)  # "worker full" retries: one per request under load
         self.policy = policy
         self.routing = routing or PrefillRouting(DisaggregationConfig())
         self.max_migrations = max_migrations
@@ -466,7 +467,8 @@ class Relay:
                 self.registry.release(worker)
                 error = self._failed(worker, exc)
                 if exc.code() in _RETRY_OPEN:
-                    log.info("request %s: %s", worker_req.request_id, error.message)
+                    say = self._full.log if exc.code() is Code.RESOURCE_EXHAUSTED else log.log
+                    say(logging.INFO, "request %s: %s", worker_req.request_id, error.message)
                     if exc.code() is Code.RESOURCE_EXHAUSTED:
                         full, full_tries = error, full_tries + 1
                     continue
@@ -554,7 +556,8 @@ class Relay:
                 doubtful = doubtful or exc.code() is not Code.RESOURCE_EXHAUSTED
                 # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
-                    log.info("request %s: %s", request.request.request_id, error.message)
+                    say = self._full.log if exc.code() is Code.RESOURCE_EXHAUSTED else log.log
+                    say(logging.INFO, "request %s: %s", request.request.request_id, error.message)
                     continue
                 raise error from None
             except BaseException:

@@ -4,6 +4,7 @@ the message-size bound, and tokenizing off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -197,6 +198,42 @@ def test_tokenize_is_admitted_like_generate(frontend):
             assert await c.client.tokenize("hello")
 
     run(scenario())
+
+
+def test_a_flood_of_overloaded_requests_does_not_flood_the_log(frontend, caplog):
+    # A line per refusal, at the rate requests arrive.
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode], max_queue=1) as c:
+            first = asyncio.create_task(c.client.complete("hello"))
+            await wait_until(lambda: decode.calls, what="placed")
+            with caplog.at_level(logging.INFO, logger="tandem.router"):
+                for _ in range(50):
+                    with pytest.raises(Overloaded):
+                        await c.client.complete("hello")
+            decode.gate.set()
+            await first
+
+    run(scenario())
+    refusals = [r.getMessage() for r in caplog.records if "RESOURCE_EXHAUSTED" in r.getMessage()]
+    assert len(refusals) == 1, refusals  # the first; the rest are counted in the next one
+
+
+def test_a_throttled_line_says_how_many_were_left_out(monkeypatch, caplog):
+    from tandem import logs
+
+    now = [100.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
+    throttle = logs.Throttle(logging.getLogger("tandem.test"), every_s=10)
+    with caplog.at_level(logging.INFO, logger="tandem.test"):
+        for t in (100.0, 101.0, 105.0, 110.0, 111.0, 125.0):
+            now[0] = t
+            throttle.log(logging.INFO, "refused %s", t)
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused 100.0",
+        "refused 110.0 (and 2 more like it since the last one logged)",
+        "refused 125.0 (and 1 more like it since the last one logged)",
+    ]
 
 
 @pytest.mark.parametrize(

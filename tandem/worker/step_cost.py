@@ -15,7 +15,8 @@ A step of ``n`` prompt tokens then takes about ``decode + n * per_token``: linea
 the tokens, which is what a step's matmuls are; attention's share grows with the
 context, which the running means follow as it grows. Both are 0 until the worker
 has run such a step (a decode worker that never prefilled has no per-token figure:
-the router then counts its prefill as free until it has run one).
+the router then counts its prefill as free until it has run one), and a step with
+prompt tokens is not measured before a decode-only step has been.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class StepCost:
         prompt_tokens = tokens - sequences  # each sequence's first token is its decode's
         if prompt_tokens <= 0:
             self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
+            return
+        if not self.decode_step_seconds:
+            # Nothing to tell the prompt's share from the step's own cost yet (a decode
+            # worker's first step is a prefill, its start-up costs included): charged
+            # to the prompt, that set a figure several times too high, which then kept
+            # prompts off the worker and so was never measured again.
             return
         # A step no slower than the mean decode step (noise, a busy machine) says the
         # prompt tokens cost about nothing: a nanosecond each, not 0, which reads "not

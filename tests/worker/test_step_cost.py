@@ -47,3 +47,16 @@ def test_a_step_just_slower_than_the_decode_figure_is_no_cheaper_than_one_just_f
         cost.observe(0.01, 1, 1)
         cost.observe(seconds, 1, 65)
     assert above.prefill_token_seconds == pytest.approx(below.prefill_token_seconds, abs=1e-8)
+
+
+def test_a_prefill_before_any_decode_step_sets_no_figure():
+    # A decode worker's first step is a prefill: its whole time (start-up included)
+    # was charged to the prompt, a figure several times too high that kept prompts
+    # off the worker and so was never measured again.
+    cost = StepCost()
+    cost.observe(0.040, 1, 8)
+    assert cost.prefill_token_seconds == 0
+    for _ in range(5):
+        cost.observe(0.012, 1, 1)
+    cost.observe(0.012 + 7e-3, 1, 8)
+    assert cost.prefill_token_seconds == pytest.approx(1e-3)

@@ -257,9 +257,12 @@ def parse_deployment(spec: str) -> tuple[str, dict[str, float]]:
                 f"{spec!r}: {key!r} is not a disaggregation setting ({', '.join(sorted(numeric))})"
             )
         try:
-            overrides[key] = int(value) if value.isdigit() else float(value)
+            overrides[key] = int(value)
         except ValueError:
-            raise ValueError(f"{spec!r}: {key} must be a number, got {value!r}") from None
+            try:
+                overrides[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{spec!r}: {key} must be a number, got {value!r}") from None
     try:
         DisaggregationConfig(**overrides)
     except ConfigError as exc:

@@ -352,9 +352,9 @@ class DisaggregationConfig:
     # many tokens are prefilled on the decode worker: their transfer and the extra hop
     # cost more than the prefill they would take off it.
     local_max_tokens: int = 128
-    # conditional: when every live prefill worker has at least this many requests
-    # waiting, a prompt is prefilled on the decode worker instead (if that worker runs
-    # at most local_max_running streams, whose tokens the prefill would delay).
+    # conditional: when every live prefill worker has at least this many (>= 1)
+    # requests waiting, a prompt is prefilled on the decode worker instead (if that
+    # worker runs at most local_max_running streams, whose tokens the prefill would delay).
     prefill_queue_max: int = 4
     local_max_running: int = 8
     # conditional: a decode worker with streams running prefills a prompt itself only
@@ -369,11 +369,19 @@ class DisaggregationConfig:
                 f"disaggregation.mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
                 f"got {self.mode!r}"
             )
-        for name in (
-            "local_max_tokens", "prefill_queue_max", "local_max_running", "local_max_stall_ms"
-        ):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ConfigError(f"disaggregation.{name} must be >= 0, got {getattr(self, name)}")
+        for name, least in (("local_max_tokens", 0), ("prefill_queue_max", 1),
+                            ("local_max_running", 0)):  # fmt: skip
+            value = getattr(self, name)
+            # (1: a prefill pool with nothing waiting is not busy)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"disaggregation.{name} must be a whole number >= {least}, "
+                                  f"got {value!r}")  # fmt: skip
+        stall = self.local_max_stall_ms
+        if isinstance(stall, bool) or not isinstance(stall, int | float) or not (
+            math.isfinite(stall) and stall >= 0
+        ):
+            raise ConfigError("disaggregation.local_max_stall_ms must be finite and >= 0 "
+                              f"(0: no limit), got {stall!r}")  # fmt: skip
 
     def check_prefill_workers(self, n: int, setting: str) -> None:
         """A deployment's prefill worker count (``setting`` names it) against the mode."""

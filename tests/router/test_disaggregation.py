@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import pytest
@@ -78,10 +79,19 @@ def test_decisions_are_counted_by_reason():
 def test_bad_settings_are_named():
     with pytest.raises(ConfigError, match="disaggregation.mode must be one of"):
         DisaggregationConfig(mode="sometimes")
-    with pytest.raises(ConfigError, match="disaggregation.local_max_tokens must be >= 0"):
+    whole = "must be a whole number"
+    with pytest.raises(ConfigError, match=f"disaggregation.local_max_tokens {whole} >= 0"):
         DisaggregationConfig(local_max_tokens=-1)
-    with pytest.raises(ConfigError, match="disaggregation.local_max_stall_ms must be >= 0"):
-        DisaggregationConfig(local_max_stall_ms=-5)
+    with pytest.raises(ConfigError, match=f"disaggregation.local_max_tokens {whole} >= 0, "
+                       "got 1.5"):  # fmt: skip
+        DisaggregationConfig(local_max_tokens=1.5)
+    # 0 read "an idle prefill pool is busy": long prompts stayed on the decode worker.
+    with pytest.raises(ConfigError, match=f"disaggregation.prefill_queue_max {whole} >= 1"):
+        DisaggregationConfig(prefill_queue_max=0)
+    for stall in (-5, math.nan, math.inf):  # nan sent every short prompt away, unnoticed
+        with pytest.raises(ConfigError, match="disaggregation.local_max_stall_ms must be "
+                           "finite and >= 0"):  # fmt: skip
+            DisaggregationConfig(local_max_stall_ms=stall)
 
 
 def run(coro):

@@ -515,6 +515,8 @@ def _load_checked(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
         written = (f.metadata() or {}).get("sha256")
         tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if written is None:
+        raise ValueError("it carries no digest (an earlier version wrote it)")
     if written != _digest(tensors):
         raise ValueError("its bytes are not those it was written with")
     return tensors

@@ -66,6 +66,6 @@ cat <<INFO
 Ray head at $node_ip:$port; the cluster's token is $token_file
 Copy the token to every node and to where you run tandem, then:
   deploy/start-worker.sh --address $node_ip:$port --token-file TOKEN prefill|decode   # on each node
-  RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=TOKEN tandem ray up --address $node_ip:$port --config deploy/tandem-ray.yaml
+  tandem ray up --address $node_ip:$port --token-file TOKEN --config deploy/tandem-ray.yaml
 INFO
 ray start "${args[@]}" "$@"

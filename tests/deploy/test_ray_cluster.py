@@ -107,8 +107,7 @@ def deployment(d: Deployment):
         str(d.config_file),
         "--state-file",
         str(d.state_file),
-        "--insecure",
-        home=d.home,
+        home=d.home,  # no --insecure: a local head's router serves on loopback
     )
     assert up.returncode == 0, up.stderr[-3000:]
     d.router = re.search(r"serving tiny-random on (\S+)", up.stdout).group(1)
@@ -151,6 +150,8 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0, interval_s: float =
 def test_up_serves_a_generation_through_the_router_with_pools_placed_by_resource(dep):
     finish, tokens = dep.generate(max_tokens=8, ignore_eos=True)
     assert finish == "length" and len(tokens) == 8
+    # A local head's router serves this machine: no TLS was given, nor --insecure.
+    assert dep.router.startswith("127.0.0.1:")
     # Each worker served it (the controller's numbers are polled every 0.5 s).
     st = _wait_for(
         lambda: (st := dep.status()) and all(w.get("served") for w in st["workers"]) and st,

@@ -4,6 +4,8 @@ controller's autoscaling and removal choices, the CLI's parser and status table.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 
 import pytest
 import yaml
@@ -270,6 +272,16 @@ def test_the_shipped_deploy_files_agree_with_each_other():
         assert res == {pool: 1}
         # The node type of that name offers the pool's resource, and no other type does.
         assert [name for name, t in types.items() if pool in t["resources"]] == [pool]
+    # Each node's setup installs the mounted checkout: its pip arguments as a shell
+    # (Ray's) gives them ('~/tandem[ray]' in quotes reached pip as a literal ~).
+    installs = [c for c in cluster["setup_commands"] if "pip install" in c]
+    args = subprocess.run(
+        ["bash", "-c", "; ".join(c.replace("python3 -m pip install", "printf '%s\\n'")
+                                 for c in installs)],
+        env={"HOME": "/home/ray", "PATH": os.environ["PATH"]}, capture_output=True, text=True,
+        check=True,
+    ).stdout.split()  # fmt: skip
+    assert "/home/ray/tandem[ray]" in args and not [a for a in args if "~" in a]
 
 
 def test_the_router_runs_on_the_head_unless_its_resources_say_otherwise():

@@ -8,6 +8,7 @@ namespace) and disconnects; the deployment lives on in the cluster.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -133,6 +134,14 @@ def up(
             "(or pass --state-file)"
         )
     require_ray()
+    router = config.router
+    exposed = not (is_loopback(router.host) or router.insecure or router.tls_cert_file)
+    if address is None and exposed:
+        # A head on this machine: its router serves this machine, unless TLS (or
+        # --insecure) says it may serve every interface.
+        log.info("a local head: the router serves on 127.0.0.1 (give it TLS to serve %s)",
+                 router.host)  # fmt: skip
+        config = dataclasses.replace(config, router=dataclasses.replace(router, host="127.0.0.1"))
     _check_exposure(config.router)  # before a head starts
     credentials = cluster_credentials(config)
     state: dict[str, Any] = {"namespace": config.namespace}

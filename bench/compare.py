@@ -75,7 +75,7 @@ WORKLOADS = ("long-short", "short-long", "chat")
 WARMUP = 2
 CHAT_SYSTEMS = 4
 STATUS_FIELDS = ("prefix_query_tokens", "prefix_hit_tokens", "shipped_prefix_query_tokens",
-                 "shipped_prefix_hit_tokens", "kv_bytes_total", "prefilled_here")  # fmt: skip
+                 "shipped_prefix_hit_tokens", "kv_bytes_total")  # fmt: skip
 
 
 def chat_dataset(path: Path, requests: int, seed: int, systems: int = CHAT_SYSTEMS) -> None:
@@ -184,6 +184,15 @@ def _status_totals(cluster) -> dict[str, float]:
                 totals[name] += getattr(s, name)
         if decode:
             totals["decode_served"] += s.served
+    # Where prompts were prefilled, counted by the router once per attempt that reserved
+    # its blocks (the workers' prefilled_here counts those too, but served only the
+    # requests that completed: a ratio of the two passed 100% when requests failed).
+    from tandem.metrics.scrape import scrape, total
+
+    router = scrape(cluster.metrics_targets()["router"])
+    decisions = "tandem_router_prefill_decisions_total"
+    totals["decisions"] = total(router, decisions)
+    totals["decided_local"] = total(router, decisions, where="decode_worker")
     return totals
 
 
@@ -227,7 +236,7 @@ def run_point(cluster, dataset, rate: float, args, tokenizer=None) -> dict:
         tpot_p50=s.tpot_ms.median,
         hit_rate=_compute_hit_rate(d),
         kv_mib_per_request=d["kv_bytes_total"] / served / 2**20,
-        local=d["prefilled_here"] / served,
+        local=d["decided_local"] / d["decisions"] if d["decisions"] else math.nan,
         hit_ceiling=math.nan
         if tokenizer is None
         else hit_ceiling(
@@ -285,7 +294,8 @@ def _cluster_config(spec: str, args):
         num_prefill=prefill,
         num_decode=decode,
         engine=EngineConfig(model=args.model),
-        router=RouterConfig(port=0, placement=placement, disaggregation=disaggregation),
+        router=RouterConfig(port=0, placement=placement, disaggregation=disaggregation,
+                            metrics_port=0),  # for its prefill decisions
         threads_per_worker=args.threads,
     )
 

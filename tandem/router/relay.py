@@ -64,6 +64,10 @@ prefill pool, never, or by prompt length and the pools' loads). When it is the
 decode worker, ``Decode`` asks it to (``prefill_here``): its KvDestination has
 no address, there is no Prefill call and no lease, and its first chunk carries
 the first token. Failures and migration are those of the decode stream above.
+Where the rule may prefill on the decode worker (conditional) and the prefill pool
+refuses at its door with no other worker to place on, the request is reserved
+again, on the same decode worker where it can, and prefilled there: once a
+request, and no migration (nothing was computed or streamed by the lost attempt).
 
 Every worker call carries the client's remaining deadline. However the stream
 ends (finished, failed, client cancel or deadline), the worker calls are
@@ -113,11 +117,14 @@ REUSE_WAIT_S = 1.0
 
 
 class AttemptLost(Exception):
-    """An attempt failed in a way another attempt may recover from."""
+    """An attempt failed in a way another attempt may recover from. ``fallback``: the
+    prefill pool refused at its door and none of it is left to place on, where the
+    rule allows prefilling on the decode worker: the next attempt does that, which is
+    no migration (nothing was computed, nothing moves)."""
 
-    def __init__(self, error: RouterError) -> None:
+    def __init__(self, error: RouterError, fallback: bool = False) -> None:
         super().__init__(error.message)
-        self.error = error
+        self.error, self.fallback = error, fallback
 
 
 class DecodeCapacity:
@@ -249,26 +256,36 @@ class Relay:
         # Whether the first attempt's prompt was prefilled on the prefill pool (computed
         # whole): a move prefilled on a windowed decode worker computes it so too.
         shipped: list[bool] = []
-        for attempt in range(self.max_migrations + 1):
-            worker_id = req.worker_id if attempt == 0 else f"{req.worker_id}/{attempt}"
+        migrations, tries, fell_back, takeover = 0, 0, False, False
+        while True:
+            worker_id = req.worker_id if tries == 0 else f"{req.worker_id}/{tries}"
             worker_req = wire.worker_request(
                 worker_id, req.prompt_ids, req.params, streamed, self._cache_salt(req)
             )
+            had = len(shipped)
             try:
-                queued = arrived if attempt == 0 else None
+                queued = arrived if tries == 0 else None
+                tries += 1
                 attempt_out = self._attempt(
-                    req, worker_req, streamed, deadline, queued, avoid, shipped
+                    req, worker_req, streamed, deadline, queued, avoid, shipped, takeover
                 )
                 async with aclosing(attempt_out) as out:
                     async for response in out:
                         yield response
                 return
             except AttemptLost as lost:
-                if attempt == self.max_migrations:
+                if lost.fallback and not fell_back:  # once: a pool that flaps migrates
+                    fell_back, takeover = True, False
+                    del shipped[had:]  # it was not prefilled there after all
+                    log.info("request %s: %s; prefilling on the decode worker instead",
+                             req.request_id, lost.error.message)  # fmt: skip
+                    continue
+                if migrations == self.max_migrations:
                     raise lost.error from None
+                migrations, takeover = migrations + 1, True
                 log.warning(
                     "request %s: %s; migrating after %d tokens (attempt %d of %d)",
-                    req.request_id, lost.error.message, len(streamed), attempt + 2,
+                    req.request_id, lost.error.message, len(streamed), migrations + 1,
                     self.max_migrations + 1,
                 )  # fmt: skip
 
@@ -281,20 +298,22 @@ class Relay:
         queued_since: float | None,
         avoid: list[Worker],
         shipped: list[bool],
+        takeover: bool = False,
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         """One decode reservation and one prefill (on the prefill pool, or on the decode
         worker itself); appends each relayed token to ``streamed``. Raises AttemptLost
         once the reservation exists, having added the workers it called to ``avoid``
         (which it places on only when their pool has no other). ``queued_since``: the
-        first attempt's arrival; None for an attempt that takes over a lost one."""
+        first attempt's arrival; None for a later one, which ``takeover`` says is a
+        migration (not a fallback, AttemptLost)."""
         migrating = queued_since is None
         decode, stream, destination = await self._open_decode(
             worker_req, deadline, avoid, migrating, prompt_whole=bool(shipped and shipped[0])
         )
         used = [decode]
-        if migrating:
+        if takeover:
             self.migrations += 1
-        else:
+        if queued_since is not None:
             self.metrics.queue_time.observe(time.monotonic() - queued_since)
         here = not destination.address  # the decode worker prefills: no KV to ship
         if not shipped:
@@ -310,6 +329,10 @@ class Relay:
                         prefill, deadline, avoid, used
                     )
                 except RouterError as exc:
+                    if exc.code in _LOST and not self.routing.needs_prefill_pool and not (
+                        await self.registry.any_placeable(Pool.PREFILL, 0)  # now: not waiting
+                    ):
+                        raise AttemptLost(exc, fallback=True) from None
                     raise await self._lost_or(exc, deadline) from None
                 # The rest of the call: the KV's way to the decode worker, then its end.
                 shipped = self._start_shipped(worker, call, prefill, renewing)
@@ -341,8 +364,8 @@ class Relay:
                 # transfer.
                 shipped.add_done_callback(_log_late_failure)
                 shipped = None
-        except AttemptLost:
-            avoid.extend(used)
+        except AttemptLost as lost:
+            avoid.extend(used[1:] if lost.fallback else used)  # (a fallback keeps its decode)
             raise
         finally:
             if renewing is not None:

@@ -158,6 +158,29 @@ def test_conditional_prefills_on_decode_when_the_prefill_pool_is_busy_or_gone(fr
     run(scenario())
 
 
+@pytest.mark.parametrize("max_migrations", [0, 2])
+def test_a_prefill_pool_that_refuses_at_its_door_falls_back_to_the_decode_worker(
+    frontend, max_migrations
+):
+    # Its only worker answers UNAVAILABLE (draining, or just gone; its Status still
+    # answered at the last poll). The attempt was thrown away as a migration: with
+    # max_migrations 0 the client got UNAVAILABLE, though the rule prefills on the
+    # decode worker when the pool has no live worker.
+    async def scenario():
+        config = DisaggregationConfig(mode="conditional", local_max_tokens=8)
+        refusing = FakePrefill(error=grpc.StatusCode.UNAVAILABLE)
+        async with cluster(frontend, prefill=[refusing], status_interval_s=5.0,
+                           max_migrations=max_migrations, disaggregation=config) as c:  # fmt: skip
+            chunks = [ch async for ch in c.client.generate("hello " * 20, max_tokens=5)]
+            assert _tokens(chunks) == [10, 11, 12, 13, 14]
+            assert c.router.relay.routing.counts == {"long": 1, "no prefill worker": 1}
+            assert c.router.relay.migrations == 0
+            (decode,) = c.decode
+            assert len(decode.calls) == 2  # the same decode worker, asked to prefill
+
+    run(scenario())
+
+
 def test_a_request_prefilled_on_decode_migrates_when_that_worker_dies(frontend):
     async def scenario():
         dying = FakeDecode(chunks=[([11], 0)], fail_with=grpc.StatusCode.UNAVAILABLE)

@@ -12,8 +12,9 @@ be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
    ``local_max_tokens``: here ("short"), unless it would stall the worker's
    streams too long (below): then on the prefill pool ("decode busy");
 3. every live prefill worker has >= ``prefill_queue_max`` requests waiting, the
-   decode worker runs <= ``local_max_running`` streams and the stall is not too
-   long: here ("prefill busy");
+   decode worker runs <= ``local_max_running`` streams (counting the prompts this
+   router sent it to prefill whose first token is not back) and the stall is not
+   too long: here ("prefill busy");
 4. otherwise on the prefill pool ("long").
 
 Whatever the mode, a request moved off a lost worker onto a decode worker with a
@@ -29,7 +30,10 @@ it, else in the window's segments.
 Too long a stall: the decode worker has streams (running, or this router's in
 flight), and the time the prefill adds to the step they all wait out (the tokens
 at the worker's recent cost per prompt token, ``prefill_token_seconds`` in its
-Status) exceeds ``local_max_stall_ms``. So a prompt is short by its cost where it
+Status) exceeds ``local_max_stall_ms``. The tokens are the prompt's and those of
+the prompts this router sent the worker to prefill whose first token is not back:
+sent within a poll, a burst is computed in one step, which the streams wait out
+whole. So a prompt is short by its cost where it
 would run, not by its length alone: on a GPU a 128-token prefill adds
 milliseconds, on one CPU thread it can add half a second to every stream's next
 token. What the step costs without the prefill is not weighed: the streams wait
@@ -121,14 +125,16 @@ class PrefillRouting:
         if tokens <= c.local_max_tokens:
             return SHORT if fits else DECODE_BUSY
         busy = min(w.queue_depth for w in prefill) >= c.prefill_queue_max
-        if busy and decode.running <= c.local_max_running and fits:
+        if busy and decode.running + decode.prefilling <= c.local_max_running and fits:
             return PREFILL_BUSY
         return LONG
 
     def _stall_fits(self, tokens: int, decode: WorkerLoad) -> bool:
         """Whether prefilling ``tokens`` on ``decode`` stalls its streams by at most
-        ``local_max_stall_ms`` (see "too long a stall" above)."""
+        ``local_max_stall_ms`` (see "too long a stall" above), with the prompts sent
+        there to prefill whose first token is not back: a burst is computed together."""
         limit_ms = self.config.local_max_stall_ms
         if not limit_ms or not (decode.running or decode.inflight):
             return True
+        tokens += decode.prefilling_tokens
         return tokens * decode.prefill_token_seconds * 1000 <= limit_ms

@@ -53,6 +53,10 @@ class WorkerLoad:
     # What each prompt token adds to its steps lately (tandem/worker/step_cost.py; 0
     # until it has prefilled).
     prefill_token_seconds: float = 0.0
+    # Decode: this router's requests it is to prefill itself, whose first token is not
+    # back (the conditional rule adds them to what a local prefill would stall).
+    prefilling: int = 0
+    prefilling_tokens: int = 0
 
 
 # Decode workers with at least this fraction of the most free KV blocks count as equal.

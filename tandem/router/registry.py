@@ -81,6 +81,9 @@ class Worker:
     # last Status was asked for: the change since is what its numbers lack.
     active_at_poll: int = 0
     reserved_since_poll: int = 0  # decode: KV blocks named in destinations since the poll
+    # Decode: this router's requests it prefills itself whose first token is not back
+    # yet (request id -> tokens to compute): one step will compute them together.
+    prefilling: dict[str, int] = field(default_factory=dict)
     closing: list[asyncio.Task] = field(default_factory=list)
 
     def load(self) -> WorkerLoad:
@@ -111,6 +114,8 @@ class Worker:
             kv_window_tokens=self.kv_window_tokens,
             prefix_cache_max_tokens=self.prefix_cache_max_tokens,
             prefill_token_seconds=self.prefill_token_seconds,
+            prefilling=len(self.prefilling),
+            prefilling_tokens=sum(self.prefilling.values()),
         )
 
 

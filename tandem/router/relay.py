@@ -354,7 +354,9 @@ class Relay:
                 await asyncio.wait((shipped,))
                 if shipped.exception() is not None:
                     raise await self._lost_or(shipped.exception(), deadline)
-            responses = self._relay_decode(req, decode, stream, streamed, shipped, deadline)
+            responses = self._relay_decode(
+                req, decode, stream, streamed, shipped, deadline, worker_req.request_id
+            )
             async with aclosing(responses):
                 async for response in responses:
                     yield response
@@ -374,6 +376,7 @@ class Relay:
                 shipped.cancel()  # if still open, the worker drops the transfer
                 shipped.add_done_callback(_retrieved)  # its error, if any, is moot now
             stream.cancel()  # no-op once finished; otherwise the worker frees its blocks
+            decode.prefilling.pop(worker_req.request_id, None)
             self.registry.release(decode)
             self.capacity.notify()
 
@@ -514,6 +517,8 @@ class Relay:
                 )
             self.registry.reserved(worker, len(first.destination.block_ids))
             self.routing.count(decision)
+            if decision.here:  # until its first token is back (_relay_decode, _attempt)
+                worker.prefilling[worker_req.request_id] = max(0, to_compute)
             return (worker, stream, first.destination), None
         return None, full or error
 
@@ -652,8 +657,10 @@ class Relay:
         streamed: list[int],
         shipped: asyncio.Future[None] | None,
         deadline: float | None,
+        worker_id: str = "",
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        """``shipped``: the Prefill call's end (None: the decode worker prefills)."""
+        """``shipped``: the Prefill call's end (None: the decode worker prefills);
+        ``worker_id``: the request's id on the worker."""
         # The first chunk comes once the KV has arrived: until then, a Prefill call
         # that fails means it never will (the decode worker would only see its lease
         # run out).
@@ -670,6 +677,8 @@ class Relay:
         while True:
             try:
                 message = await (first or stream.read())
+                if first is not None:  # its prefill, if it had one here, is done
+                    worker.prefilling.pop(worker_id, None)
                 first = None
             except grpc.aio.AioRpcError as exc:
                 error = self._failed(worker, exc)

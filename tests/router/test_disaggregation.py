@@ -61,6 +61,36 @@ def test_a_decode_worker_whose_streams_a_prefill_would_stall_too_long_does_not_p
     assert _decide(8, decode=WorkerLoad("d", running=3), local_max_stall_ms=1).here
 
 
+def test_prompts_sent_to_prefill_on_a_decode_worker_count_until_their_first_token():
+    # A burst within one poll passed each check alone, then was computed in one step
+    # that its streams waited out whole (and ran past local_max_running).
+    pending = WorkerLoad("d", running=3, prefill_token_seconds=0.002, prefilling=1,
+                         prefilling_tokens=4)  # fmt: skip
+    assert _decide(4, decode=pending, local_max_stall_ms=17).reason == "short"  # 16 ms
+    assert _decide(5, decode=pending, local_max_stall_ms=17).reason == "decode busy"  # 18 ms
+    busy = [WorkerLoad("p", queue_depth=4)]
+    six = WorkerLoad("d", running=3, prefilling=6)
+    assert _decide(100, prefill=busy, decode=six).reason == "long"  # 9 > local_max_running
+    assert _decide(100, prefill=busy, decode=WorkerLoad("d", running=3, prefilling=5)).here
+
+
+def test_the_router_counts_its_local_prefills_until_their_first_token(frontend):
+    async def scenario():
+        config = DisaggregationConfig(mode="conditional", local_max_tokens=10_000)
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode], disaggregation=config) as c:
+            (worker,) = c.router.registry.workers(Pool.DECODE)
+            calls = [asyncio.create_task(c.client.complete("hello " * 5, max_tokens=2))
+                     for _ in range(3)]  # fmt: skip
+            await wait_until(lambda: len(worker.prefilling) == 3, what="three pending")
+            assert worker.load().prefilling == 3 and worker.load().prefilling_tokens > 0
+            decode.gate.set()
+            await asyncio.gather(*calls)
+            assert worker.prefilling == {}
+
+    run(scenario())
+
+
 def test_modes_always_and_never_ignore_the_numbers():
     assert _decide(1, mode="always").reason == "always"
     assert not _decide(1, prefill=(), mode="always").here

@@ -213,12 +213,13 @@ def _gguf_target(gguf: Path, cache: Path) -> Path:
 
 def _converted_gguf(gguf: Path, cache: Path) -> Path:
     target = _gguf_target(gguf, cache)
-    if not (target / "config.json").is_file():
-        # A model Tandem cannot run is refused from its metadata, before the whole
-        # dequantisation (minutes, and the model's float32 size on disk) is spent on it.
-        from tandem.engine.model_config import ModelConfig
+    if (target / "config.json").is_file():
+        return target
+    # A model Tandem cannot run is refused from its metadata, before the whole
+    # dequantisation (minutes, and the model's float32 size on disk) is spent on it.
+    from tandem.engine.model_config import ModelConfig
 
-        ModelConfig.from_hf(_gguf_config(gguf))
+    ModelConfig.from_hf(_gguf_config(gguf))
 
     def build(out: Path) -> None:
         import torch
@@ -245,8 +246,45 @@ def _converted_gguf(gguf: Path, cache: Path) -> Path:
             raise OSError(f"writing model.safetensors: {exc}") from exc
         (out / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(out)
+        (out / _SOURCE).write_text(json.dumps(_source(gguf)))
 
-    return _atomic_dir(target, build)
+    _atomic_dir(target, build)
+    _remove_unreachable(target)
+    return target
+
+
+# What a GGUF's cache entry was built from (_source): the entry is found by a key of
+# these, so once that file has changed or gone (a reinstall, a new virtualenv) no
+# start finds it again.
+_SOURCE = "tandem-source.json"
+
+
+def _source(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "version": _CACHE_VERSION}  # fmt: skip
+
+
+def _remove_unreachable(target: Path) -> None:
+    """Remove (best effort) the other entries of ``target``'s model that no start can
+    find any more: each reinstall of a model's package kept a full float32 copy for
+    good (several GB for a 7B model)."""
+    stem = target.name.rsplit("-", 1)[0]
+    for entry in target.parent.glob(glob.escape(stem) + "-" + "[0-9a-f]" * 16):
+        if entry == target or not entry.is_dir():
+            continue
+        try:
+            source = json.loads((entry / _SOURCE).read_text())
+            gguf = Path(source["gguf"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # from before sources were kept, or unreadable: nothing to judge by
+        try:
+            reachable = _source(gguf) == source
+        except OSError:  # the GGUF is gone
+            reachable = False
+        if not reachable:
+            log.info("removing %s: built from %s, which has changed or gone", entry, gguf)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _tiny_random_target(cache: Path) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -227,6 +228,30 @@ def test_a_ggufs_rope_scaling_reaches_the_config(tmp_path):
     assert loader.gguf_rope_scaling(_gguf_with(tmp_path / "n.gguf", {})) == {}
     with pytest.raises(ConfigError, match="rope_freqs.weight"):
         loader.gguf_rope_scaling(_gguf_with(tmp_path / "f.gguf", {}, freqs=True))
+
+
+def test_entries_no_start_can_find_are_removed_when_a_model_is_built_again(tmp_path):
+    # Each reinstall of a model's package (a new path or mtime) kept a full copy.
+    models = tmp_path / "models"
+    ggufs = {name: tmp_path / f"{name}.gguf" for name in ("kept", "touched", "gone")}
+    entries = {}
+    for i, (name, gguf) in enumerate(ggufs.items()):
+        gguf.write_bytes(b"GGUF")
+        entries[name] = models / f"m-{i:016x}"
+        entries[name].mkdir(parents=True)
+        (entries[name] / loader._SOURCE).write_text(json.dumps(loader._source(gguf)))
+    ggufs["gone"].unlink()
+    os.utime(ggufs["touched"], ns=(1, 1))
+    old = models / f"m-{9:016x}"  # from before sources were kept: nothing to judge by
+    old.mkdir()
+    other = models / f"other-{8:016x}"  # another model's
+    other.mkdir()
+    built = models / f"m-{7:016x}"
+    built.mkdir()
+    loader._remove_unreachable(built)
+    assert sorted(p.name for p in models.iterdir()) == sorted(
+        e.name for e in (entries["kept"], old, other, built)
+    )
 
 
 def test_a_cache_entry_without_its_config_is_replaced(tmp_path):

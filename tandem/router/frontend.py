@@ -29,7 +29,13 @@ from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.config import RouterConfig
 from tandem.engine.checks import check_request
-from tandem.engine.loader import read_config, resolve_model
+from tandem.engine.loader import (
+    gguf_file,
+    needs_building,
+    read_config,
+    read_model_config,
+    resolve_model,
+)
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
@@ -86,13 +92,21 @@ class Frontend:
 
     @classmethod
     def load(cls, config: RouterConfig) -> Frontend:
-        """Resolves ``config.model`` as the workers do and reads its tokenizer and limits."""
-        model_dir = resolve_model(config.model, config.cache_dir)
-        model = ModelConfig.from_hf(read_config(model_dir))
+        """Reads ``config.model``'s tokenizer and limits as the workers see the model. A
+        GGUF whose dequantised copy is not in this machine's cache is read as it is:
+        the router needs no weights (a router on a head node dequantised the whole
+        model for its tokenizer: minutes and the model's float32 size for a 7B)."""
+        gguf = gguf_file(config.model)
+        if gguf is not None and needs_building(config.model, config.cache_dir):
+            model = ModelConfig.from_hf(read_model_config(config.model))
+            tokenizer = Tokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        else:
+            model_dir = resolve_model(config.model, config.cache_dir)
+            model = ModelConfig.from_hf(read_config(model_dir))
+            tokenizer = Tokenizer.from_pretrained(model_dir)
         context = model.max_position_embeddings
         if config.max_model_len is not None:
             context = min(config.max_model_len, context)  # as the engine does
-        tokenizer = Tokenizer.from_pretrained(model_dir)
         limits = InputLimits.from_config(config, context)
         return cls(config.model, tokenizer, context, model.vocab_size, limits)
 

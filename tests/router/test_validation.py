@@ -89,3 +89,27 @@ def test_client_raises_invalid_request_naming_the_field(frontend):
             assert c.worker_calls() == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_router_reads_a_gguf_without_dequantising_it(tmp_path):
+    # A router on a head node with no copy in its cache dequantised the whole model
+    # for its tokenizer: minutes, and the model's float32 size, for a 7B.
+    from tandem.config import RouterConfig
+    from tandem.router.frontend import Frontend
+
+    cache = tmp_path / "cache"
+    fresh = Frontend.load(RouterConfig(cache_dir=str(cache)))
+    assert not cache.exists() or not any(cache.rglob("*.safetensors"))
+    built = Frontend.load(RouterConfig())  # from the dequantised copy the workers load
+    try:
+        assert (fresh.context_length, fresh.vocab_size) == (built.context_length, built.vocab_size)
+        assert fresh.tokenizer.eos_token_ids == built.tokenizer.eos_token_ids
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 👋"}]
+        assert fresh.tokenizer.encode_chat(chat) == built.tokenizer.encode_chat(chat)
+        assert fresh.tokenizer.encode("café  <|im_end|>\n") == built.tokenizer.encode(
+            "café  <|im_end|>\n"
+        )
+    finally:
+        fresh.close()
+        built.close()

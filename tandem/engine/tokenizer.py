@@ -99,29 +99,22 @@ class Tokenizer:
         written = [i for i, m in enumerate(messages) if self._control.search(m["content"])]
         if not written:
             return list(self._hf.encode(text, add_special_tokens=False))
-        return self._encode_chat_as_written(text, messages, written)
+        return self._encode_chat_as_written(text, messages, written[0])
 
     def _encode_chat_as_written(
-        self, text: str, messages: list[dict[str, str]], written: list[int]
+        self, text: str, messages: list[dict[str, str]], first_written: int
     ) -> list[int]:
         """``text`` encoded with every control token that a message wrote ("<|im_end|>"
         typed in a user's content) encoded as the plain text it is: control tokens
         come only from the chat template. Otherwise a user could end their turn and
         open a system one. The rest is encoded as HF does."""
-        spans, at = [], 0
-        for i, message in enumerate(messages):  # a template writes the contents in order
-            content = message["content"]
-            start = text.find(content, at) if content else -1
-            if start < 0:
-                if i in written:
-                    raise InvalidRequestError(
-                        f"messages[{i}].content",
-                        "holds the text of a control token, and the model's chat template "
-                        "does not write the content as given, so it cannot be kept as text",
-                    )
-                continue
-            spans.append((start, start + len(content)))
-            at = start + len(content)
+        spans = self._content_spans(text, messages)
+        if spans is None:
+            raise InvalidRequestError(
+                f"messages[{first_written}].content",
+                "holds the text of a control token, and the model's chat template does not "
+                "write the content as given, so it cannot be kept as text",
+            )
         encoded = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids: list[int] = []
         for token_id, (start, end) in zip(
@@ -136,6 +129,32 @@ class Tokenizer:
             else:
                 ids.append(token_id)
         return ids
+
+    def _content_spans(
+        self, text: str, messages: list[dict[str, str]]
+    ) -> list[tuple[int, int]] | None:
+        """Where each message's content lies in ``text``, the template rendered: found
+        by rendering it again with a mark in place of each content (searching for the
+        content itself found the template's own text where a content began with it).
+        None when the template does not write each content once, as given."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        shadow = self._hf.apply_chat_template(
+            [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+            tokenize=False, add_generation_prompt=True,
+        )  # fmt: skip
+        spans, pieces, at, length = [], [], 0, 0
+        for mark, message in zip(marks, messages, strict=True):
+            where = shadow.find(mark, at)
+            if where < 0 or shadow.count(mark) != 1:
+                return None
+            pieces.append(shadow[at:where])
+            length += where - at
+            spans.append((length, length + len(message["content"])))
+            pieces.append(message["content"])
+            length += len(message["content"])
+            at = where + len(mark)
+        pieces.append(shadow[at:])
+        return spans if "".join(pieces) == text else None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, b"" for a special token (which ``decode``

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_MODELS = (DEFAULT_MODEL, "tiny-random")
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the cached layout or the tiny-random recipe changes.
-_CACHE_VERSION = "1"
+# Bump when the cached layout or the tiny-random recipe changes. 2: a GGUF's RoPE
+# scaling in its config (dropped before), and the entry's source recorded.
+_CACHE_VERSION = "2"
 
 
 def default_cache_dir() -> Path:
@@ -116,20 +117,32 @@ def _atomic_dir(target: Path, build) -> Path:
 
 
 def _rename_over(tmp: Path, target: Path) -> None:
-    try:
-        tmp.rename(target)
-    except OSError:
-        if (target / "config.json").is_file():
-            return  # another process won the race; its copy is as good as ours
-        if not target.exists():
-            raise
-        # A directory without its config (a copy cut short, a hand-made one): never
-        # complete, and in the way for good. Put aside as abandoned work and replaced.
+    """``tmp`` in ``target``'s place, unless another start put a complete copy there
+    first (it is as good as ours). A ``target`` without its config (a copy cut short,
+    a hand-made one) is never complete and in the way for good: put aside and
+    replaced. Other starts may do all of this at the same time."""
+    for attempt in range(4):
+        try:
+            tmp.rename(target)
+            return
+        except OSError:
+            if (target / "config.json").is_file():
+                return
+            if attempt == 3:
+                raise
+            if not target.exists():
+                continue  # put aside by another start just now: ours goes in
+        aside = target.parent / f"{owned_name(target.name)}.incomplete{attempt}"
+        try:
+            target.rename(aside)
+        except FileNotFoundError:
+            continue  # put aside by another start just now
+        if (aside / "config.json").is_file():  # completed by another start meanwhile
+            with contextlib.suppress(OSError):
+                aside.rename(target)  # back: it may be in use
+            continue
         log.warning("replacing %s: it has no config.json", target)
-        aside = target.parent / f"{owned_name(target.name)}.incomplete"
-        target.rename(aside)
         shutil.rmtree(aside, ignore_errors=True)  # what is left, remove_abandoned takes
-        tmp.rename(target)
 
 
 def _sync(directory: Path) -> None:
@@ -275,16 +288,22 @@ def _remove_unreachable(target: Path) -> None:
             continue
         try:
             source = json.loads((entry / _SOURCE).read_text())
-            gguf = Path(source["gguf"])
+            found = _found(source)
+        except FileNotFoundError:  # built before version 2, which records it: unreachable
+            source, found = "an earlier version", False
         except (OSError, ValueError, KeyError, TypeError):
-            continue  # from before sources were kept, or unreadable: nothing to judge by
-        try:
-            reachable = _source(gguf) == source
-        except OSError:  # the GGUF is gone
-            reachable = False
-        if not reachable:
-            log.info("removing %s: built from %s, which has changed or gone", entry, gguf)
+            continue  # unreadable: nothing to judge by
+        if not found:
+            log.info("removing %s, built by or from %s: no start finds it", entry, source)
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _found(source: dict) -> bool:
+    """Whether an entry built from ``source`` (_source) is the one a start finds."""
+    try:
+        return _source(Path(source["gguf"])) == source
+    except OSError:  # the GGUF is gone
+        return False
 
 
 def _tiny_random_target(cache: Path) -> Path:

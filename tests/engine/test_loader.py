@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -242,15 +243,18 @@ def test_entries_no_start_can_find_are_removed_when_a_model_is_built_again(tmp_p
         (entries[name] / loader._SOURCE).write_text(json.dumps(loader._source(gguf)))
     ggufs["gone"].unlink()
     os.utime(ggufs["touched"], ns=(1, 1))
-    old = models / f"m-{9:016x}"  # from before sources were kept: nothing to judge by
+    old = models / f"m-{9:016x}"  # from before version 2, which records its source
     old.mkdir()
+    garbled = models / f"m-{10:016x}"  # a source it cannot read: nothing to judge by
+    garbled.mkdir()
+    (garbled / loader._SOURCE).write_text("{")
     other = models / f"other-{8:016x}"  # another model's
     other.mkdir()
     built = models / f"m-{7:016x}"
     built.mkdir()
     loader._remove_unreachable(built)
     assert sorted(p.name for p in models.iterdir()) == sorted(
-        e.name for e in (entries["kept"], old, other, built)
+        e.name for e in (entries["kept"], garbled, other, built)
     )
 
 
@@ -262,6 +266,57 @@ def test_a_cache_entry_without_its_config_is_replaced(tmp_path):
     assert resolve_model("tiny-random", tmp_path / "cache") == entry
     assert loader.load_state_dict(entry)  # the real weights
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
+def _complete(out: Path) -> None:
+    (out / "model.safetensors").write_text("weights")
+    (out / "config.json").write_text("{}")
+
+
+def test_starts_that_replace_an_incomplete_entry_together_both_get_the_model(
+    tmp_path, monkeypatch
+):
+    # Start B puts its copy in place while start A removes the incomplete one it put
+    # aside: A's rename then failed, and A ended with a ConfigError about free space.
+    target = tmp_path / "models" / "m-0123456789abcdef"
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_text("cut short")
+    theirs = tmp_path / "models" / "theirs"
+    theirs.mkdir()
+    _complete(theirs)
+    rmtree = shutil.rmtree
+
+    def b_lands_meanwhile(path, *args, **kw):
+        rmtree(path, *args, **kw)
+        if ".incomplete" in str(path) and theirs.exists():
+            theirs.rename(target)
+
+    monkeypatch.setattr(loader.shutil, "rmtree", b_lands_meanwhile)
+    assert loader._atomic_dir(target, _complete) == target
+    assert (target / "config.json").is_file()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+def test_a_complete_entry_put_aside_by_another_start_is_put_back(tmp_path, monkeypatch):
+    # Start B saw no config, then A completed the entry, then B moved A's (in use) aside.
+    target = tmp_path / "models" / "m-0123456789abcdef"
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_text("cut short")
+    rename = Path.rename
+
+    def a_completes_first(self, to):
+        if str(to).endswith(".incomplete0") and not (self / "config.json").exists():
+            shutil.rmtree(self)
+            self.mkdir()
+            _complete(self)  # A's copy, complete, where B is about to move it from
+            (self / "from-a").write_text("")
+        return rename(self, to)
+
+    monkeypatch.setattr(Path, "rename", a_completes_first)
+    built = []
+    assert loader._atomic_dir(target, lambda out: built.append(_complete(out))) == target
+    assert (target / "from-a").is_file() and built  # A's copy, which A may be loading
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
 
 
 def test_weights_cut_short_are_named_with_the_way_to_rebuild(tmp_path):

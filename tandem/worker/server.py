@@ -128,7 +128,9 @@ class WorkerServer(abc.ABC):
         self.transfer_metrics = TransferMetrics()  # filled by the KV sender or receiver
         # Replaced whole by the engine thread (one reference assignment: atomic).
         self.engine_load = EngineLoad()
-        self.step_cost = StepCost()  # written by the engine thread after each step
+        # Written by the engine thread after each step. A prefill worker never runs a
+        # step without prompt tokens: its whole steps are what its prompt tokens cost.
+        self.step_cost = StepCost(decodes=self.role == "decode")
         self.metrics: WorkerMetrics | None = None  # from start(), once the worker id is known
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._owns_engine = False  # made in start(): closed in stop()

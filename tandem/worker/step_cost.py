@@ -15,8 +15,8 @@ A step of ``n`` prompt tokens then takes about ``decode + n * per_token``: linea
 the tokens, which is what a step's matmuls are; attention's share grows with the
 context, which the running means follow as it grows. Both are 0 until the worker
 has run such a step (a decode worker that never prefilled has no per-token figure:
-the router then counts its prefill as free until it has run one), and a step with
-prompt tokens is not measured before a decode-only step has been.
+the router then counts its prefill as free until it has run one), and on a decode
+worker a step with prompt tokens is not measured before a decode-only step has been.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ MEASURED_FLOOR_S = 1e-9  # the least a measured prompt token costs
 
 
 class StepCost:
-    def __init__(self) -> None:
+    def __init__(self, decodes: bool = True) -> None:
+        """``decodes``: the worker runs decode steps (a prefill worker does not, and
+        counts its steps' whole time as its prompt tokens' cost)."""
         # Written by the engine thread, read by Status (float stores are atomic).
         self.decode_step_seconds = 0.0
         self.prefill_token_seconds = 0.0
+        self.decodes = decodes
 
     def observe(self, seconds: float, sequences: int, tokens: int) -> None:
         """A step of ``sequences`` sequences that computed ``tokens`` tokens in all."""
@@ -40,7 +43,7 @@ class StepCost:
         if prompt_tokens <= 0:
             self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
             return
-        if not self.decode_step_seconds:
+        if self.decodes and not self.decode_step_seconds:
             # Nothing to tell the prompt's share from the step's own cost yet (a decode
             # worker's first step is a prefill, its start-up costs included): charged
             # to the prompt, that set a figure several times too high, which then kept

@@ -219,8 +219,12 @@ def test_prefill_here_streams_every_token_itself_and_counts_it(tiny_engine, pair
     assert after.served == before.served + 1
     assert after.kv_transfers_total == before.kv_transfers_total  # nothing was received
     assert after.prefix_query_tokens == before.prefix_query_tokens + len(prompt)
-    # What its steps cost, for the router's conditional rule: it has now run both kinds.
-    assert after.decode_step_seconds > 0 and after.prefill_token_seconds > 0
+    # What its steps cost, for the router's conditional rule: a prefill is measured
+    # against the decode steps timed before it (its first step has none to go by).
+    assert after.decode_step_seconds > 0
+    other = tiny_engine.tokenizer.encode("another prompt " * 30)  # not cached
+    _here(decode, request(other, PARAMS, rid="here-again"))
+    assert decode.status().prefill_token_seconds > 0
 
 
 def test_prefill_here_reuses_what_the_decode_worker_has_cached(tiny_engine, pair):

@@ -60,3 +60,10 @@ def test_a_prefill_before_any_decode_step_sets_no_figure():
         cost.observe(0.012, 1, 1)
     cost.observe(0.012 + 7e-3, 1, 8)
     assert cost.prefill_token_seconds == pytest.approx(1e-3)
+
+
+def test_a_prefill_worker_whose_steps_all_carry_prompts_reports_their_cost():
+    cost = StepCost(decodes=False)
+    for _ in range(10):
+        cost.observe(0.05, 1, 512)
+    assert cost.prefill_token_seconds == pytest.approx(0.05 / 511)

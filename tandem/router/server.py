@@ -40,6 +40,7 @@ from tandem.router.registry import WorkerRegistry
 from tandem.router.relay import Relay
 from tandem.router.service import ParseInterceptor, TandemService
 from tandem.security.cluster import ClusterCredentials
+from tandem.security.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,13 @@ class Router:
             raise ConfigError(f"router cannot listen on {bind} (settings host, port): {reason}")
         self.port = port
         if self.config.metrics_port is not None:
+            if self.config.metrics_host is None and not is_loopback(self.config.host):
+                log.warning(
+                    "router metrics on %s only, not on host %s: they name every worker "
+                    "and take no key; set metrics_host to an address inside the "
+                    "cluster's network for a Prometheus elsewhere",
+                    self.config.metrics_bind_host, self.config.host,
+                )  # fmt: skip
             endpoint = MetricsEndpoint(self.metrics.registry)
             try:
                 endpoint.start(self.config.metrics_bind_host, self.config.metrics_port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import grpc
 import pytest
@@ -111,7 +112,9 @@ def test_the_metrics_listen_on_the_public_host_only_when_told():
     assert RouterConfig(host="0.0.0.0", metrics_host="10.0.0.7").metrics_bind_host == "10.0.0.7"
 
 
-def test_insecure_allows_a_non_loopback_router_without_tls(frontend):
+def test_insecure_allows_a_non_loopback_router_without_tls(frontend, caplog):
+    caplog.set_level(logging.WARNING, logger="tandem.router.server")
+
     async def scenario():
         config = RouterConfig(model="tiny-random", host="0.0.0.0", port=0, insecure=True,
                               metrics_port=0)  # fmt: skip
@@ -120,8 +123,9 @@ def test_insecure_allows_a_non_loopback_router_without_tls(frontend):
         try:
             assert router.address.startswith("0.0.0.0:")
             # The metrics take no key and name every worker: not on the public host
-            # unless metrics_host says so.
+            # unless metrics_host says so, which the log says.
             assert router.metrics_address.startswith("127.0.0.1:")
+            assert "router metrics on 127.0.0.1 only, not on host 0.0.0.0" in caplog.text
             async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=5

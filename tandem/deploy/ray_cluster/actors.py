@@ -36,6 +36,7 @@ from tandem.config import RouterConfig
 from tandem.deploy.ray_cluster.config import RayDeployConfig
 from tandem.kv_transfer.ucx.runtime import on_gpu, ucx_env_defaults
 from tandem.security.cluster import ClusterCredentials
+from tandem.security.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,9 @@ class RouterActor:
         from tandem.router.server import Router
 
         self.node = _node()
-        if config.metrics_host is None:  # scraped by the cluster's Prometheus, on its network
+        if config.metrics_host is None and not is_loopback(config.host):
+            # Scraped by the cluster's Prometheus, on its network (a router on loopback,
+            # a head `up` started here, keeps them there too).
             config = dataclasses.replace(config, metrics_host=self.node["node_ip"])
         self.router = Router(config, credentials=credentials)
         self._loop = _EventLoopThread("router-server")

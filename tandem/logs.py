@@ -13,12 +13,13 @@ which log shippers read without parsing rules.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
-import math
 import os
 import sys
 import time
+from collections.abc import Hashable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
@@ -28,22 +29,46 @@ request_id: ContextVar[str] = ContextVar("tandem_request_id", default="")
 
 
 class Throttle:
-    """One kind of line that a flood repeats (a refusal per overloaded request):
-    logged at most once per ``every_s``, with a count of those left out since."""
+    """Lines that a flood repeats (a refusal per overloaded request): of each kind (an
+    API key and a cause, say), one logged at most every ``every_s``, the next one
+    with a count of those left out; ``flush`` logs the counts still held (at stop).
+    Thread-safe enough for counts: the event loop's thread calls it."""
+
+    KINDS = 256  # the most kinds remembered: the least recent one goes (its count logged)
 
     def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
         self.logger, self.every_s = logger, every_s
-        self._at, self._held = -math.inf, 0
+        # kind -> [when last logged, lines held since, the last held line]
+        self._kinds: collections.OrderedDict[Hashable, list] = collections.OrderedDict()
 
-    def log(self, level: int, message: str, *args) -> None:
+    def log(self, level: int, message: str, *args, kind: Hashable = None) -> None:
         now = time.monotonic()
-        if now - self._at < self.every_s:
-            self._held += 1
+        state = self._kinds.get(kind)
+        if state is not None and now - state[0] < self.every_s:
+            state[1] += 1
+            state[2] = (level, message, args)
             return
-        if self._held:
-            message += f" (and {self._held} more like it since the last one logged)"
+        held = state[1] if state is not None else 0
+        if held:
+            message += f" (and {held} more like it since the last one logged)"
         self.logger.log(level, message, *args)
-        self._at, self._held = now, 0
+        self._kinds[kind] = [now, 0, None]
+        self._kinds.move_to_end(kind)
+        while len(self._kinds) > self.KINDS:
+            self._held_out(self._kinds.popitem(last=False)[1])
+
+    def flush(self) -> None:
+        for state in self._kinds.values():
+            self._held_out(state)
+        self._kinds.clear()
+
+    def _held_out(self, state: list) -> None:
+        if state[1]:
+            level, message, args = state[2]
+            self.logger.log(level, f"{state[1]} lines like this one were not logged: {message}",
+                            *args)  # fmt: skip
+
+
 FORMATS = ("text", "json")
 ENV = "TANDEM_LOG_FORMAT"
 

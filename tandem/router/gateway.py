@@ -45,7 +45,7 @@ class Gateway:
         self.relay = relay
         self.metrics = metrics
         self.stopping = False  # the router drains: new requests are refused
-        self._overloaded = logs.Throttle(log)
+        self.overloaded = logs.Throttle(log)  # flushed by the router's stop
 
     async def generate(
         self,
@@ -81,9 +81,12 @@ class Gateway:
             code, reason = exc.code.name, exc.reason
             who = f" (key {key.name})" if key is not None else ""
             # Overload refuses at the rate requests arrive: that line, throttled.
-            say = self._overloaded.log if exc.code is Code.RESOURCE_EXHAUSTED else log.log
-            say(logging.INFO, "request %s%s failed: %s: %s", request_id or "-", who,
-                exc.code.name, exc.message)  # fmt: skip
+            line = ("request %s%s failed: %s: %s", request_id or "-", who, exc.code.name,
+                    exc.message)  # fmt: skip
+            if exc.code is Code.RESOURCE_EXHAUSTED:  # a line per key and cause at most
+                self.overloaded.log(logging.INFO, *line, kind=(who, reason))
+            else:
+                log.info(*line)
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled or timed out
             late = timeout is not None and time.monotonic() >= track.arrived + timeout - 0.01

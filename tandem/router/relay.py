@@ -196,7 +196,8 @@ class Relay:
         registry.on_forget = policy.forget
         self.prefix_cache_across_keys = prefix_cache_across_keys
         self.metrics = metrics or RouterMetrics("")
-        self._full = logs.Throttle(log)  # "worker full" retries: one per request under load
+        # "worker full" retries: a line per request under load (flushed at stop).
+        self.full = logs.Throttle(log)
         self.policy = policy
         self.routing = routing or PrefillRouting(DisaggregationConfig())
         self.max_migrations = max_migrations
@@ -493,8 +494,11 @@ class Relay:
                 self.registry.release(worker)
                 error = self._failed(worker, exc)
                 if exc.code() in _RETRY_OPEN:
-                    say = self._full.log if exc.code() is Code.RESOURCE_EXHAUSTED else log.log
-                    say(logging.INFO, "request %s: %s", worker_req.request_id, error.message)
+                    if exc.code() is Code.RESOURCE_EXHAUSTED:  # a line per worker at most
+                        self.full.log(logging.INFO, "request %s: %s", worker_req.request_id,
+                                      error.message, kind=worker.address)  # fmt: skip
+                    else:
+                        log.info("request %s: %s", worker_req.request_id, error.message)
                     if exc.code() is Code.RESOURCE_EXHAUSTED:
                         full, full_tries = error, full_tries + 1
                     continue
@@ -584,8 +588,12 @@ class Relay:
                 doubtful = doubtful or exc.code() is not Code.RESOURCE_EXHAUSTED
                 # Gone or busy: one other worker may serve the reservation (see above).
                 if exc.code() in _RETRY_OPEN and len(tried) < 2:
-                    say = self._full.log if exc.code() is Code.RESOURCE_EXHAUSTED else log.log
-                    say(logging.INFO, "request %s: %s", request.request.request_id, error.message)
+                    if exc.code() is Code.RESOURCE_EXHAUSTED:  # a line per worker at most
+                        self.full.log(logging.INFO, "request %s: %s",
+                                      request.request.request_id, error.message,
+                                      kind=worker.address)  # fmt: skip
+                    else:
+                        log.info("request %s: %s", request.request.request_id, error.message)
                     continue
                 raise error from None
             except BaseException:

@@ -243,6 +243,8 @@ class Router:
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
             self._metrics_endpoint = None
+        self.gateway.overloaded.flush()  # the refusals not logged yet
+        self.relay.full.flush()
         if self.relay.routing.counts:
             log.info("prompts prefilled since start: %s", self.relay.routing.describe())
         if self._owns_frontend and self.frontend is not None:

@@ -219,20 +219,24 @@ def test_a_flood_of_overloaded_requests_does_not_flood_the_log(frontend, caplog)
     assert len(refusals) == 1, refusals  # the first; the rest are counted in the next one
 
 
-def test_a_throttled_line_says_how_many_were_left_out(monkeypatch, caplog):
+def test_a_throttled_line_says_how_many_were_left_out_kind_by_kind(monkeypatch, caplog):
     from tandem import logs
 
     now = [100.0]
     monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
     throttle = logs.Throttle(logging.getLogger("tandem.test"), every_s=10)
     with caplog.at_level(logging.INFO, logger="tandem.test"):
-        for t in (100.0, 101.0, 105.0, 110.0, 111.0, 125.0):
+        for t, who in ((100.0, "alice"), (101.0, "alice"), (102, "bob"), (105.0, "alice"),
+                       (106, "bob"), (110.0, "alice"), (111.0, "alice"), (125.0, "alice")):
             now[0] = t
-            throttle.log(logging.INFO, "refused %s", t)
+            throttle.log(logging.INFO, "%s refused at %s", who, t, kind=who)
+        throttle.flush()  # the router's stop: counts held with no line after them
     assert [r.getMessage() for r in caplog.records] == [
-        "refused 100.0",
-        "refused 110.0 (and 2 more like it since the last one logged)",
-        "refused 125.0 (and 1 more like it since the last one logged)",
+        "alice refused at 100.0",
+        "bob refused at 102",  # another key's line is not held behind alice's
+        "alice refused at 110.0 (and 2 more like it since the last one logged)",
+        "alice refused at 125.0 (and 1 more like it since the last one logged)",
+        "1 lines like this one were not logged: bob refused at 106",
     ]
 
 

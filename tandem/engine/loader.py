@@ -106,6 +106,8 @@ def _atomic_dir(target: Path, build) -> Path:
             build(tmp)
             _sync(tmp)  # on disk before it is found complete: a power cut leaves no stubs
             _rename_over(tmp, target)
+            with contextlib.suppress(OSError):  # and the rename itself
+                _fsync(target.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as exc:  # read-only, full: a ConfigError names the place and the way out
@@ -146,10 +148,17 @@ def _rename_over(tmp: Path, target: Path) -> None:
 
 
 def _sync(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+    """``directory``'s files and the directory itself on disk."""
+    for path in (*(p for p in directory.iterdir() if p.is_file()), directory):
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def owned_name(name: str) -> str:

@@ -134,8 +134,10 @@ def parse(body: Any, chat: bool, model_id: str, limits: InputLimits | None = Non
             raise bad(name, f"{name} is not supported by this server; leave it out")
     request = tandem_pb2.GenerateRequest(request_id=uuid.uuid4().hex)
     if limits is not None:
-        for name, limit, unit in (("messages", limits.max_chat_messages, "messages"),
-                                  ("stop", limits.max_stop_strings, "strings")):  # fmt: skip
+        counted = [("stop", limits.max_stop_strings, "strings")]
+        if chat:  # (completions ignores a messages field)
+            counted.append(("messages", limits.max_chat_messages, "messages"))
+        for name, limit, unit in counted:
             given = body.get(name)
             if isinstance(given, list) and len(given) > limit:
                 raise bad(name, f"{name} must be at most {limit} {unit}, got {len(given)}")

@@ -24,10 +24,13 @@ import torch
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kernels.cpu import step_ops as cpu_ops
 
-# Float32 softmax and cumsum round, so the mass ahead of a token can come out a few
-# ulps under top_p when it is exactly top_p in real numbers; without this slack that
-# token would be kept or dropped by rounding alone.
-_TOP_P_SLACK = 1e-6
+# Logits in float32 (or bfloat16) hold a distribution to about 1e-7, so the mass ahead
+# of a token can come out a few ulps under top_p when it is exactly top_p in real
+# numbers; without this slack that token would be kept or dropped by rounding alone.
+# The softmax and the running sum are taken in float64: in float32 over a 49k
+# vocabulary their error, with a slack to match (1e-6), picked another nucleus than
+# the exact one in 5 rows of 100.
+_TOP_P_SLACK = 1e-7
 
 _MASK64 = (1 << 64) - 1
 # An odd 64-bit multiplier: it spreads the position's bits over the whole word before
@@ -197,7 +200,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     rank = torch.arange(logits.shape[1], device=logits.device)
     sorted_logits.masked_fill_(rank >= top_k, -torch.inf)
 
-    probs = sorted_logits.softmax(dim=-1)
+    probs = sorted_logits.double().softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # Drop a token once the tokens ahead of it already reach top_p: what is left is the
     # smallest prefix whose mass is >= top_p.
@@ -233,7 +236,10 @@ def token_logprobs(
     lp = torch.log_softmax(logits[index].to(torch.float32), dim=-1)
     chosen = lp.gather(1, torch.tensor([[tokens[r]] for r in rows], device=lp.device))
     k = max(tops)
-    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    # A stable sort, not topk: tied values in token order, so the first listed is the
+    # one greedy picks (the lowest id), and which of many tied ones are listed is fixed.
+    values, ids = lp.sort(dim=-1, descending=True, stable=True) if k else (lp, lp.long())
+    values, ids = values[:, :k], ids[:, :k]
     chosen, values, ids = chosen.cpu().tolist(), values.cpu().tolist(), ids.cpu().tolist()
     return {
         r: TokenLogprob(

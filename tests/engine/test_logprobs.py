@@ -63,3 +63,14 @@ def test_no_logprobs_unless_asked_and_the_bound_is_named(tiny_engine):
     assert all(o.logprobs is None for o in outs)
     with pytest.raises(InvalidRequestError, match=r"logprobs must be in \[0, 20\], got 21"):
         SamplingParams(logprobs=21)
+
+
+def test_tied_top_logprobs_are_listed_in_token_order_first_the_greedy_pick():
+    # topk listed ties in any order: greedy's token (the lowest id) was not always first.
+    from tandem.engine.sampler import Sampler, token_logprobs
+
+    logits = torch.zeros(1, 1000)
+    logits[0, [900, 7, 300, 123]] = 5.0
+    greedy = Sampler()(logits, [SamplingParams(temperature=0)], [0], [[]])
+    (lp,) = token_logprobs(logits, [0], greedy, [4]).values()
+    assert [t for t, _ in lp.top] == [7, 123, 300, 900] and lp.top[0][0] == greedy[0]

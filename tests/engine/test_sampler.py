@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.engine.sampler import (
+    _TOP_P_SLACK,
     Sampler,
     _apply_repetition_penalty,
     _sampling_probs,
@@ -179,6 +180,19 @@ def test_top_p_boundary_does_not_hinge_on_rounding() -> None:
     probs = _sampling_probs(logits, [SamplingParams(top_p=0.8)])
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), rtol=0, atol=1e-6)
     assert probs[0].tolist()[2:] == [0.0, 0.0]
+
+
+def test_top_p_keeps_the_exact_nucleus_at_a_real_vocabulary_size() -> None:
+    # A float32 running sum over 49k tokens, with a slack to match, kept or dropped the
+    # boundary token wrongly in 5 rows of 100.
+    logits = _random_logits(100, 49_152, seed=3) * 3
+    kept = (_sampling_probs(logits.clone(), [SamplingParams(top_p=0.9)] * 100) > 0).sum(dim=-1)
+    exact = logits.double().softmax(dim=-1).sort(dim=-1, descending=True).values
+    before = exact.cumsum(dim=-1) - exact
+    # Exact but for tokens whose mass ahead is within the slack under top_p (rounding
+    # of the logits' own precision, see _TOP_P_SLACK): either count is right for those.
+    most, least = (before < 0.9).sum(dim=-1), (before < 0.9 - _TOP_P_SLACK).sum(dim=-1)
+    assert ((least <= kept) & (kept <= most)).all(), (kept - most).nonzero()
 
 
 def test_top_k_keeps_exactly_k_under_ties() -> None:

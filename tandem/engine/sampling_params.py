@@ -21,8 +21,9 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable
-    those filters; ``seed`` makes a sampled request reproducible whatever else
-    shares its batch.
+    those filters; ``seed`` makes each draw depend only on the seed, the position and
+    the model's probabilities (which move slightly with how the prompt was computed:
+    README, "How far a seed reproduces").
     """
 
     max_tokens: int = 256

@@ -46,7 +46,8 @@ workers where there are any). The prefill recomputes their
 KV and samples the next token, and the stream goes on with no token duplicated or
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
-is that of an undisturbed run: exactly so in float32 with a float KV cache (an int8
+is that of an undisturbed run: in float32 with a float KV cache but for a draw within
+about 1e-5 of a boundary (README, "How far a seed reproduces"; an int8
 cache's recomputed prefill attends over exact K and V; onto a decode worker with a
 KV window the move is prefilled there, see disaggregation.py). In bfloat16 the streamed
 tokens' KV, recomputed in one prefill where the lost worker computed it a decode

@@ -458,8 +458,15 @@ def test_unserved_options_at_their_neutral_values_are_accepted():
 
     body = {"model": MODEL, "prompt": "hi", "presence_penalty": 0, "frequency_penalty": 0.0,
             "logit_bias": {}, "best_of": 1, "echo": False, "response_format": {"type": "text"},
-            "tools": [], "user": "u-1", "some_future_field": 7}  # fmt: skip
+            "tools": [], "user": "u-1", "some_future_field": 7, "min_tokens": 0,
+            "stop_token_ids": [], "guided_json": None}  # fmt: skip
     assert protocol.parse(body, chat=False, model_id=MODEL).request.prompt == "hi"
+    # vLLM's fields that would change the output were ignored: the text came without them.
+    for field, value in (("min_tokens", 5), ("stop_token_ids", [2]), ("bad_words", ["x"]),
+                         ("allowed_token_ids", [1]), ("guided_choice", ["a", "b"])):  # fmt: skip
+        with pytest.raises(protocol.ApiError, match=f"{field} is not supported") as err:
+            protocol.parse({**body, field: value}, chat=False, model_id=MODEL)
+        assert err.value.param == field
 
 
 def test_either_name_of_the_token_limit_is_taken_by_either_api():

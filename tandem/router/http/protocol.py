@@ -167,6 +167,15 @@ _UNSUPPORTED = {
     "response_format": lambda v: not v or v == {"type": "text"},
     "tools": lambda v: not v,
     "functions": lambda v: not v,
+    # vLLM's extensions that change the output, which its clients send the same way.
+    "min_tokens": lambda v: v in (None, 0),
+    "stop_token_ids": lambda v: not v,
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
 }
 
 

@@ -136,8 +136,28 @@ def test_up_refuses_an_open_router_before_it_starts_anything(tmp_path, monkeypat
     started = []
     monkeypatch.setattr(launch, "start_head", lambda *a: started.append(a))
     with pytest.raises(RayDeployError, match=r"without TLS: .* or pass --insecure"):
-        launch.up(RayDeployConfig(), None, tmp_path / "state.json")
+        launch.up(RayDeployConfig(), "10.0.0.1:6379", tmp_path / "state.json")
     assert not started and not (tmp_path / "state.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_a_head_up_starts_itself_keeps_an_open_router_on_loopback(tmp_path, monkeypatch):
+    # The one-machine trial (`tandem ray up`, no --address) was refused as written.
+    from tandem.deploy.ray_cluster.config import RayDeployConfig
+
+    class Started(Exception):
+        pass
+
+    routers = []
+
+    def start_head(*args):
+        raise Started
+
+    monkeypatch.setattr(launch, "start_head", start_head)
+    monkeypatch.setattr(launch, "_check_exposure", routers.append)
+    with pytest.raises(Started):
+        launch.up(RayDeployConfig(), None, tmp_path / "state.json")
+    assert [r.host for r in routers] == ["127.0.0.1"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")

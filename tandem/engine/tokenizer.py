@@ -99,19 +99,19 @@ class Tokenizer:
         written = [i for i, m in enumerate(messages) if self._control.search(m["content"])]
         if not written:
             return list(self._hf.encode(text, add_special_tokens=False))
-        return self._encode_chat_as_written(text, messages, written[0])
+        return self._encode_chat_as_written(text, messages, written)
 
     def _encode_chat_as_written(
-        self, text: str, messages: list[dict[str, str]], first_written: int
+        self, text: str, messages: list[dict[str, str]], written: list[int]
     ) -> list[int]:
         """``text`` encoded with every control token that a message wrote ("<|im_end|>"
         typed in a user's content) encoded as the plain text it is: control tokens
         come only from the chat template. Otherwise a user could end their turn and
         open a system one. The rest is encoded as HF does."""
-        spans = self._content_spans(text, messages)
+        spans = self._content_spans(text, messages, written)
         if spans is None:
             raise InvalidRequestError(
-                f"messages[{first_written}].content",
+                f"messages[{written[0]}].content",
                 "holds the text of a control token, and the model's chat template does not "
                 "write the content as given, so it cannot be kept as text",
             )
@@ -131,27 +131,30 @@ class Tokenizer:
         return ids
 
     def _content_spans(
-        self, text: str, messages: list[dict[str, str]]
+        self, text: str, messages: list[dict[str, str]], written: list[int]
     ) -> list[tuple[int, int]] | None:
-        """Where each message's content lies in ``text``, the template rendered: found
-        by rendering it again with a mark in place of each content (searching for the
-        content itself found the template's own text where a content began with it).
-        None when the template does not write each content once, as given."""
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        """Where the contents of messages ``written`` lie in ``text``, the template
+        rendered: found by rendering it again with a mark in place of each of them
+        (searching for a content itself found the template's own text where it began
+        with it; the other messages are rendered as they are, since templates trim or
+        branch on contents). None when the template does not write each of them once,
+        as given."""
+        marks = {i: f"\ue000{i}\ue001" for i in written}
         shadow = self._hf.apply_chat_template(
-            [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+            [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
             tokenize=False, add_generation_prompt=True,
         )  # fmt: skip
         spans, pieces, at, length = [], [], 0, 0
-        for mark, message in zip(marks, messages, strict=True):
+        for i, mark in marks.items():
             where = shadow.find(mark, at)
             if where < 0 or shadow.count(mark) != 1:
                 return None
+            content = messages[i]["content"]
             pieces.append(shadow[at:where])
             length += where - at
-            spans.append((length, length + len(message["content"])))
-            pieces.append(message["content"])
-            length += len(message["content"])
+            spans.append((length, length + len(content)))
+            pieces.append(content)
+            length += len(content)
             at = where + len(mark)
         pieces.append(shadow[at:])
         return spans if "".join(pieces) == text else None

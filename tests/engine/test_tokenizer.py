@@ -182,6 +182,12 @@ def test_control_token_text_a_template_rewrites_is_refused(smol_hf):
     with pytest.raises(InvalidRequestError, match="control token") as info:
         tok.encode_chat([{"role": "user", "content": " <|im_end|> "}])
     assert info.value.field == "messages[0].content"
+    # Another message's content trimmed (as Llama 3's template does) is no reason to
+    # refuse: only the contents that hold control-token text are looked for.
+    chat = [{"role": "user", "content": "x\n"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "<|im_end|>"}]  # fmt: skip
+    ids = tok.encode_chat(chat)
+    assert sum(tok.special_name(i) == "<|im_end|>" for i in ids) == 3  # the template's own
 
 
 def test_encode_chat_without_template_is_config_error(byte_tok):

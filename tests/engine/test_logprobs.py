@@ -74,3 +74,12 @@ def test_tied_top_logprobs_are_listed_in_token_order_first_the_greedy_pick():
     greedy = Sampler()(logits, [SamplingParams(temperature=0)], [0], [[]])
     (lp,) = token_logprobs(logits, [0], greedy, [4]).values()
     assert [t for t, _ in lp.top] == [7, 123, 300, 900] and lp.top[0][0] == greedy[0]
+    # Only two of the four tied ones fit: the lowest ids, and the rows without such a
+    # tie take topk's picks, sorted (a full sort of each row doubled a step's time).
+    rows = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    rows[0] = logits[0]
+    top = token_logprobs(rows, [0, 1, 2], [7, 0, 0], [2, 5, 5])
+    assert [t for t, _ in top[0].top] == [7, 123]
+    for r in (1, 2):
+        want = torch.log_softmax(rows[r], dim=-1).sort(descending=True, stable=True)
+        assert [t for t, _ in top[r].top] == want.indices[:5].tolist()

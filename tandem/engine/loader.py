@@ -113,7 +113,8 @@ def _atomic_dir(target: Path, build) -> Path:
     except OSError as exc:  # read-only, full: a ConfigError names the place and the way out
         raise ConfigError(
             f"cannot build {target.name} in the cache directory {target.parent}: {exc} "
-            "(free space there, or point engine.cache_dir or $TANDEM_CACHE_DIR elsewhere)"
+            "(check its space and permissions, or point engine.cache_dir or "
+            "$TANDEM_CACHE_DIR elsewhere)"
         ) from None
     return target
 
@@ -132,25 +133,32 @@ def _rename_over(tmp: Path, target: Path) -> None:
                 return
             if attempt == 3:
                 raise
-            if not target.exists():
+            try:
+                incomplete = target.stat().st_ino  # the one judged incomplete
+            except FileNotFoundError:
                 continue  # put aside by another start just now: ours goes in
         aside = target.parent / f"{owned_name(target.name)}.incomplete{attempt}"
         try:
             target.rename(aside)
         except FileNotFoundError:
             continue  # put aside by another start just now
-        if (aside / "config.json").is_file():  # completed by another start meanwhile
+        if aside.stat().st_ino != incomplete or (aside / "config.json").is_file():
+            # Another start's copy, put in place meanwhile: back at once (it is in use).
             with contextlib.suppress(OSError):
-                aside.rename(target)  # back: it may be in use
+                aside.rename(target)
             continue
         log.warning("replacing %s: it has no config.json", target)
         shutil.rmtree(aside, ignore_errors=True)  # what is left, remove_abandoned takes
 
 
 def _sync(directory: Path) -> None:
-    """``directory``'s files and the directory itself on disk."""
-    for path in (*(p for p in directory.iterdir() if p.is_file()), directory):
-        _fsync(path)
+    """``directory``'s files and the directory itself on disk (the directory where the
+    file system can: some network and FUSE ones refuse to sync one)."""
+    for path in directory.iterdir():
+        if path.is_file():
+            _fsync(path)
+    with contextlib.suppress(OSError):
+        _fsync(directory)
 
 
 def _fsync(path: Path) -> None:
@@ -289,30 +297,32 @@ def _source(gguf: Path) -> dict:
 
 def _remove_unreachable(target: Path) -> None:
     """Remove (best effort) the other entries of ``target``'s model that no start can
-    find any more: each reinstall of a model's package kept a full float32 copy for
-    good (several GB for a 7B model)."""
+    find any more, their GGUF changed or gone: each reinstall of a model's package
+    kept a full float32 copy for good (several GB for a 7B model). An entry of an
+    unchanged GGUF stays whatever its cache version (another installed version of
+    Tandem finds it), and so does one that records no source (built before they did)."""
     stem = target.name.rsplit("-", 1)[0]
     for entry in target.parent.glob(glob.escape(stem) + "-" + "[0-9a-f]" * 16):
         if entry == target or not entry.is_dir():
             continue
         try:
             source = json.loads((entry / _SOURCE).read_text())
-            found = _found(source)
-        except FileNotFoundError:  # built before version 2, which records it: unreachable
-            source, found = "an earlier version", False
+            gone = _gguf_changed(source)
         except (OSError, ValueError, KeyError, TypeError):
-            continue  # unreadable: nothing to judge by
-        if not found:
-            log.info("removing %s, built by or from %s: no start finds it", entry, source)
+            continue  # nothing to judge by
+        if gone:
+            log.info("removing %s: %s has changed or gone since it was built", entry,
+                     source["gguf"])  # fmt: skip
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _found(source: dict) -> bool:
-    """Whether an entry built from ``source`` (_source) is the one a start finds."""
+def _gguf_changed(source: dict) -> bool:
+    """Whether the GGUF an entry was built from (_source) is no longer that file."""
     try:
-        return _source(Path(source["gguf"])) == source
-    except OSError:  # the GGUF is gone
-        return False
+        now = _source(Path(source["gguf"]))
+    except OSError:  # gone
+        return True
+    return (now["size"], now["mtime_ns"]) != (source["size"], source["mtime_ns"])
 
 
 def _tiny_random_target(cache: Path) -> Path:

@@ -234,7 +234,7 @@ def test_a_ggufs_rope_scaling_reaches_the_config(tmp_path):
 def test_entries_no_start_can_find_are_removed_when_a_model_is_built_again(tmp_path):
     # Each reinstall of a model's package (a new path or mtime) kept a full copy.
     models = tmp_path / "models"
-    ggufs = {name: tmp_path / f"{name}.gguf" for name in ("kept", "touched", "gone")}
+    ggufs = {name: tmp_path / f"{name}.gguf" for name in ("kept", "touched", "gone", "other")}
     entries = {}
     for i, (name, gguf) in enumerate(ggufs.items()):
         gguf.write_bytes(b"GGUF")
@@ -243,18 +243,21 @@ def test_entries_no_start_can_find_are_removed_when_a_model_is_built_again(tmp_p
         (entries[name] / loader._SOURCE).write_text(json.dumps(loader._source(gguf)))
     ggufs["gone"].unlink()
     os.utime(ggufs["touched"], ns=(1, 1))
-    old = models / f"m-{9:016x}"  # from before version 2, which records its source
+    # Another cache version's entry of an unchanged GGUF: that version's starts find it.
+    other_version = {**loader._source(ggufs["other"]), "version": "99"}
+    (entries["other"] / loader._SOURCE).write_text(json.dumps(other_version))
+    old = models / f"m-{9:016x}"  # records no source: nothing to judge by
     old.mkdir()
-    garbled = models / f"m-{10:016x}"  # a source it cannot read: nothing to judge by
+    garbled = models / f"m-{10:016x}"
     garbled.mkdir()
     (garbled / loader._SOURCE).write_text("{")
-    other = models / f"other-{8:016x}"  # another model's
-    other.mkdir()
+    another_model = models / f"other-{8:016x}"
+    another_model.mkdir()
     built = models / f"m-{7:016x}"
     built.mkdir()
     loader._remove_unreachable(built)
     assert sorted(p.name for p in models.iterdir()) == sorted(
-        e.name for e in (entries["kept"], garbled, other, built)
+        e.name for e in (entries["kept"], entries["other"], old, garbled, another_model, built)
     )
 
 

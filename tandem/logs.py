@@ -13,7 +13,6 @@ which log shippers read without parsing rules.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -28,21 +27,28 @@ from tandem.errors import ConfigError
 request_id: ContextVar[str] = ContextVar("tandem_request_id", default="")
 
 
+_OTHER_KINDS = object()  # where a Throttle's kinds past its bound go
+
+
 class Throttle:
     """Lines that a flood repeats (a refusal per overloaded request): of each kind (an
     API key and a cause, say), one logged at most every ``every_s``, the next one
     with a count of those left out; ``flush`` logs the counts still held (at stop).
-    Thread-safe enough for counts: the event loop's thread calls it."""
+    Called from one thread (the event loop's)."""
 
-    KINDS = 256  # the most kinds remembered: the least recent one goes (its count logged)
+    KINDS = 256  # the most kinds remembered; past it, new kinds share one throttle
 
     def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
         self.logger, self.every_s = logger, every_s
         # kind -> [when last logged, lines held since, the last held line]
-        self._kinds: collections.OrderedDict[Hashable, list] = collections.OrderedDict()
+        self._kinds: dict[Hashable, list] = {}
 
     def log(self, level: int, message: str, *args, kind: Hashable = None) -> None:
         now = time.monotonic()
+        if kind not in self._kinds and len(self._kinds) >= self.KINDS:
+            self._forget_quiet(now)
+            if len(self._kinds) >= self.KINDS:  # all of them in their window
+                kind = _OTHER_KINDS
         state = self._kinds.get(kind)
         if state is not None and now - state[0] < self.every_s:
             state[1] += 1
@@ -53,9 +59,12 @@ class Throttle:
             message += f" (and {held} more like it since the last one logged)"
         self.logger.log(level, message, *args)
         self._kinds[kind] = [now, 0, None]
-        self._kinds.move_to_end(kind)
-        while len(self._kinds) > self.KINDS:
-            self._held_out(self._kinds.popitem(last=False)[1])
+
+    def _forget_quiet(self, now: float) -> None:
+        """The kinds past their window with nothing held: their next line is logged."""
+        for kind in [k for k, (at, held, _) in self._kinds.items()
+                     if not held and now - at >= self.every_s]:  # fmt: skip
+            del self._kinds[kind]
 
     def flush(self) -> None:
         for state in self._kinds.values():

@@ -463,7 +463,10 @@ def test_unserved_options_at_their_neutral_values_are_accepted():
     assert protocol.parse(body, chat=False, model_id=MODEL).request.prompt == "hi"
     # vLLM's fields that would change the output were ignored: the text came without them.
     for field, value in (("min_tokens", 5), ("stop_token_ids", [2]), ("bad_words", ["x"]),
-                         ("allowed_token_ids", [1]), ("guided_choice", ["a", "b"])):  # fmt: skip
+                         ("allowed_token_ids", [1]), ("guided_choice", ["a", "b"]),
+                         ("structured_outputs", {"json": {}}), ("skip_special_tokens", False),
+                         ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 5),
+                         ("continue_final_message", True)):  # fmt: skip
         with pytest.raises(protocol.ApiError, match=f"{field} is not supported") as err:
             protocol.parse({**body, field: value}, chat=False, model_id=MODEL)
         assert err.value.param == field

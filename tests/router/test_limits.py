@@ -240,6 +240,19 @@ def test_a_throttled_line_says_how_many_were_left_out_kind_by_kind(monkeypatch, 
     ]
 
 
+def test_past_its_bound_of_kinds_a_throttle_still_throttles(caplog):
+    # The least recent kind was forgotten to make room, so with more kinds at once
+    # than the bound every line was logged.
+    from tandem import logs
+
+    throttle = logs.Throttle(logging.getLogger("tandem.test"), every_s=60)
+    with caplog.at_level(logging.INFO, logger="tandem.test"):
+        for _ in range(20):
+            for key in range(300):
+                throttle.log(logging.INFO, "key %d refused", key, kind=key)
+    assert len(caplog.records) == logs.Throttle.KINDS + 1  # one per kind, one for the rest
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [({"max_prompt_chars": 0}, "max_prompt_chars must be >= 1, got 0"),

@@ -172,10 +172,17 @@ _UNSUPPORTED = {
     "stop_token_ids": lambda v: not v,
     "bad_words": lambda v: not v,
     "allowed_token_ids": lambda v: not v,
-    "guided_json": lambda v: v is None,
+    "guided_json": lambda v: v is None,  # (vLLM before 0.12; since, structured_outputs)
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: not v,
+    "include_stop_str_in_output": lambda v: v in (None, False),
+    "skip_special_tokens": lambda v: v in (None, True),
+    "add_generation_prompt": lambda v: v in (None, True),
+    "continue_final_message": lambda v: v in (None, False),
+    "truncate_prompt_tokens": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not v,
 }
 
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+import xxhash
 
 if TYPE_CHECKING:
     from tandem.engine.model import LlamaModel
@@ -485,7 +486,7 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     remove_abandoned(cached.parent, cached.name)
     partial = cached.with_name(f"{owned_name(cached.name)}.partial")
     try:
-        save_file(tensors, str(partial), metadata={"sha256": _digest(tensors)})
+        save_file(tensors, str(partial), metadata={"xxh3_128": _digest(tensors)})
         with open(partial, "rb") as f:
             os.fsync(f.fileno())
         os.replace(partial, cached)
@@ -497,8 +498,9 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    """Of every tensor's name, shape, dtype and bytes: what a cache file was written with."""
-    h = hashlib.sha256()
+    """Of every tensor's name, shape, dtype and bytes: what a cache file was written with
+    (xxh3-128: it finds damage, as the KV transfer's checksums do, at memory speed)."""
+    h = xxhash.xxh3_128()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
@@ -513,7 +515,7 @@ def _load_checked(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        written = (f.metadata() or {}).get("sha256")
+        written = (f.metadata() or {}).get("xxh3_128")
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     if written is None:
         raise ValueError("it carries no digest (an earlier version wrote it)")

@@ -66,7 +66,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("tandem_router_requests_in_flight", "gauge", _ROUTER,
            "Generate requests admitted and not yet ended"),
     Metric("tandem_router_admission_rejections_total", "counter", (*_ROUTER, "reason"),
-           "Requests refused with RESOURCE_EXHAUSTED, by the limit that refused them"),
+           "Calls refused with RESOURCE_EXHAUSTED by the router's limits (generations, "
+           "tokenize and model info), by the limit that refused them"),
     Metric("tandem_router_prompt_tokens_total", "counter", _ROUTER,
            "Prompt tokens of finished requests"),
     Metric("tandem_router_generation_tokens_total", "counter", _ROUTER,

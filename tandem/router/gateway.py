@@ -102,10 +102,29 @@ class Gateway:
         """The token ids of a ``GenerateRequest``'s or ``TokenizeRequest``'s input."""
         self._refuse_if_stopping()
         if not rate_taken:
-            self.admission.check_rate(key)
+            self.check_rate(key)
         text = self.frontend.check_input(request)
-        with self.admission.admit(key):
-            return await self.frontend.encode(text)
+        try:
+            with self.admission.admit(key):
+                return await self.frontend.encode(text)
+        except RouterError as exc:
+            self.refused(exc)
+            raise
+
+    def check_rate(self, key: ApiKey | None) -> None:
+        """Takes a call that is not a generation (model info, tokenize) from ``key``'s
+        rate; a refusal is counted, as a generation's is."""
+        try:
+            self.admission.check_rate(key)
+        except RouterError as exc:
+            self.refused(exc)
+            raise
+
+    def refused(self, exc: RouterError) -> None:
+        """Counts a refusal by the router's own limits (admission_rejections) of a call
+        that ``generate`` does not see."""
+        if exc.code is Code.RESOURCE_EXHAUSTED:
+            self.metrics.rejected(exc.reason)
 
     def _refuse_if_stopping(self) -> None:
         if self.stopping:

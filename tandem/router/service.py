@@ -58,7 +58,7 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         try:
-            self.admission.check_rate(current_key.get())
+            self.gateway.check_rate(current_key.get())
         except RouterError as exc:
             await context.abort(exc.code, exc.message)
         f = self.frontend

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tandem.client import AsyncTandemClient, Overloaded, TandemClientError, Unauthenticated
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
+from tandem.metrics.scrape import scrape, total
 from tandem.router.admission import Admission, TokenBucket
 from tandem.router.auth import ApiKeys, bearer_token, digest, parse_line
 from tandem.router.errors import RouterError
@@ -287,12 +288,19 @@ def test_a_key_over_its_rate_is_refused_while_another_key_is_served(frontend, ke
 def test_the_default_key_rate_applies_to_keys_without_their_own(frontend, keys_file):
     async def scenario():
         async with cluster(frontend, connect={"api_key": BOB}, api_keys_file=keys_file,
-                           key_requests_per_s=2) as c:  # fmt: skip
+                           key_requests_per_s=2, metrics_port=0) as c:  # fmt: skip
             await c.client.model_info()
             await c.client.tokenize("a")
             with pytest.raises(Overloaded, match=r"'bob' is over its rate limit "
                                r"\(requests_per_s=2\)"):  # fmt: skip
                 await c.client.tokenize("a")
+            with pytest.raises(Overloaded):
+                await c.client.model_info()
+            samples = await asyncio.to_thread(scrape, c.router.metrics_address)
+        # Refusals of calls that are not generations are counted too (they were not: a
+        # key held at its rate by its tokenize calls showed no rejection).
+        assert total(samples, "tandem_router_admission_rejections_total", reason="key_rate") == 2
+        assert total(samples, "tandem_router_requests_total") == 0  # generations only
 
     run(scenario())
 

@@ -353,8 +353,8 @@ def test_a_call_over_its_keys_rate_is_refused_before_its_body_is_read(frontend, 
                 assert b"retry-after: 5\r\n" in head
                 writer.close()
             samples = await asyncio.to_thread(scrape, c.router.metrics_address)
-        # Counted as the gateway counts it (tokenize is not a request there).
-        assert total(samples, "tandem_router_admission_rejections_total", reason="key_rate") == 1
+        # Both refusals counted; only the generation is a request.
+        assert total(samples, "tandem_router_admission_rejections_total", reason="key_rate") == 2
         assert total(samples, "tandem_router_requests_total", code="RESOURCE_EXHAUSTED") == 1
 
     run(scenario())

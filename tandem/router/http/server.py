@@ -161,7 +161,7 @@ class HttpApi:
 
     async def _models(self, request: Request) -> Response:
         try:
-            self.gateway.admission.check_rate(self._key(request))  # as gRPC's GetModelInfo
+            self.gateway.check_rate(self._key(request))  # as gRPC's GetModelInfo
         except (ApiError, RouterError) as exc:
             return _error(_api_error(exc, None))
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -169,7 +169,7 @@ class HttpApi:
     async def _model(self, request: Request) -> Response:
         """OpenAI's ``GET /v1/models/{model}``: the served model's card, else 404."""
         try:
-            self.gateway.admission.check_rate(self._key(request))
+            self.gateway.check_rate(self._key(request))
             protocol.served_model(request.path_params["model"], self.gateway.frontend.model_id)
         except (ApiError, RouterError) as exc:
             return _error(_api_error(exc, None))
@@ -190,7 +190,7 @@ class HttpApi:
         parsed: Parsed | None = None
         try:
             key = self._key(request)
-            self.gateway.admission.check_rate(key)  # before the body is read and parsed
+            self.gateway.check_rate(key)  # before the body is read and parsed
             frontend = self.gateway.frontend
 
             def tokenize_request(body: Any) -> Parsed:
@@ -271,7 +271,7 @@ class HttpApi:
             key = self._key(request)
             # A call over its key's rate costs nothing more: not its body's read and
             # parse (up to max_request_bytes), which a flood of them made the router's.
-            self.gateway.admission.check_rate(key)
+            self.gateway.check_rate(key)
             frontend = self.gateway.frontend
             parsed = await _json(
                 await self._body(request),
@@ -291,9 +291,8 @@ class HttpApi:
             error = _api_error(exc, parsed)
             if not counted:  # refused before the gateway, which counts what it refuses
                 metrics = self.gateway.metrics
-                if isinstance(exc, RouterError):  # the key's rate
+                if isinstance(exc, RouterError):  # the key's rate (a rejection counted)
                     metrics.ended(exc.code.name, "none")
-                    metrics.rejected(exc.reason)
                 elif error.status in _REFUSED:
                     metrics.ended(_REFUSED[error.status], "none")
             return _error(error)

@@ -294,8 +294,9 @@ def _cluster_config(spec: str, args):
         num_prefill=prefill,
         num_decode=decode,
         engine=EngineConfig(model=args.model),
-        router=RouterConfig(port=0, placement=placement, disaggregation=disaggregation,
-                            metrics_port=0),  # for its prefill decisions
+        router=RouterConfig(
+            port=0, placement=placement, disaggregation=disaggregation, metrics_port=0
+        ),  # for its prefill decisions
         threads_per_worker=args.threads,
     )
 

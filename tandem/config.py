@@ -377,8 +377,10 @@ class DisaggregationConfig:
                 raise ConfigError(f"disaggregation.{name} must be a whole number >= {least}, "
                                   f"got {value!r}")  # fmt: skip
         stall = self.local_max_stall_ms
-        if isinstance(stall, bool) or not isinstance(stall, int | float) or not (
-            math.isfinite(stall) and stall >= 0
+        if (
+            isinstance(stall, bool)
+            or not isinstance(stall, int | float)
+            or not (math.isfinite(stall) and stall >= 0)
         ):
             raise ConfigError("disaggregation.local_max_stall_ms must be finite and >= 0 "
                               f"(0: no limit), got {stall!r}")  # fmt: skip

@@ -331,8 +331,12 @@ class Relay:
                         prefill, deadline, avoid, used
                     )
                 except RouterError as exc:
-                    if exc.code in _LOST and not self.routing.needs_prefill_pool and not (
-                        await self.registry.any_placeable(Pool.PREFILL, 0)  # now: not waiting
+                    if (
+                        exc.code in _LOST
+                        and not self.routing.needs_prefill_pool
+                        and not (
+                            await self.registry.any_placeable(Pool.PREFILL, 0)  # now: not waiting
+                        )
                     ):
                         raise AttemptLost(exc, fallback=True) from None
                     raise await self._lost_or(exc, deadline) from None

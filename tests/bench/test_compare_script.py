@@ -131,8 +131,10 @@ def test_a_deployment_takes_settings_of_the_conditional_rule(compare, capsys):
     for bad, message in [
         ("conditional+mode=always", "'mode' is not a disaggregation setting"),
         ("conditional+local_max_tokens=many", "local_max_tokens must be a number"),
-        ("conditional+local_max_tokens=-1", "local_max_tokens must be a whole number >= 0, "
-         "got -1\n"),
+        (
+            "conditional+local_max_tokens=-1",
+            "local_max_tokens must be a whole number >= 0, got -1\n",
+        ),
         ("conditional+local_max_stall_ms=nan", "local_max_stall_ms must be finite"),
         ("bogus+local_max_tokens=1", "'bogus' is not one of colocated"),
     ]:

@@ -95,7 +95,7 @@ def test_on_a_first_start_one_worker_prepares_the_model_for_the_others(tmp_path,
     spawned = ["spawn prefill-0", "spawn decode-0", "spawn decode-1"]
     if cold:  # the fakes build nothing: the cache stays cold, as the check saw it
         spawned.insert(1, "ready prefill-0")
-    assert cluster.events[:len(spawned)] == spawned
+    assert cluster.events[: len(spawned)] == spawned
 
 
 def test_a_module_in_the_launchers_directory_does_not_take_the_place_of_the_real_one(

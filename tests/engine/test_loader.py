@@ -225,7 +225,10 @@ def test_a_ggufs_rope_scaling_reaches_the_config(tmp_path):
     yarn = _gguf_with(tmp_path / "y.gguf", {"type": "yarn", "factor": 4.0,
                                             "orig_ctx_len": 8192})  # fmt: skip
     assert loader.gguf_rope_scaling(yarn) == {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert loader.gguf_rope_scaling(_gguf_with(tmp_path / "n.gguf", {})) == {}
     with pytest.raises(ConfigError, match="rope_freqs.weight"):
         loader.gguf_rope_scaling(_gguf_with(tmp_path / "f.gguf", {}, freqs=True))
@@ -276,9 +279,7 @@ def _complete(out: Path) -> None:
     (out / "config.json").write_text("{}")
 
 
-def test_starts_that_replace_an_incomplete_entry_together_both_get_the_model(
-    tmp_path, monkeypatch
-):
+def test_starts_that_replace_an_incomplete_entry_together_both_get_the_model(tmp_path, monkeypatch):
     # Start B puts its copy in place while start A removes the incomplete one it put
     # aside: A's rename then failed, and A ended with a ConfigError about free space.
     target = tmp_path / "models" / "m-0123456789abcdef"

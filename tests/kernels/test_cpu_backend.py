@@ -126,8 +126,9 @@ def test_cc_may_carry_arguments(tmp_path: Path, cpu, monkeypatch) -> None:
     assert build.library_path(tmp_path, [*plain, "-pipe"]) != build.library_path(tmp_path, plain)
 
 
-def test_a_cc_that_is_no_command_falls_back_as_no_compiler_does(tmp_path: Path, monkeypatch,
-                                                                caplog) -> None:
+def test_a_cc_that_is_no_command_falls_back_as_no_compiler_does(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     monkeypatch.setattr(build, "_loaded", {})
     monkeypatch.setenv("CC", 'gcc "-O2')  # an unbalanced quote: it failed the engine
     with caplog.at_level(logging.WARNING):

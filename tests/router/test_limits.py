@@ -226,8 +226,16 @@ def test_a_throttled_line_says_how_many_were_left_out_kind_by_kind(monkeypatch, 
     monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
     throttle = logs.Throttle(logging.getLogger("tandem.test"), every_s=10)
     with caplog.at_level(logging.INFO, logger="tandem.test"):
-        for t, who in ((100.0, "alice"), (101.0, "alice"), (102, "bob"), (105.0, "alice"),
-                       (106, "bob"), (110.0, "alice"), (111.0, "alice"), (125.0, "alice")):
+        for t, who in (
+            (100.0, "alice"),
+            (101.0, "alice"),
+            (102, "bob"),
+            (105.0, "alice"),
+            (106, "bob"),
+            (110.0, "alice"),
+            (111.0, "alice"),
+            (125.0, "alice"),
+        ):
             now[0] = t
             throttle.log(logging.INFO, "%s refused at %s", who, t, kind=who)
         throttle.flush()  # the router's stop: counts held with no line after them

@@ -155,9 +155,13 @@ def test_a_worker_that_does_not_answer_is_left_out_of_the_servers_view(monkeypat
 
     info = ('tandem_router_worker_info{{metrics_address="{0}",role="decode",'
             'worker="{0}",worker_id="{1}"}} 1.0\n')  # fmt: skip
-    router = ("# TYPE tandem_router_worker_info gauge\n" + info.format("h:1", "decode-0")
-              + info.format("h:2", "decode-1") + "tandem_router_requests_total{code=\"OK\"} 3\n")
-    texts = {"r:9": router, "h:1": "tandem_worker_batch_size_count{role=\"decode\"} 4\n"}
+    router = (
+        "# TYPE tandem_router_worker_info gauge\n"
+        + info.format("h:1", "decode-0")
+        + info.format("h:2", "decode-1")
+        + 'tandem_router_requests_total{code="OK"} 3\n'
+    )
+    texts = {"r:9": router, "h:1": 'tandem_worker_batch_size_count{role="decode"} 4\n'}
 
     def fetch(address):
         if address not in texts:

@@ -9,9 +9,13 @@ Two kinds of blocks live here:
   and swapped back in; these are never evicted, and a sequence that does not fit
   is recomputed instead.
 
-The tier's tensor has the cache's layout and dtype with its own block count; on a
-CUDA cache it is pinned, and each block is copied slice to slice between the two
-(all layers, K and V) with no staging copy in pageable memory. Counters (for
+The tier's tensor holds each block's rows of every layer, K and V, contiguously
+([blocks, layers, 2, block_size, ...], the cache's dtype), so that a block moves
+between a CUDA cache and the tier as one DMA of contiguous host memory (torch
+gathers the device side's strided rows on the device). On a CUDA cache the tier
+is page-locked at its exact size with ``cudaHostRegister``: torch's pinned
+allocator rounds each allocation up to a power of two, which would lock up to
+twice the configured bytes. Counters (for
 Status and the metrics): blocks held, swaps out and in, prefix blocks served.
 ``on_copy``, when set, hears of every copy (``("out", blocks, host)`` or
 ``("in", host, blocks)``): tensor-parallel ranks make the same copies of their own
@@ -20,10 +24,14 @@ heads (tandem/engine/parallel.py), so only this one decides where blocks go.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class HostTier:
@@ -33,9 +41,10 @@ class HostTier:
         """``cache``: the engine's KV tensor [layers, 2, blocks + 1, block_size, ...]."""
         if num_blocks < 1:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
-        shape = (*cache.shape[:2], num_blocks, *cache.shape[3:])
-        pin = cache.is_cuda
-        self.tensor = torch.zeros(shape, dtype=cache.dtype, pin_memory=pin)
+        shape = (num_blocks, *cache.shape[:2], *cache.shape[3:])
+        self.tensor = torch.zeros(shape, dtype=cache.dtype)
+        if cache.is_cuda:
+            _page_lock(self, self.tensor)
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))
         self._prefix: OrderedDict[int, int] = OrderedDict()  # hash -> block, oldest first
@@ -120,7 +129,7 @@ class HostTier:
         if self.on_copy is not None:
             self.on_copy(("out", blocks, host))
         for b, h in zip(blocks, host, strict=True):
-            self.tensor[:, :, h].copy_(cache[:, :, b], non_blocking=True)
+            self.tensor[h].copy_(cache[:, :, b], non_blocking=True)
         if cache.is_cuda:  # the device blocks are reused right after
             torch.cuda.synchronize(cache.device)
 
@@ -129,7 +138,7 @@ class HostTier:
         if self.on_copy is not None:
             self.on_copy(("in", host, blocks))
         for h, b in zip(host, blocks, strict=True):
-            cache[:, :, b].copy_(self.tensor[:, :, h], non_blocking=True)
+            cache[:, :, b].copy_(self.tensor[h], non_blocking=True)
         if cache.is_cuda:  # the host blocks are released right after
             torch.cuda.synchronize(cache.device)
 
@@ -139,3 +148,23 @@ class HostTier:
             f"host tier: {held} held + {len(self._free)} free != {self.num_blocks}"
         )
         assert len(set(self._free)) == len(self._free), "host tier: a block is free twice"
+
+
+def _page_lock(owner: object, tensor: torch.Tensor) -> None:
+    """Page-lock ``tensor``'s memory for as long as ``owner`` lives (torch's own
+    distributed checkpoint stager does the same); where the driver refuses, the tier
+    stays pageable: its copies are then staged by the driver, slower, still right."""
+    cudart = torch.cuda.cudart()
+    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    status = int(cudart.cudaHostRegister(ptr, size, 0))
+    if status != 0:
+        log.warning(
+            "host KV tier: cudaHostRegister of %d bytes failed (cudaError %d); the tier "
+            "stays in pageable memory, and its copies are slower",
+            size,
+            status,
+        )
+        return
+    # Before the tensor's memory is freed: the owner's weak references are cleared
+    # before its attributes are.
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)

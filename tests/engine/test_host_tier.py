@@ -4,8 +4,14 @@ same as without the tier, and no block stays held on either side."""
 
 from __future__ import annotations
 
-import pytest
+import gc
+import logging
 
+import pytest
+import torch
+
+from tandem.engine import host_tier
+from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine
@@ -153,3 +159,52 @@ def test_swapping_keeps_an_int8_windowed_sequence_exactly(tiny_engine):
 
     assert engine.kv.host.swaps_in > 0 and engine.kv.window_evicted_blocks > 0
     _no_leaks(engine)
+
+
+def test_each_host_block_is_one_contiguous_run_of_every_layers_rows():
+    # A block moves between a CUDA cache and the tier as one DMA only where its host
+    # side is contiguous: with the cache's layout, a block was 2 x layers runs.
+    cache = torch.randn(3, 2, 6, BLOCK, 2, 8)  # [layers, K/V, blocks + 1, block, heads, dim]
+    tier = HostTier(cache, num_blocks=4)
+    assert all(tier.tensor[h].is_contiguous() for h in range(4))
+    host = tier.swap_out(cache, [4, 1])
+    assert torch.equal(tier.tensor[host[0]], cache[:, :, 4])
+    other = torch.zeros_like(cache)
+    tier.swap_in(host, other, [0, 2])
+    assert torch.equal(other[:, :, 0], cache[:, :, 4])
+    assert torch.equal(other[:, :, 2], cache[:, :, 1])
+
+
+class _FakeCudart:
+    def __init__(self, status: int = 0) -> None:
+        self.status = status
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        if self.status == 0:
+            self.registered[ptr] = size
+        return self.status
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        del self.registered[ptr]
+        return 0
+
+
+def test_a_gpu_host_tier_is_page_locked_at_its_exact_size_while_it_lives(monkeypatch):
+    # torch.zeros(pin_memory=True) rounds up to a power of two: a 40 GiB tier locked 64.
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    owner, tensor = HostTier.__new__(HostTier), torch.zeros(3, 1000, dtype=torch.bfloat16)
+    host_tier._page_lock(owner, tensor)
+    assert cudart.registered == {tensor.data_ptr(): 6000}
+    del owner
+    gc.collect()
+    assert cudart.registered == {}
+
+
+def test_a_host_tier_the_driver_will_not_lock_stays_pageable(monkeypatch, caplog):
+    cudart = _FakeCudart(status=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.host_tier"):
+        host_tier._page_lock(HostTier.__new__(HostTier), torch.zeros(10))
+    assert "cudaHostRegister of 40 bytes failed (cudaError 2)" in caplog.text

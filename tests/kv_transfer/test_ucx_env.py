@@ -33,6 +33,16 @@ def test_a_gpu_worker_adds_the_cuda_transports():
     assert ucx_env_defaults({"UCX_TLS": "rc,sm"}, cuda=True)["UCX_TLS"] == "rc,sm"
 
 
+def test_a_gpu_worker_reads_blocks_with_cuda_ipc_gets_without_nvlink():
+    # UCX's "auto" turns cuda_ipc gets off without an active NVLink, and a decode
+    # worker reads its blocks with gets: they went through the host.
+    assert ucx_env_defaults({}, cuda=True)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    assert ucx_env_defaults({}, tls=None, cuda=True)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
+    assert ucx_env_defaults(env, cuda=True)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in ucx_env_defaults({})
+
+
 def test_which_devices_are_gpus():
     assert not on_gpu("cpu")
     assert on_gpu("cuda") and on_gpu("cuda:1")

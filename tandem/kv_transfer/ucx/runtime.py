@@ -64,6 +64,11 @@ def ucx_env_defaults(
     env = os.environ if env is None else env
     if tls is not None:
         env.setdefault("UCX_TLS", f"{tls},{CUDA_TLS}" if cuda else tls)
+    if cuda:
+        # A decode worker reads the prefill worker's blocks with gets. UCX's default
+        # ("auto") turns cuda_ipc's gets off on a GPU without an active NVLink (a PCIe
+        # card, one GPU of a VM), and the reads then take a path through the host.
+        env.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
     if host is not None and is_loopback(host):
         env.setdefault("UCX_NET_DEVICES", "lo")
     # Without this UCX warns about the UCX_* variables that ucxx itself sets.

@@ -15,7 +15,8 @@ In order, each case caught and reported on its own (a failure does not stop the 
 4. prefill attention, 512-16k new tokens, with and without a cached prefix (bf16):
    TFLOP/s against the matmul ceiling, and SDPA;
 5. KV store; 6. a small sweep of tile sizes at the two target shapes (not with
-   --quick or --no-sweep); 7. RMSNorm and RoPE as the engine runs them in torch, to
+   --quick or --no-sweep; run last, so that a short budget cuts it before the
+   checks of the later sections); 7. RMSNorm and RoPE as the engine runs them in torch, to
    weigh fusing them against one layer's attention; 8. KV transfer between two
    processes, cache to cache on the device, through the UCX backend as a prefill
    and a decode worker use it (the decode side reads the blocks with UCX gets:
@@ -31,7 +32,10 @@ In order, each case caught and reported on its own (a failure does not stop the 
    against one GPU, float32, and the time of each (skipped with fewer than 2 GPUs).
 Timings: CUDA events around each launch, L2 flushed before it, median of many runs
 after warm-up. Progress goes to stdout as it runs, then a table; the last line is
-JSON. Exit status 1 if any check or timed case is wrong or raised.
+JSON (NaN written as null). Exit status 1 if any check or timed case is wrong or
+raised. A case that needs a module this machine lacks is skipped, and says which;
+after a sticky CUDA error (an illegal address) the cases left are skipped, as the
+context is lost; a SIGTERM (a call's time limit) still prints the table and JSON.
 
 Without CUDA the script says "no CUDA device: nothing to time" and runs section 2
 alone with tiny shapes under TRITON_INTERPRET=1 (a check of the script itself).
@@ -44,6 +48,8 @@ import importlib.util
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import sys
 import time
@@ -64,7 +70,7 @@ TARGET_PREFILL = 0.50  # of the bf16 matmul rate, 8k tokens
 # One request's KV for the transfer cases: 7B-style, 2 MiB per block of 16 tokens.
 KV_SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128}
 # What the transfer cases import beyond torch (the kernels need nothing else).
-KV_MODULES = ["ucxx", "xxhash"]
+KV_MODULES = ["ucxx", "xxhash", "grpc"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # x max|ref|
 
 
@@ -88,23 +94,54 @@ class Bench:
         self.budget_s = budget_s
         self.rows: list[Row] = []
         self.cuda = device.type == "cuda"
+        # After an illegal address or a device-side assert every CUDA call fails: the
+        # error, and the cases left are skipped rather than each failing on it.
+        self.lost: str | None = None
         if self.cuda:
             self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
 
+    def check_device(self) -> None:
+        """After a case raised: give its memory back, and find out whether the device
+        still works (a sticky error fails even ``empty_cache``)."""
+        if not self.cuda:
+            return
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            assert torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except Exception as exc:  # noqa: BLE001 - the reason the rest is skipped
+            self.lost = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"the CUDA context is lost: {self.lost}; the cases left are skipped", flush=True)
+
+    def free(self) -> None:
+        """Give the cached device memory back between sections (not on a lost context)."""
+        if self.cuda and self.lost is None:
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - found and reported by check_device
+                self.check_device()
+
     def run(self, section: str, case: str, fn) -> Row | None:
-        """Run one case, catching anything it raises; past the budget, skip it."""
+        """Run one case, catching anything it raises; past the budget, or once the CUDA
+        context is lost, skip it. A module this machine lacks skips the case too."""
         if time.monotonic() - self.start > self.budget_s:
             row = Row(section, case, note="skipped: over the time budget")
+        elif self.lost is not None:
+            row = Row(section, case, note=f"skipped: the CUDA context is lost ({self.lost})")
         else:
+            # What was running, should the call hang.
+            print(f"[{time.monotonic() - self.start:6.1f}s] {section:8} {case:36} started",
+                  flush=True)  # fmt: skip
             t0 = time.monotonic()
             try:
                 row = fn()
                 row.section, row.case = section, case
+            except ImportError as exc:  # a bare GPU image: torch and triton, little else
+                row = Row(section, case, note=f"skipped: needs {exc.name or exc}, not installed")
             except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
                 traceback.print_exc(file=sys.stdout)
                 row = Row(section, case, ok=False, note=f"ERROR {type(exc).__name__}: {exc}")
-                if self.cuda:
-                    torch.cuda.empty_cache()
+                self.check_device()
             row.data["wall_s"] = round(time.monotonic() - t0, 2)
         self.rows.append(row)
         status = {None: "--", True: "ok", False: "FAIL"}[row.ok]
@@ -490,7 +527,7 @@ def kv_transfer_case(b: Bench, size_mib: int, copy_gbps: float) -> Row:
     from tandem.kv_transfer import make_sender
     from tandem.kv_transfer.ucx.runtime import ucx_env_defaults
 
-    ucx_env_defaults(tls=None)  # before UCX starts: its own transport choice (cuda_ipc)
+    ucx_env_defaults(tls=None, cuda=b.cuda)  # before UCX starts: its own choice (cuda_ipc)
     shape = KVShape(block_size=BLOCK_SIZE, **KV_SHAPE)
     blocks = shape.blocks_for(size_mib << 20)
     device = str(b.device)
@@ -562,14 +599,14 @@ def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | 
     The ratio is to the copy ceiling's read half (the checksum reads each byte once)."""
     import xxhash
 
-    from tandem.bench.transfer import KVShape
     from tandem.kv_transfer import device_checksum
 
-    shape = KVShape(block_size=BLOCK_SIZE, **(kv_shape or KV_SHAPE))
-    blocks = shape.blocks_for(int(size_mib * 2**20))
-    dims = (shape.layers, 2, blocks + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
+    shape = kv_shape or KV_SHAPE
+    block_bytes = shape["layers"] * 2 * BLOCK_SIZE * shape["kv_heads"] * shape["head_dim"] * 2
+    blocks = max(1, round(size_mib * 2**20 / block_bytes))
+    dims = (shape["layers"], 2, blocks + 1, BLOCK_SIZE, shape["kv_heads"], shape["head_dim"])
     kv = torch.randn(dims, device=b.device).to(torch.bfloat16)
-    ids, layers = list(range(blocks - 1, -1, -1)), (0, shape.layers)  # reversed: one run each
+    ids, layers = list(range(blocks - 1, -1, -1)), (0, shape["layers"])  # reversed: one run each
 
     def device():
         return device_checksum.checksum_triton(kv, ids, layers)
@@ -587,7 +624,7 @@ def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | 
     kv.view(-1).view(torch.int16)[kv[0, 0, 0].numel() // 2] ^= 1  # one bit, in block 0
     caught = device() != value
     ms, host_ms = b.median_ms(device), b.median_ms(host)
-    nbytes = blocks * shape.block_bytes
+    nbytes = blocks * block_bytes
     gbps = nbytes / ms / 1e6
     return Row(
         "",
@@ -604,12 +641,15 @@ def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | 
 
 
 def norm_rope_case(b: Bench, tokens: int) -> Row:
-    from tandem.engine.model import RMSNorm
     from tandem.engine.rope import apply_rope
 
     heads, kv_heads, head_dim = HEADS_7B
     hidden = heads * head_dim
-    norm = RMSNorm(hidden, 1e-5).to(b.device, torch.bfloat16)
+    weight = torch.ones(hidden, device=b.device, dtype=torch.bfloat16)
+
+    def norm(x):  # RMSNorm.forward off the CPU (tandem/engine/model.py)
+        return weight * torch.nn.functional.rms_norm(x, weight.shape, None, 1e-5)
+
     x = torch.randn(tokens, hidden, device=b.device, dtype=torch.bfloat16)
     qk = torch.randn(tokens, heads + kv_heads, head_dim, device=b.device, dtype=torch.bfloat16)
     cos = torch.randn(tokens, head_dim, device=b.device, dtype=torch.bfloat16)
@@ -673,8 +713,19 @@ def report(b: Bench, summary: dict) -> int:
             for r in b.rows
         ],
     )  # fmt: skip
-    print(json.dumps(summary))
+    print(json.dumps(_finite(summary)))
     return 1 if failed else 0
+
+
+def _finite(value):
+    """``value`` with NaN and infinities as null: the last line is strict JSON (jq)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -711,9 +762,28 @@ def main(argv: list[str] | None = None) -> int:
         )
         return report(b, summary)
 
+    # A call ended by its time limit (SIGTERM) still prints its table and JSON line.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        run_on_gpu(b, args, summary, ops, torch_ref)
+    except BaseException as exc:  # noqa: BLE001 - what ran is still reported
+        traceback.print_exc(file=sys.stdout)
+        b.rows.append(Row("run", "stopped early", ok=False, note=f"{type(exc).__name__}: {exc}"))
+    return report(b, summary)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(f"signal {signum}: stopped before the end")
+
+
+def run_on_gpu(b: Bench, args: argparse.Namespace, summary: dict, ops, torch_ref) -> None:
     torch.manual_seed(0)
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    summary.update(torch=torch.__version__, c_compiler=compiler)
     print(
-        f"{summary['device']}, torch {torch.__version__}, budget {args.budget_s:.0f} s", flush=True
+        f"{summary['device']}, torch {torch.__version__}, budget {args.budget_s:.0f} s, "
+        f"C compiler {compiler or 'NONE (Triton builds its launcher with one: expect failures)'}",
+        flush=True,
     )
     try:
         copy_bw, mm_rate = copy_gbps(b), matmul_tflops(b)
@@ -721,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc(file=sys.stdout)
         b.rows.append(Row("ceiling", "copy and matmul", ok=False, note=f"ERROR {exc}"))
         copy_bw = mm_rate = math.nan
+        b.check_device()
     print(f"ceilings: copy {copy_bw:.0f} GB/s, bf16 matmul {mm_rate:.0f} TFLOP/s", flush=True)
     summary.update(copy_gbps=round(copy_bw, 1), matmul_tflops=round(mm_rate, 1))
 
@@ -737,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         if (batch, context) == (64, 4096) and row and row.pct is not None:
             summary["decode_64x4k"] = {"pct_of_copy": round(row.pct, 1),
                                        "target_met": row.pct >= 100 * TARGET_DECODE}  # fmt: skip
-        torch.cuda.empty_cache()
+        b.free()
 
     prefills = [(2048, 0), (8192, 0), (4096, 4096)]
     if not args.quick:
@@ -748,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         if (new, prefix) == (8192, 0) and row and row.pct is not None:
             summary["prefill_8k"] = {"pct_of_matmul": round(row.pct, 1),
                                      "target_met": row.pct >= 100 * TARGET_PREFILL}  # fmt: skip
-        torch.cuda.empty_cache()
+        b.free()
 
     for tokens in (256, 8192):
         b.run("store", f"{tokens} tokens", partial(store_case, b, ops, torch_ref, tokens, copy_bw))
@@ -756,16 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch, context in ((1, 32768), (64, 4096)):
         case = partial(int8_decode_case, b, ops, torch_ref, batch, context, copy_bw)
         b.run("int8 kv", f"decode batch {batch} x {context} ctx", case)
-        torch.cuda.empty_cache()
-
-    if not (args.quick or args.no_sweep):
-        for tiles in DECODE_TILES:
-            case = partial(decode_case, b, ops, 64, 4096, copy_bw, **tiles)
-            b.run("sweep", f"decode 64x4k {_tiles(tiles)}", case)
-        for tiles in PREFILL_TILES:
-            case = partial(prefill_case, b, ops, 8192, 0, mm_rate, **tiles)
-            b.run("sweep", f"prefill 8k {_tiles(tiles)}", case)
-        torch.cuda.empty_cache()
+        b.free()
 
     for tokens in (64, 8192):
         b.run("profile", f"norms + rope, {tokens} tokens", partial(norm_rope_case, b, tokens))
@@ -786,7 +848,16 @@ def main(argv: list[str] | None = None) -> int:
         b.rows.append(Row("tp", "tiny-random on 2 ranks", note=note))
     else:
         b.run("tp", "tiny-random on 2 ranks", partial(tensor_parallel_case, b, 2))
-    return report(b, summary)
+
+    # Last: where the budget runs short, it cuts the sweep, not the checks above.
+    if not (args.quick or args.no_sweep):
+        for tiles in DECODE_TILES:
+            case = partial(decode_case, b, ops, 64, 4096, copy_bw, **tiles)
+            b.run("sweep", f"decode 64x4k {_tiles(tiles)}", case)
+        for tiles in PREFILL_TILES:
+            case = partial(prefill_case, b, ops, 8192, 0, mm_rate, **tiles)
+            b.run("sweep", f"prefill 8k {_tiles(tiles)}", case)
+        b.free()
 
 
 if __name__ == "__main__":

@@ -92,3 +92,37 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     assert "sdpa_gbps" in rows["2 x 37"] and "sdpa_tflops" in rows["9 new"]
     assert rows["int8"]["bf16_over_int8"] > 0
     assert rows["norms"]["ok"] is None and rows["norms"]["rmsnorm_ms"] > 0
+
+
+def test_a_case_that_needs_a_missing_module_is_skipped_not_failed(script, capsys):
+    # A bare GPU image has torch and triton: the checksum and profile rows failed on
+    # ModuleNotFoundError, and the run exited 1 for it.
+    b = script.Bench(torch.device("cpu"), budget_s=60)
+
+    def needs_xxhash():
+        raise ModuleNotFoundError("No module named 'xxhash'", name="xxhash")
+
+    row = b.run("checksum", "64 MiB", needs_xxhash)
+    assert row.ok is None and row.note == "skipped: needs xxhash, not installed"
+    assert script.report(b, {"device": "cpu"}) == 0
+
+
+def test_after_a_sticky_cuda_error_the_rest_is_skipped_and_reported(script, monkeypatch, capsys):
+    # A sticky error fails every later CUDA call, empty_cache too: it raised out of the
+    # error handler, and the run died with no table and no JSON.
+    b = script.Bench(torch.device("cpu"), budget_s=60)
+    b.cuda = True
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lost)
+    b.run("decode", "raises", lambda: lost())
+    b.free()
+    later = b.run("decode", "later", lambda: pytest.fail("ran on a lost context"))
+    assert later.ok is None and later.note.startswith("skipped: the CUDA context is lost")
+    assert "illegal memory access" in later.note
+    assert script.report(b, {"device": "cpu", "copy_gbps": float("nan")}) == 1
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])  # strict JSON: no NaN
+    assert summary["copy_gbps"] is None and summary["failed"] == ["decode: raises"]

@@ -29,6 +29,7 @@ import threading
 
 import torch
 
+from tandem.errors import ConfigError
 from tandem.kv_transfer import auth
 from tandem.kv_transfer.base import Fingerprint, HandshakeError, TransferError, TransferMetrics
 from tandem.kv_transfer.heads import HeadMap
@@ -41,6 +42,16 @@ _registry: dict[str, InProcReceiver] = {}
 _names = itertools.count()
 
 
+def _host_only(kv: torch.Tensor) -> None:
+    """Its copies are ``memmove`` between host addresses: a device pointer would crash
+    the process."""
+    if kv.device.type != "cpu":
+        raise ConfigError(
+            f"kv_backend: inproc copies KV caches in host memory only, and this one is on "
+            f"{kv.device}; use kv_backend: ucx"
+        )
+
+
 class InProcReceiver(CoreReceiver):
     def __init__(
         self,
@@ -51,6 +62,7 @@ class InProcReceiver(CoreReceiver):
         secret: bytes | None = None,
         max_request_blocks: int | None = None,
     ) -> None:
+        _host_only(kv)
         self.secret = auth.check_secret(secret)
         address = f"inproc://{name if name is not None else f'receiver-{next(_names)}'}"
         self.core = ReceiverCore(
@@ -77,6 +89,7 @@ class InProcSender(SenderBase):
         fault_hook: FaultHook | None = None,
         secret: bytes | None = None,
     ) -> None:
+        _host_only(kv)
         super().__init__(kv, fingerprint, metrics, fault_hook)
         self.secret = auth.check_secret(secret)
         # address -> handshaken receiver, and how its ranks take ours (another width)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tandem.kv_transfer.inproc as inproc_mod
+from tandem.errors import ConfigError
 from tandem.kv_transfer import (
     Destination,
     HandshakeError,
@@ -455,3 +456,13 @@ def test_the_owner_is_told_each_time_a_reservation_ends(link) -> None:
         receiver.release(rid)
     dst.pool.free([b for blocks in ids.values() for b in blocks] + list(more.block_ids))
     src.pool.free(src_ids)
+
+
+@pytest.mark.parametrize("make", [make_sender, make_receiver])
+def test_a_cache_off_the_host_is_refused_by_name(make, fp) -> None:
+    # Its copies are memmoves: a CUDA cache's pointers crashed the process. (A "meta"
+    # tensor stands in for a device cache here.)
+    kv = torch.empty(make_side(4).kv.shape, device="meta")
+    with pytest.raises(ConfigError, match="inproc copies KV caches in host memory only, and "
+                       "this one is on meta; use kv_backend: ucx"):  # fmt: skip
+        make("inproc", kv, fp)

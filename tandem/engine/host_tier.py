@@ -156,7 +156,9 @@ def _page_lock(owner: object, tensor: torch.Tensor) -> None:
     stays pageable: its copies are then staged by the driver, slower, still right."""
     cudart = torch.cuda.cudart()
     ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    status = int(cudart.cudaHostRegister(ptr, size, 0))
+    # cudaHostRegisterPortable: page-locked for every device's context, not only the
+    # current device's (which need not be the cache's).
+    status = int(cudart.cudaHostRegister(ptr, size, 1))
     if status != 0:
         log.warning(
             "host KV tier: cudaHostRegister of %d bytes failed (cudaError %d); the tier "

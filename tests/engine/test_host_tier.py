@@ -181,6 +181,7 @@ class _FakeCudart:
         self.registered: dict[int, int] = {}
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        assert flags == 1  # portable: locked for every device's context
         if self.status == 0:
             self.registered[ptr] = size
         return self.status

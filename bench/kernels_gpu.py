@@ -136,18 +136,23 @@ class Bench:
             try:
                 row = fn()
                 row.section, row.case = section, case
-            except ImportError as exc:  # a bare GPU image: torch and triton, little else
-                row = Row(section, case, note=f"skipped: needs {exc.name or exc}, not installed")
             except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
-                traceback.print_exc(file=sys.stdout)
-                row = Row(section, case, ok=False, note=f"ERROR {type(exc).__name__}: {exc}")
-                self.check_device()
+                row = self._failed(section, case, exc)
             row.data["wall_s"] = round(time.monotonic() - t0, 2)
         self.rows.append(row)
         status = {None: "--", True: "ok", False: "FAIL"}[row.ok]
         print(f"[{time.monotonic() - self.start:6.1f}s] {section:8} {case:36} {status:4} "
               f"{_fmt(row.ms)} ms {row.rate} {row.note}", flush=True)  # fmt: skip
         return row
+
+    def _failed(self, section: str, case: str, exc: Exception) -> Row:
+        """The row of a case that raised: skipped where it needs a module this machine
+        lacks (a bare GPU image has torch and triton), else failed."""
+        if isinstance(exc, ModuleNotFoundError) and _optional(exc.name):
+            return Row(section, case, note=f"skipped: needs {exc.name}, not installed")
+        traceback.print_exc(file=sys.stdout)
+        self.check_device()
+        return Row(section, case, ok=False, note=f"ERROR {type(exc).__name__}: {exc}")
 
     def median_ms(self, fn, target_ms: float = 150.0, max_runs: int = 200) -> float:
         """Median of CUDA-event times of ``fn`` after warm-up, L2 flushed before each run."""
@@ -174,6 +179,12 @@ class Bench:
             e.record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def _optional(module: str | None) -> bool:
+    """Whether a missing ``module`` is one a GPU image may lack, not a bug: anything
+    but tandem's own modules and the kernels' torch and triton."""
+    return bool(module) and module.split(".")[0] not in ("tandem", "torch", "triton")
 
 
 def _event() -> torch.cuda.Event:

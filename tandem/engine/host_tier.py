@@ -13,7 +13,7 @@ The tier's tensor holds each block's rows of every layer, K and V, contiguously
 ([blocks, layers, 2, block_size, ...], the cache's dtype), so that a block moves
 between a CUDA cache and the tier as one DMA of contiguous host memory (torch
 gathers the device side's strided rows on the device). On a CUDA cache the tier
-is page-locked at its exact size with ``cudaHostRegister``: torch's pinned
+is page-locked at its exact size (``cuMemHostRegister``): torch's pinned
 allocator rounds each allocation up to a power of two, which would lock up to
 twice the configured bytes. Counters (for
 Status and the metrics): blocks held, swaps out and in, prefix blocks served.
@@ -24,6 +24,7 @@ heads (tandem/engine/parallel.py), so only this one decides where blocks go.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import weakref
 from collections import OrderedDict
@@ -44,7 +45,8 @@ class HostTier:
         shape = (num_blocks, *cache.shape[:2], *cache.shape[3:])
         self.tensor = torch.zeros(shape, dtype=cache.dtype)
         if cache.is_cuda:
-            _page_lock(self, self.tensor)
+            with torch.cuda.device(cache.device):  # its context, not device 0's
+                _page_lock(self, self.tensor)
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))
         self._prefix: OrderedDict[int, int] = OrderedDict()  # hash -> block, oldest first
@@ -150,23 +152,39 @@ class HostTier:
         assert len(set(self._free)) == len(self._free), "host tier: a block is free twice"
 
 
+# cuMemHostRegister's flag: page-locked for every device's context, not only the
+# current one's.
+_PORTABLE = 1
+
+
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _page_lock(owner: object, tensor: torch.Tensor) -> None:
-    """Page-lock ``tensor``'s memory for as long as ``owner`` lives (torch's own
-    distributed checkpoint stager does the same); where the driver refuses, the tier
-    stays pageable: its copies are then staged by the driver, slower, still right."""
-    cudart = torch.cuda.cudart()
+    """Page-lock ``tensor``'s memory for as long as ``owner`` lives, in the current
+    device's context. Through the driver API rather than cudaHostRegister: a failed
+    runtime call leaves its error for the next kernel launch's check to raise (torch
+    does not clear it), while a driver call's failure ends here. Where the driver
+    refuses (the locked-memory limit, say), the tier stays pageable: its copies are
+    then staged by the driver, slower, still right."""
     ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    # cudaHostRegisterPortable: page-locked for every device's context, not only the
-    # current device's (which need not be the cache's).
-    status = int(cudart.cudaHostRegister(ptr, size, 1))
+    try:
+        driver = _driver()
+        register, unregister = driver.cuMemHostRegister_v2, driver.cuMemHostUnregister
+        register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        unregister.argtypes = [ctypes.c_void_p]
+        status = int(register(ptr, size, _PORTABLE))
+    except (OSError, AttributeError) as exc:  # no driver library here
+        status = f"{type(exc).__name__}: {exc}"
     if status != 0:
         log.warning(
-            "host KV tier: cudaHostRegister of %d bytes failed (cudaError %d); the tier "
-            "stays in pageable memory, and its copies are slower",
+            "host KV tier: page-locking its %d bytes failed (cuMemHostRegister: %s); the "
+            "tier stays in pageable memory, and its copies are slower",
             size,
             status,
         )
         return
     # Before the tensor's memory is freed: the owner's weak references are cleared
     # before its attributes are.
-    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+    weakref.finalize(owner, unregister, ptr)

@@ -126,3 +126,21 @@ def test_after_a_sticky_cuda_error_the_rest_is_skipped_and_reported(script, monk
     assert script.report(b, {"device": "cpu", "copy_gbps": float("nan")}) == 1
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])  # strict JSON: no NaN
     assert summary["copy_gbps"] is None and summary["failed"] == ["decode: raises"]
+
+
+def test_an_import_that_breaks_inside_tandem_or_triton_still_fails(script, capsys):
+    # Only a missing optional module skips a case: a renamed tandem module or a changed
+    # triton API passed the run as "not installed".
+    b = script.Bench(torch.device("cpu"), budget_s=60)
+    for name in ("tandem.kv_transfer.device_checksum", "triton.language.extra"):
+
+        def broken(name=name):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        assert b.run("checksum", name, broken).ok is False
+
+    def renamed():
+        raise ImportError("cannot import name 'checksum_triton'")
+
+    assert b.run("checksum", "renamed", renamed).ok is False
+    assert script.report(b, {"device": "cpu"}) == 1

@@ -4,6 +4,7 @@ same as without the tier, and no block stays held on either side."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 
@@ -175,37 +176,62 @@ def test_each_host_block_is_one_contiguous_run_of_every_layers_rows():
     assert torch.equal(other[:, :, 2], cache[:, :, 1])
 
 
-class _FakeCudart:
+class _FakeDriver:
+    """libcuda's two calls (functions take the argtypes that ctypes' do)."""
+
     def __init__(self, status: int = 0) -> None:
-        self.status = status
         self.registered: dict[int, int] = {}
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
-        assert flags == 1  # portable: locked for every device's context
-        if self.status == 0:
-            self.registered[ptr] = size
-        return self.status
+        def register(ptr: int, size: int, flags: int) -> int:
+            assert flags == 1  # portable: locked for every device's context
+            if status == 0:
+                self.registered[ptr] = size
+            return status
 
-    def cudaHostUnregister(self, ptr: int) -> int:
-        del self.registered[ptr]
-        return 0
+        def unregister(ptr: int) -> int:
+            del self.registered[ptr]
+            return 0
+
+        self.cuMemHostRegister_v2, self.cuMemHostUnregister = register, unregister
+
+
+class _CudaCache:
+    """What HostTier reads of a CUDA cache, on a machine without one."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape, self.dtype, self.is_cuda, self.device = shape, torch.bfloat16, True, "cuda:1"
 
 
 def test_a_gpu_host_tier_is_page_locked_at_its_exact_size_while_it_lives(monkeypatch):
     # torch.zeros(pin_memory=True) rounds up to a power of two: a 40 GiB tier locked 64.
-    cudart = _FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    owner, tensor = HostTier.__new__(HostTier), torch.zeros(3, 1000, dtype=torch.bfloat16)
-    host_tier._page_lock(owner, tensor)
-    assert cudart.registered == {tensor.data_ptr(): 6000}
-    del owner
+    driver = _FakeDriver()
+    monkeypatch.setattr(host_tier, "_driver", lambda: driver)
+    devices = []
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda d: devices.append(d) or contextlib.nullcontext()
+    )
+    tier = HostTier(_CudaCache((3, 2, 11, BLOCK, 2, 8)), num_blocks=5)
+    assert driver.registered == {tier.tensor.data_ptr(): 5 * 3 * 2 * BLOCK * 2 * 8 * 2}
+    assert devices == ["cuda:1"]  # registered in the cache's device's context
+    del tier
     gc.collect()
-    assert cudart.registered == {}
+    assert driver.registered == {}
 
 
 def test_a_host_tier_the_driver_will_not_lock_stays_pageable(monkeypatch, caplog):
-    cudart = _FakeCudart(status=2)  # cudaErrorMemoryAllocation
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    driver = _FakeDriver(status=2)  # CUDA_ERROR_OUT_OF_MEMORY
+    monkeypatch.setattr(host_tier, "_driver", lambda: driver)
     with caplog.at_level(logging.WARNING, logger="tandem.engine.host_tier"):
         host_tier._page_lock(HostTier.__new__(HostTier), torch.zeros(10))
-    assert "cudaHostRegister of 40 bytes failed (cudaError 2)" in caplog.text
+    assert "page-locking its 40 bytes failed (cuMemHostRegister: 2)" in caplog.text
+    assert driver.registered == {}
+
+
+def test_a_host_tier_without_a_driver_library_stays_pageable(monkeypatch, caplog):
+    def missing():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(host_tier, "_driver", missing)
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.host_tier"):
+        host_tier._page_lock(HostTier.__new__(HostTier), torch.zeros(10))
+    assert "(cuMemHostRegister: OSError: libcuda.so.1: cannot open" in caplog.text

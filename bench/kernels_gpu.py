@@ -29,7 +29,9 @@ In order, each case caught and reported on its own (a failure does not stop the 
    (kv_cache_dtype: int8; checked in section 2 too) against the same kernel over
    the bf16 cache it was quantized from; 11. tensor parallelism over NCCL, one rank
    per GPU (tandem/engine/parallel.py): greedy tokens of tiny-random on 2 ranks
-   against one GPU, float32, and the time of each (skipped with fewer than 2 GPUs).
+   against one GPU, float32, and the time of each (skipped with fewer than 2 GPUs);
+   12. the host KV tier behind a device cache: page-locked, 256 blocks swapped out
+   and in bit-identical, GB/s each way.
 Timings: CUDA events around each launch, L2 flushed before it, median of many runs
 after warm-up. Progress goes to stdout as it runs, then a table; the last line is
 JSON (NaN written as null). Exit status 1 if any check or timed case is wrong or
@@ -651,6 +653,39 @@ def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | 
     )
 
 
+def host_tier_case(b: Bench, blocks: int) -> Row:
+    """The host KV tier behind a cache on ``b.device`` (tandem/engine/host_tier.py):
+    page-locked at its exact size, and ``blocks`` 7B-style blocks (2 MiB each) swapped
+    out and back bit-identical; GB/s of each way, against the PCIe-bound ceiling
+    nothing here measures (read the two rates against each other and the link)."""
+    from tandem.engine.host_tier import HostTier
+
+    shape = (KV_SHAPE["layers"], 2, blocks + 1, BLOCK_SIZE, KV_SHAPE["kv_heads"],
+             KV_SHAPE["head_dim"])  # fmt: skip
+    cache = torch.randn(shape, device=b.device).to(torch.bfloat16)
+    tier = HostTier(cache, blocks)
+    pinned = tier.tensor.is_pinned() if b.cuda else None  # a host cache's tier is not
+    ids = list(range(blocks))
+    want = cache[:, :, :blocks].clone()
+    out_ms = b.median_ms(lambda: tier.copy_out(cache, ids, ids), max_runs=10)
+    cache[:, :, :blocks].zero_()
+    in_ms = b.median_ms(lambda: tier.copy_in(cache, ids, ids), max_runs=10)
+    same = torch.equal(cache[:, :, :blocks], want)
+    nbytes = want.numel() * want.element_size()
+    out_gbps, in_gbps = nbytes / out_ms / 1e6, nbytes / in_ms / 1e6
+    locked = {True: "page-locked", False: "NOT page-locked", None: "host cache"}[pinned]
+    return Row(
+        "",
+        "",
+        ok=same and pinned is not False,
+        ms=out_ms,
+        rate=f"{out_gbps:.1f} GB/s out",
+        note=f"{'bit-identical' if same else 'blocks DIFFER'}, "
+        f"{locked}; in {in_ms:.2f} ms ({in_gbps:.1f} GB/s), {nbytes / 2**20:.0f} MiB",
+        data={"bytes": nbytes, "out_gbps": round(out_gbps, 2), "in_gbps": round(in_gbps, 2)},
+    )
+
+
 def norm_rope_case(b: Bench, tokens: int) -> Row:
     from tandem.engine.rope import apply_rope
 
@@ -853,6 +888,7 @@ def run_on_gpu(b: Bench, args: argparse.Namespace, summary: dict, ops, torch_ref
     for mib in (64,) if args.quick else (16, 256):
         name = f"{mib} MiB on the device"
         b.run("checksum", name, partial(checksum_case, b, mib, copy_bw))
+    b.run("tier", "host tier, 256 blocks out and in", partial(host_tier_case, b, 256))
     gpus = torch.cuda.device_count()
     if gpus < 2:
         note = f"skipped: NCCL needs one rank per GPU, and this machine has {gpus}"

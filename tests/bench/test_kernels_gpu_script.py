@@ -70,6 +70,7 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     b.run("kvxfer", "ucx", lambda: script.kv_transfer_case(b, 1, 10.0))
     # Tensor parallelism as on GPUs with NCCL, with gloo on the CPU here.
     b.run("tp", "2 ranks", lambda: script.tensor_parallel_case(b, 2))
+    tier = b.run("tier", "host tier", lambda: script.host_tier_case(b, 3))
     tiles = {"block_n": 16, "num_warps": 1, "num_stages": 1}
     b.run("sweep", "tiles", lambda: script.decode_case(b, ops, 1, 20, 10.0, **tiles))
     b.run("broken", "raises", lambda: 1 / 0)
@@ -92,6 +93,7 @@ def test_timed_cases_run_and_report(script, monkeypatch, capsys):
     assert "sdpa_gbps" in rows["2 x 37"] and "sdpa_tflops" in rows["9 new"]
     assert rows["int8"]["bf16_over_int8"] > 0
     assert rows["norms"]["ok"] is None and rows["norms"]["rmsnorm_ms"] > 0
+    assert tier.ok is True and rows["host tier"]["out_gbps"] > 0, tier.note
 
 
 def test_a_case_that_needs_a_missing_module_is_skipped_not_failed(script, capsys):

@@ -112,8 +112,9 @@ class Gateway:
             raise
 
     def check_rate(self, key: ApiKey | None) -> None:
-        """Takes a call that is not a generation (model info, tokenize) from ``key``'s
-        rate; a refusal is counted, as a generation's is."""
+        """Takes a call from ``key``'s rate outside ``generate`` (model info, tokenize,
+        and HTTP's check before it reads a body); a refusal is counted, as
+        ``generate`` counts its own."""
         try:
             self.admission.check_rate(key)
         except RouterError as exc:

@@ -273,10 +273,11 @@ class LLMEngine:
             self._check_fits_whole(len(prompt_ids) + len(output_ids), "a prefill worker ships")
             return
         total = len(prompt_ids) + params.max_tokens
-        # Under a window no prompt chunk is longer than its segment or the prompt, and
-        # generated tokens are computed one at a time.
-        chunk = min(self.kv.window_step, max(1, len(prompt_ids)))
-        blocks = self.kv.max_blocks_per_sequence(total, chunk)
+        # Under a window a prompt is computed in segments: the first from an empty
+        # table, each later one after a slide; generated tokens one at a time.
+        step = self.kv.window_step
+        later = step if len(prompt_ids) > step else 1
+        blocks = self.kv.max_blocks_per_sequence(total, later, min(len(prompt_ids), step))
         if blocks > self.kv.pool.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",
@@ -419,7 +420,11 @@ class LLMEngine:
             # the scheduler allocates as the window slides.
             arrived = len(seq.token_ids) if transfer else seq.num_computed
             chunk = 1 if transfer else self.kv.window_chunk(seq, seq.num_uncomputed)
-            held = self.kv.max_blocks_per_sequence(total, chunk) * self.kv.block_size
+            # A prompt held whole slides only once it is computed: one token at a time
+            # after it (a full window before it overcounted, and an idle worker refused
+            # the moved stream for ever).
+            later = 1 if prompt_whole else chunk
+            held = self.kv.max_blocks_per_sequence(total, later) * self.kv.block_size
             evicted = seq.num_evicted_blocks * self.kv.block_size
             total = min(total, max(arrived + chunk, evicted + held))
         if not self.kv.ensure(seq, total):

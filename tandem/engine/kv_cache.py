@@ -99,14 +99,18 @@ class KVCache:
         """Where the first ``num_tokens`` of ``seq`` end in its block table (tokens)."""
         return num_tokens - seq.num_evicted_blocks * self.block_size
 
-    def max_blocks_per_sequence(self, num_tokens: int, chunk_tokens: int) -> int:
-        """The most blocks a sequence of ``num_tokens`` holds at once, computed in
-        steps of at most ``chunk_tokens`` (bounded by the window where there is one)."""
+    def max_blocks_per_sequence(
+        self, num_tokens: int, chunk_tokens: int, first_tokens: int = 0
+    ) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once: its first
+        ``first_tokens`` held whole before any slide (a first prompt segment, a prompt
+        computed or arrived whole), then steps of at most ``chunk_tokens`` computed
+        after a slide (bounded by the window where there is one)."""
         if self.window_tokens is None:
             return self.blocks_for(num_tokens)
         # After a slide the table holds the sinks and fewer than window + block tokens.
         kept = self.sink_blocks * self.block_size + self.window_tokens + self.block_size - 1
-        return self.blocks_for(min(num_tokens, kept + chunk_tokens))
+        return self.blocks_for(min(num_tokens, max(first_tokens, kept + chunk_tokens)))
 
     def slide(self, seq: Sequence) -> int:
         """With a KV window: free the oldest blocks after the sinks while the rest still

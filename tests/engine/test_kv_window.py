@@ -194,3 +194,45 @@ def test_what_a_windowed_prompt_sees_does_not_depend_on_its_batch_or_the_cache(t
     warm.generate([prompt[:40]], SamplingParams(max_tokens=1, temperature=0))
     assert warm.generate([prompt], params)[0] == alone
     assert warm.kv.prefix_hit_tokens > 0
+
+
+def _run(engine) -> tuple[list[int], int]:
+    """Step ``engine`` to the end: (its tokens, the most blocks it held in a step)."""
+    tokens, peak = [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.token_ids
+        peak = max(peak, engine.kv.pool.num_used)
+    return tokens, peak
+
+
+def test_a_prompt_that_fits_as_its_first_segment_is_accepted_with_the_window_beyond():
+    # A 40-token prompt is one segment (the step budget is 1024): it is held whole from
+    # an empty table, then the window slides. The bound charged a full window before
+    # it too (15 + 40 tokens, 14 blocks) and refused what 10 blocks run.
+    prompt, params = [7] * 40, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    small = _window_engine(num_blocks=12)
+    small.validate(prompt, params)
+    small.add_request(prompt, params, "r")
+    tokens, peak = _run(small)
+    big = _window_engine(num_blocks=64)
+    big.add_request(prompt, params, "r")
+    assert tokens == _run(big)[0] and len(tokens) == 50
+    assert peak <= small.kv.max_blocks_per_sequence(90, 1, 40) <= 12
+    assert small.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("moved_after", [0, 5])
+def test_a_prompt_computed_whole_is_reserved_as_the_window_holds_it(moved_after):
+    # The router places a stream moved off a lost windowed worker with prompt_whole: its
+    # reservation counted a full window before the prompt too (14 blocks of 12), and an
+    # idle worker refused the stream as full for ever.
+    prompt, params = [7] * 40, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    big = _window_engine(num_blocks=64, max_num_batched_tokens=16)
+    big.prefill_here(prompt, params, "m", prompt_whole=True)
+    expected = _run(big)[0]
+    small = _window_engine(num_blocks=12, max_num_batched_tokens=16)
+    small.prefill_here(prompt, params, "m", output_ids=expected[:moved_after], prompt_whole=True)
+    tokens, peak = _run(small)
+    assert tokens == expected[moved_after:]
+    assert peak <= 12 and small.kv.pool.num_used == 0

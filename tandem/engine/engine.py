@@ -420,10 +420,12 @@ class LLMEngine:
             # the scheduler allocates as the window slides.
             arrived = len(seq.token_ids) if transfer else seq.num_computed
             chunk = 1 if transfer else self.kv.window_chunk(seq, seq.num_uncomputed)
-            # A prompt held whole slides only once it is computed: one token at a time
-            # after it (a full window before it overcounted, and an idle worker refused
-            # the moved stream for ever).
-            later = 1 if prompt_whole else chunk
+            # What is held now (the arrived KV, or the segment to compute on what the
+            # table holds) slides only once computed: then one token at a time, or the
+            # next segment of a prompt longer than one. (A full window before a prompt
+            # held whole overcounted, and an idle worker refused it for ever.)
+            one_segment = seq.num_prompt_tokens <= self.kv.window_step
+            later = 1 if prompt_whole or one_segment else chunk
             held = self.kv.max_blocks_per_sequence(total, later) * self.kv.block_size
             evicted = seq.num_evicted_blocks * self.kv.block_size
             total = min(total, max(arrived + chunk, evicted + held))

@@ -206,17 +206,20 @@ def _run(engine) -> tuple[list[int], int]:
     return tokens, peak
 
 
-def test_a_prompt_that_fits_as_its_first_segment_is_accepted_with_the_window_beyond():
+@pytest.mark.parametrize("where", ["add_request", "prefill_here"])
+def test_a_prompt_that_fits_as_its_first_segment_is_accepted_with_the_window_beyond(where):
     # A 40-token prompt is one segment (the step budget is 1024): it is held whole from
     # an empty table, then the window slides. The bound charged a full window before
-    # it too (15 + 40 tokens, 14 blocks) and refused what 10 blocks run.
+    # it too (15 + 40 tokens, 14 blocks) and refused what 10 blocks run; a decode
+    # worker's own prefill (prefill_here) must then reserve no more than that either,
+    # or an idle worker refuses it as full for ever.
     prompt, params = [7] * 40, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     small = _window_engine(num_blocks=12)
     small.validate(prompt, params)
-    small.add_request(prompt, params, "r")
+    getattr(small, where)(prompt, params, "r")
     tokens, peak = _run(small)
     big = _window_engine(num_blocks=64)
-    big.add_request(prompt, params, "r")
+    getattr(big, where)(prompt, params, "r")
     assert tokens == _run(big)[0] and len(tokens) == 50
     assert peak <= small.kv.max_blocks_per_sequence(90, 1, 40) <= 12
     assert small.kv.pool.num_used == 0

@@ -615,6 +615,7 @@ def checksum_case(b: Bench, size_mib: float, copy_gbps: float, kv_shape: dict | 
     from tandem.kv_transfer import device_checksum
 
     shape = kv_shape or KV_SHAPE
+    # KVShape.block_bytes, without tandem.bench.transfer (and the grpc it imports).
     block_bytes = shape["layers"] * 2 * BLOCK_SIZE * shape["kv_heads"] * shape["head_dim"] * 2
     blocks = max(1, round(size_mib * 2**20 / block_bytes))
     dims = (shape["layers"], 2, blocks + 1, BLOCK_SIZE, shape["kv_heads"], shape["head_dim"])

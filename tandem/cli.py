@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the processes' logs (in the run dir): text lines, or one JSON object per line",
     )
     serve.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="the run dir: each process's config and log, kept after the stop (default: a "
+        "new temporary directory each run); a start keeps the last run's logs as NAME.log.1",
+    )
+    serve.add_argument(
         "--config",
         default=None,
         help="YAML: num_prefill, num_decode, engine:, router:, prefill:, decode: sections",
@@ -400,6 +407,7 @@ class _Stream:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start a local cluster, stream an answer through it, stop it."""
     import dataclasses
+    import shutil
     import signal
 
     from tandem.deploy.local import LocalCluster
@@ -415,14 +423,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     connect = client_kwargs(args)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop in order, as on Ctrl-C
         signal.signal(sig, signal.default_int_handler)
-    with LocalCluster(config) as cluster:
-        log.info("demo: router on %s; streaming an answer to: %s", cluster.address, args.prompt)
-        _generate_remote(cluster.address, args.prompt, False, params, timeout=300,
-                         connect=connect)  # fmt: skip
-        from tandem.bench.load.cli import demo_load
+    cluster = LocalCluster(config)
+    try:
+        with cluster:
+            log.info("demo: router on %s; streaming an answer to: %s", cluster.address,
+                     args.prompt)  # fmt: skip
+            _generate_remote(cluster.address, args.prompt, False, params, timeout=300,
+                             connect=connect)  # fmt: skip
+            from tandem.bench.load.cli import demo_load
 
-        demo_load(cluster.address, **connect)
-        log.info("demo: stopping the cluster")
+            demo_load(cluster.address, **connect)
+            log.info("demo: stopping the cluster")
+    except BaseException:
+        log.error("demo: the processes' logs are in %s", cluster.run_dir)
+        raise
+    if cluster.owns_run_dir:  # a clean run leaves nothing behind
+        shutil.rmtree(cluster.run_dir, ignore_errors=True)
     return 0
 
 
@@ -445,7 +461,7 @@ def serve_config(args: argparse.Namespace):
     # Into the YAML's values, not onto the built config: building it checks the worker
     # counts against the disaggregation mode.
     flags = (("num_prefill", prefill), ("num_decode", decode), ("threads_per_worker", args.threads),
-             *((key, getattr(args, key, None)) for key in ("metrics",
+             *((key, getattr(args, key, None)) for key in ("metrics", "log_dir",
                "prefill_tensor_parallel_size", "decode_tensor_parallel_size")))  # fmt: skip
     values.update({key: value for key, value in flags if value is not None})
     if mode is not None:

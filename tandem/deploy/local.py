@@ -38,6 +38,7 @@ no orphan keeps a port or memory.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import shutil
@@ -103,6 +104,10 @@ class ClusterConfig:
     # Every process serves Prometheus metrics on a free port (a role section's own
     # metrics_port wins); False: only where a role section sets one.
     metrics: bool = False
+    # Where each process's config and log go, and the Prometheus targets file (None: a
+    # fresh temporary directory per run). A start keeps the last run's logs as
+    # NAME.log.1; one launcher at a time may use the directory.
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -196,9 +201,13 @@ class LocalCluster:
     }
 
     def __init__(self, config: ClusterConfig, run_dir: str | Path | None = None) -> None:
+        """``run_dir``: where the processes' configs and logs go (default: the config's
+        ``log_dir``, else a fresh temporary directory, ``owns_run_dir``)."""
         self.config = config
+        run_dir = run_dir or (config.log_dir and Path(config.log_dir).expanduser())
+        self.owns_run_dir = not run_dir
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="tandem-run-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_dir_lock: int | None = None  # held from start() to the end of stop()
         self.processes: list[_Process] = []
         self._gone: list[_Process] = []  # exited, as newly_exited reported them
         self.address: str | None = None
@@ -220,6 +229,7 @@ class LocalCluster:
         engine = dataclasses.replace(cfg.engine, num_threads=cfg.worker_threads())
         self._lifeline = self._lifeline or Lifeline()
         try:
+            self._lock_run_dir()
             cluster = self.security = self._cluster_security()
             self._credentials = ClusterCredentials.load(cluster)
             prefill_cfg = dataclasses.replace(
@@ -324,6 +334,8 @@ class LocalCluster:
         env = ucx_env_defaults(dict(os.environ), cuda=engine is not None and on_gpu(engine.device))
         threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
         env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
+        if log_path.exists() and log_path.stat().st_size:  # the last run's, kept once
+            log_path.replace(log_path.with_name(f"{log_path.name}.1"))
         log_path.write_bytes(b"")
         popen = subprocess.Popen(
             self._lifeline.command(module, ["--config", str(config_path)]),
@@ -392,6 +404,33 @@ class LocalCluster:
             if self._lifeline is not None:
                 self._lifeline.close()
                 self._lifeline = None
+            if self._run_dir_lock is not None:
+                os.close(self._run_dir_lock)  # and with it the lock
+                self._run_dir_lock = None
+
+    def _lock_run_dir(self) -> None:
+        """Makes the run dir and takes it for this launcher: two clusters writing the same
+        logs, configs and targets file would garble each other's (``log_dir``)."""
+        if self._run_dir_lock is not None:
+            return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # a file in the way, a read-only disk: a setting to fix
+            raise ConfigError(f"cannot use the log directory {self.run_dir}: {exc.strerror} "
+                              "(log_dir, --log-dir)") from None  # fmt: skip
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"the log directory {self.run_dir} is in use by another launcher (pid "
+                f"{holder}); give this one its own (log_dir, --log-dir)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._run_dir_lock = fd
 
     def newly_exited(self) -> list[_Process]:
         """The processes that have exited since the last call (this launcher does not

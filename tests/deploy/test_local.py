@@ -16,6 +16,7 @@ import yaml
 from tandem.config import EngineConfig
 from tandem.deploy.local import ClusterConfig, LocalCluster, StartError
 from tandem.engine.loader import resolve_model
+from tandem.errors import ConfigError
 from tests.processes import alive, survivors
 
 FAKE = "tests.deploy.fake_process"
@@ -277,3 +278,36 @@ def test_an_operators_own_credentials_are_used_as_they_are_and_kept(tmp_path):
     assert yaml.safe_load((tmp_path / "off" / "decode-0.yaml").read_text())["cluster"] == {
         **vars(ClusterSecurityConfig()), "insecure": True
     }  # fmt: skip
+
+
+def test_a_log_dir_keeps_the_last_runs_logs_and_serves_one_launcher_at_a_time(tmp_path):
+    logs = tmp_path / "var" / "tandem"  # made at start
+    config = _config(log_dir=str(logs))
+    first = FakeCluster(config)
+    first.start()
+    try:
+        assert first.run_dir == logs and not first.owns_run_dir
+        assert "fake router starting" in (logs / "router.log").read_text()
+        # A second launcher on the same directory would garble the first one's logs,
+        # configs and targets file: refused by name, before it starts anything.
+        second = FakeCluster(config)
+        with pytest.raises(ConfigError, match=rf"{logs} is in use .*pid {os.getpid()}.*log_dir"):
+            second.start()
+        assert second.started == []
+    finally:
+        first.stop()
+    (logs / "decode-0.log").write_text("the last run's last words\n")
+    again = FakeCluster(config)  # the directory is free once the first has stopped
+    again.start()
+    again.stop()
+    assert (logs / "decode-0.log.1").read_text() == "the last run's last words\n"
+    assert "fake decode starting" in (logs / "decode-0.log").read_text()
+    assert not any(alive(p) for p in first.started + again.started)
+
+
+def test_a_log_dir_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    cluster = FakeCluster(_config(log_dir=str(tmp_path / "file" / "logs")))
+    with pytest.raises(ConfigError, match=r"cannot use the log directory .*file/logs.*log_dir"):
+        cluster.start()
+    assert cluster.started == []

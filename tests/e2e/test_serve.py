@@ -23,7 +23,9 @@ from tests.processes import survivors
 
 
 def test_serve_prints_the_address_serves_and_stops_every_process_on_sigint(tmp_path):
-    proc = _serve(_config(tmp_path, port=0), "--metrics", "--log-format", "json")
+    logs = tmp_path / "logs-of-this-run"  # --log-dir wins over the YAML's log_dir
+    proc = _serve(_config(tmp_path, port=0), "--metrics", "--log-format", "json",
+                  "--log-dir", str(logs))  # fmt: skip
     try:
         address = _serving_address(proc)
         metrics = {}
@@ -51,6 +53,7 @@ def test_serve_prints_the_address_serves_and_stops_every_process_on_sigint(tmp_p
         assert not survivors(children, within_s=10.0), "a worker outlived tandem serve"
         # --log-format json: every process logged one JSON object per line.
         run_dir = Path(targets).parent
+        assert run_dir == logs
         for name in ("router", "prefill-0", "decode-0"):
             lines = (run_dir / f"{name}.log").read_text().splitlines()
             records = [json.loads(line) for line in lines if line.startswith("{")]
@@ -111,16 +114,17 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _serve_with_fakes(env: dict[str, str] | None = None) -> subprocess.Popen:
+def _serve_with_fakes(log_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0"],
+        [sys.executable, "-c", _SERVE_WITH_FAKES, "serve", "--model", "tiny-random", "--port", "0",
+         "--log-dir", str(log_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
 
 
 def test_sigterm_while_serve_starts_stops_what_it_started(tmp_path):
     env = {**os.environ, "FAKE_MODE_ROUTER": "silent"}  # start-up never ends by itself
-    proc = _serve_with_fakes(env)
+    proc = _serve_with_fakes(tmp_path, env)
     try:
         deadline = time.monotonic() + 60
         while len(children := psutil.Process(proc.pid).children()) < 3:  # the router started
@@ -154,7 +158,7 @@ def test_a_taken_port_fails_serve_before_any_worker_starts(flag):
 def test_a_hangup_stops_serve_in_order_as_ctrl_c_does(tmp_path):
     # A closed terminal or a lost ssh session: SIGHUP ended the launcher at once (exit
     # 129), its streams cut, and its children went on their lifelines.
-    proc = _serve_with_fakes()
+    proc = _serve_with_fakes(tmp_path)
     try:
         assert proc.stdout.readline().startswith("tandem: serving tiny-random on ")
         children = psutil.Process(proc.pid).children()
@@ -167,7 +171,7 @@ def test_a_hangup_stops_serve_in_order_as_ctrl_c_does(tmp_path):
 
 
 def test_serve_reports_a_process_that_dies_and_ends_when_the_router_does(tmp_path):
-    proc = _serve_with_fakes()
+    proc = _serve_with_fakes(tmp_path)
     try:
         assert proc.stdout.readline().startswith("tandem: serving tiny-random on ")
         by_role = {}
@@ -195,6 +199,7 @@ def _config(tmp_path, port: int, num_blocks: int = 64):
         "router": {"port": port, "max_queue": 8},
         "decode": {"kv_lease_s": 10.0},
         "startup_timeout_s": 300,
+        "log_dir": str(tmp_path / "logs"),
     }))  # fmt: skip
     return config
 
@@ -211,6 +216,21 @@ def _serving_address(proc: subprocess.Popen) -> str:
     match = re.fullmatch(r"tandem: serving tiny-random on (127\.0\.0\.1:\d+)\n", line)
     assert match, line + proc.stderr.read() if proc.poll() is not None else line
     return match.group(1)
+
+
+def test_demo_streams_an_answer_runs_a_load_test_and_leaves_nothing_behind(tmp_path):
+    # `make demo`'s command, on the tiny model; each run used to leave its run dir.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "demo", "--model", "tiny-random", "--threads", "1",
+         "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 output tokens, finish=length" in proc.stderr
+    assert re.search(r"requests +16 completed, 0 failed", proc.stdout + proc.stderr)
+    assert list(tmp.iterdir()) == []
 
 
 def _free_port() -> int:

@@ -38,6 +38,7 @@ def served(tmp_path_factory):
         "threads_per_worker": 1,
         "engine": {"model": "tiny-random", "num_blocks": 64},
         "router": {"port": 0},
+        "log_dir": str(tmp / "logs"),
         "cluster": {name: getattr(own, name)
                     for name in ("ca_file", "cert_file", "key_file", "kv_secret_file")},
     }))  # fmt: skip

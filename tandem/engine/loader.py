@@ -406,22 +406,21 @@ def gguf_rope_scaling(gguf: Path) -> dict:
     run with plain RoPE past its trained positions: wrong tokens, no error. A scaling
     Tandem does not run is refused by ModelConfig; Llama 3's, which a GGUF stores as
     a frequency tensor, is refused here."""
-    from gguf import GGUFReader
+    from tandem.engine.gguf_meta import read_gguf_meta
 
     try:
-        reader = GGUFReader(str(gguf))
-        arch = reader.fields["general.architecture"].contents()
-    except Exception as exc:  # the reader's own errors for a file that is not GGUF
+        meta = read_gguf_meta(gguf)
+        arch = meta.fields["general.architecture"]
+    except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"cannot read the GGUF metadata of {gguf}: {exc}") from exc
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if "rope_freqs.weight" in meta.tensor_names:
         raise ConfigError(
             f"{gguf} scales RoPE with per-frequency factors (rope_freqs.weight, as Llama 3.1 "
             "does), which Tandem cannot take from a GGUF: use the model's Hugging Face directory"
         )
 
     def field(name: str):
-        found = reader.fields.get(f"{arch}.rope.scaling.{name}")
-        return None if found is None else found.contents()
+        return meta.fields.get(f"{arch}.rope.scaling.{name}")
 
     kind = field("type")
     if kind in (None, "none"):

@@ -18,8 +18,8 @@ be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
 4. otherwise on the prefill pool ("long").
 
 Whatever the mode, a request moved off a lost worker onto a decode worker with a
-KV window (``kv_window_tokens`` in its Status) is prefilled there ("moved under a
-kv window"). The lost worker computed its generated tokens one at a time, each
+KV window (``kv_window_tokens`` in its Status; the relay asks a worker added since the
+last poll for its Status first) is prefilled there ("moved under a kv window"). The lost worker computed its generated tokens one at a time, each
 over the window as it was; a prefill worker would compute them in one prefill with
 full attention (other KV, so other tokens), and must hold them whole, which a
 stream that ran past the pool cannot be. The decode worker recomputes them as they

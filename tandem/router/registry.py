@@ -243,7 +243,7 @@ class WorkerRegistry:
         await asyncio.gather(*(t for w in workers for t in w.closing), return_exceptions=True)
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll_guarded(w) for w in self.workers()))
+        await asyncio.gather(*(self.poll_now(w) for w in self.workers()))
         polled, self._polled = self._polled, None
         if polled is not None:
             polled.set()
@@ -258,8 +258,9 @@ class WorkerRegistry:
                 log.exception("status poll round failed")
             await asyncio.sleep(self.status_interval_s)
 
-    async def _poll_guarded(self, worker: Worker) -> None:
-        """``_poll``, with any failure but a failed call (a reply this router cannot
+    async def poll_now(self, worker: Worker) -> None:
+        """One Status of ``worker`` (each round's, or one now for a worker added since
+        the last): ``_poll``, with any failure but a failed call (a reply this router cannot
         read: another version's) taking the worker out of placement, not the poller."""
         try:
             await self._poll(worker)
@@ -269,7 +270,8 @@ class WorkerRegistry:
             self.mark_down(worker, f"Status reply not understood ({exc!r})")
 
     async def _poll(self, worker: Worker) -> None:
-        # Generous: one poll is outstanding per worker, and only the window below counts.
+        # Generous: one poll is outstanding per worker (two when a move asks for one),
+        # and only the window below counts.
         timeout = min(max(2.0, self.status_interval_s), self.worker_timeout_s)
         # As the call goes (see "Load" above).
         active = worker.inflight - worker.shipping

@@ -480,11 +480,15 @@ class Relay:
                 self.metrics.retried(Pool.DECODE.value)
             worker = self._pick(Pool.DECODE, candidates, tokens, worker_req.cache_salt)
             tried.append(worker)
+            moved = bool(worker_req.output_token_ids)
+            if moved and not worker.kv_block_size:  # added since the last poll: its window
+                await self.registry.poll_now(worker)  # decides where a move is prefilled
+                if not worker.healthy:
+                    continue
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
             # What the worker would have to compute if it prefilled: less its cached prefix.
             to_compute = len(tokens) - self.policy.cached_tokens
-            moved = bool(worker_req.output_token_ids)
             decision = self.routing.decide(to_compute, prefill, worker.load(), moved)
             self.registry.acquire(worker)
             request = worker_pb2.DecodeRequest(

@@ -13,7 +13,7 @@ from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
 from tandem.router.placement import Pool
 from tandem.router.relay import DecodeCapacity
-from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, wait_until
+from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, serve, wait_until
 
 
 def run(coro):
@@ -328,6 +328,30 @@ def test_a_stream_moved_onto_a_windowed_decode_worker_is_prefilled_there(fronten
             assert len(c.prefill[0].calls) == 1  # the first attempt's only
             # whose prompt the prefill pool computed whole: so is it here again
             assert moved.prompt_whole and not c.decode[0].calls[0].request.prompt_whole
+            assert c.router.relay.routing.counts["moved under a kv window"] == 1
+
+    run(scenario())
+
+
+def test_a_stream_moved_onto_a_windowed_worker_added_since_the_last_poll_is_prefilled_there(
+    frontend,
+):
+    # Before its first Status the router took the new worker for one without a window
+    # and sent the move to the prefill pool: other tokens than the lost worker's.
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)
+        async with cluster(frontend, decode=[dying], status_interval_s=3600) as c:
+            added = await serve(FakeDecode(kv_window_tokens=32))
+            c.decode.append(added)  # stopped with the others
+            c.router.registry.add_worker(Pool.DECODE, added.address)
+            stream = c.client.generate("hello", request_id="req-1")
+            assert [(await anext(stream)).token_ids for _ in range(2)] == [(10,), (11,)]
+            await dying.stop()
+            rest = [t for chunk in [chunk async for chunk in stream] for t in chunk.token_ids]
+            assert rest == [12, 13, 14]
+            moved = added.calls[0].request
+            assert moved.prefill_here and list(moved.request.output_token_ids) == [10, 11]
+            assert len(c.prefill[0].calls) == 1  # the first attempt's only
             assert c.router.relay.routing.counts["moved under a kv window"] == 1
 
     run(scenario())

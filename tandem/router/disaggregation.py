@@ -19,10 +19,11 @@ be decoded. The rule (``conditional``; thresholds in ``DisaggregationConfig``):
 
 Whatever the mode, a request moved off a lost worker onto a decode worker with a
 KV window (``kv_window_tokens`` in its Status; the relay asks a worker added since the
-last poll for its Status first) is prefilled there ("moved under a kv window"). The lost worker computed its generated tokens one at a time, each
-over the window as it was; a prefill worker would compute them in one prefill with
-full attention (other KV, so other tokens), and must hold them whole, which a
-stream that ran past the pool cannot be. The decode worker recomputes them as they
+last poll for its Status first) is prefilled there ("moved under a kv window"). The
+lost worker computed its generated tokens one at a time, each over the window as it
+was; a prefill worker would compute them in one prefill with full attention (other
+KV, so other tokens), and must hold them whole, which a stream that ran past the pool
+cannot be. The decode worker recomputes them as they
 were first computed, one per step: exact, at a step per streamed token. Its prompt
 is computed as it first was: whole (``prompt_whole``) when the prefill pool computed
 it, else in the window's segments.

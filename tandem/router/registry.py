@@ -85,6 +85,7 @@ class Worker:
     # yet (request id -> tokens to compute): one step will compute them together.
     prefilling: dict[str, int] = field(default_factory=dict)
     closing: list[asyncio.Task] = field(default_factory=list)
+    polling: asyncio.Future | None = None  # its Status call on its way, if one is
 
     def load(self) -> WorkerLoad:
         # A worker's Status numbers are a snapshot: calls this router made since are not
@@ -238,6 +239,10 @@ class WorkerRegistry:
             self._poller = None
         workers = list(self._workers.values())
         self._workers.clear()
+        polls = [w.polling for w in workers if w.polling is not None]
+        for poll in polls:  # a move's, which the poller's cancel did not reach
+            poll.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
         for worker in workers:
             self._close(worker)
         await asyncio.gather(*(t for w in workers for t in w.closing), return_exceptions=True)
@@ -259,19 +264,31 @@ class WorkerRegistry:
             await asyncio.sleep(self.status_interval_s)
 
     async def poll_now(self, worker: Worker) -> None:
-        """One Status of ``worker`` (each round's, or one now for a worker added since
-        the last): ``_poll``, with any failure but a failed call (a reply this router cannot
+        """A Status of ``worker`` (each round's, or one now for a worker added since the
+        last): the one on its way if there is one, so that answers never land out of order."""
+        if worker.polling is None or worker.polling.done():
+            worker.polling = asyncio.ensure_future(self._poll_guarded(worker))
+        await asyncio.shield(worker.polling)  # a cancelled caller leaves it to the others
+
+    async def _poll_guarded(self, worker: Worker) -> None:
+        """``_poll``, with any failure but a failed call (a reply this router cannot
         read: another version's) taking the worker out of placement, not the poller."""
         try:
             await self._poll(worker)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this poll itself is being cancelled
+                raise
+            # grpc.aio ends a call so when its channel closes: the worker was removed
+            # (the poll round, or a move waiting on it, goes on without it).
+            if not worker.removed:
+                self.mark_down(worker, "its Status call was cancelled (its channel closed)")
         except Exception as exc:
             log.exception("%s worker %s: Status reply not understood", worker.pool.value,
                           worker.address)  # fmt: skip
             self.mark_down(worker, f"Status reply not understood ({exc!r})")
 
     async def _poll(self, worker: Worker) -> None:
-        # Generous: one poll is outstanding per worker (two when a move asks for one),
-        # and only the window below counts.
+        # Generous: one poll is outstanding per worker, and only the window below counts.
         timeout = min(max(2.0, self.status_interval_s), self.worker_timeout_s)
         # As the call goes (see "Load" above).
         active = worker.inflight - worker.shipping

@@ -483,7 +483,7 @@ class Relay:
             moved = bool(worker_req.output_token_ids)
             if moved and not worker.kv_block_size:  # added since the last poll: its window
                 await self.registry.poll_now(worker)  # decides where a move is prefilled
-                if not worker.healthy:
+                if not worker.healthy or worker.removed:
                     continue
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]

@@ -201,6 +201,19 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
             yield worker_pb2.PrefillResponse(kv_bytes=1000, kv_transfer_seconds=self.kv_delay_s)
 
 
+@dataclass
+class SlowStatus(FakeDecode):
+    """Takes ``status_delay_s`` to answer each Status (``asked``: how many came)."""
+
+    status_delay_s: float = 1.0
+    asked: int = 0
+
+    async def Status(self, request, context):
+        self.asked += 1
+        await asyncio.sleep(self.status_delay_s)
+        return await super().Status(request, context)
+
+
 async def serve(worker: FakeWorker) -> FakeWorker:
     server = grpc.aio.server()
     if isinstance(worker, FakeDecode):

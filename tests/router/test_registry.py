@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tandem.router import Pool
 from tandem.router.registry import Worker
-from tests.router.fakes import FakeDecode, FakePrefill, cluster, serve, wait_until
+from tests.router.fakes import FakeDecode, FakePrefill, SlowStatus, cluster, serve, wait_until
 
 
 def run(coro):
@@ -125,6 +125,26 @@ def test_a_status_reply_the_router_cannot_read_takes_out_its_worker_not_the_poll
                 assert not c.router.registry._poller.done()
             finally:
                 await odd.stop()
+
+    run(scenario())
+
+
+def test_a_worker_removed_while_its_status_is_on_its_way_leaves_the_poller_running(frontend):
+    # Its channel closes, and grpc ends the call with CancelledError, which ended the
+    # poller for good: no worker's health or load changed again.
+    async def scenario():
+        good = FakeDecode()
+        async with cluster(frontend, decode=[good], status_interval_s=0.05) as c:
+            slow = await serve(SlowStatus())
+            try:
+                c.router.add_worker("decode", slow.address)
+                await asyncio.sleep(0.3)  # the round waits on its Status
+                assert c.router.remove_worker("decode", slow.address)
+                good.status_fails = True
+                await wait_until(lambda: good.address not in healthy(c, Pool.DECODE), what="drop")
+                assert not c.router.registry._poller.done()
+            finally:
+                await slow.stop()
 
     run(scenario())
 

@@ -13,7 +13,15 @@ from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.client import DeadlineExceeded, Overloaded, TandemClientError, Unavailable
 from tandem.router.placement import Pool
 from tandem.router.relay import DecodeCapacity
-from tests.router.fakes import STOP, FakeDecode, FakePrefill, cluster, serve, wait_until
+from tests.router.fakes import (
+    STOP,
+    FakeDecode,
+    FakePrefill,
+    SlowStatus,
+    cluster,
+    serve,
+    wait_until,
+)
 
 
 def run(coro):
@@ -353,6 +361,28 @@ def test_a_stream_moved_onto_a_windowed_worker_added_since_the_last_poll_is_pref
             assert moved.prefill_here and list(moved.request.output_token_ids) == [10, 11]
             assert len(c.prefill[0].calls) == 1  # the first attempt's only
             assert c.router.relay.routing.counts["moved under a kv window"] == 1
+
+    run(scenario())
+
+
+def test_a_move_whose_new_worker_is_removed_while_asked_for_its_status_fails_at_once(frontend):
+    # grpc ended the Status call with CancelledError as the channel closed, which went
+    # up through the relay as the client's own cancel: the stream got nothing, ever.
+    async def scenario():
+        dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)
+        async with cluster(frontend, decode=[dying], status_interval_s=3600) as c:
+            added = await serve(SlowStatus(kv_window_tokens=32))
+            c.decode.append(added)
+            c.router.registry.add_worker(Pool.DECODE, added.address)
+            stream = c.client.generate("hello", request_id="req-1")
+            assert [(await anext(stream)).token_ids for _ in range(2)] == [(10,), (11,)]
+            await dying.stop()  # the move picks the added worker and asks for its Status
+            await wait_until(lambda: added.asked, what="the move's Status call")
+            c.router.registry.remove_worker(Pool.DECODE, added.address)
+            with pytest.raises(Unavailable, match="no decode worker is available"):
+                async with asyncio.timeout(5):
+                    async for _ in stream:
+                        pass
 
     run(scenario())
 

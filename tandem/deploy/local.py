@@ -397,7 +397,10 @@ class LocalCluster:
                     p.popen.wait()
             self.processes.clear()
             self._gone.clear()
-            if (self.run_dir / "prometheus-targets.json").exists():
+            if (
+                self._run_dir_lock is not None
+                and (self.run_dir / "prometheus-targets.json").exists()
+            ):
                 self._write_targets()  # none: Prometheus stops scraping the old addresses
         finally:
             self._forget_credentials()
@@ -414,8 +417,11 @@ class LocalCluster:
         if self._run_dir_lock is not None:
             return
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # as mkdtemp's
+            if self.run_dir.stat().st_mode & 0o002:  # /tmp: a link planted there redirects
+                raise OSError(0, "every user may write there")  # our writes; ssh refuses so
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(self.run_dir / ".lock", flags, 0o600)
         except OSError as exc:  # a file in the way, a read-only disk: a setting to fix
             raise ConfigError(f"cannot use the log directory {self.run_dir}: {exc.strerror} "
                               "(log_dir, --log-dir)") from None  # fmt: skip

@@ -311,3 +311,42 @@ def test_a_log_dir_that_cannot_be_made_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot use the log directory .*file/logs.*log_dir"):
         cluster.start()
     assert cluster.started == []
+
+
+def test_a_launcher_refused_a_busy_log_dir_leaves_the_owners_targets_alone(tmp_path, monkeypatch):
+    # Its clean-up after the refusal emptied the targets file of the cluster that owns
+    # the directory: Prometheus stopped scraping a live cluster.
+    from tandem.metrics import targets
+
+    monkeypatch.setenv("FAKE_METRICS", "1")
+    config = _config(threads_per_worker=1, log_dir=str(tmp_path / "logs"))
+    owner = FakeCluster(config)
+    owner.start()
+    try:
+        before = (tmp_path / "logs" / "prometheus-targets.json").read_bytes()
+        assert len(targets.read(tmp_path / "logs" / "prometheus-targets.json")) == 3
+        with pytest.raises(ConfigError, match="in use by another launcher"):
+            FakeCluster(config).start()
+        assert (tmp_path / "logs" / "prometheus-targets.json").read_bytes() == before
+    finally:
+        owner.stop()
+
+
+def test_a_log_dir_is_made_owner_only_and_one_every_user_may_write_is_refused(tmp_path):
+    made = tmp_path / "made" / "logs"
+    cluster = FakeCluster(_config(log_dir=str(made)))
+    cluster.start()
+    cluster.stop()
+    assert made.stat().st_mode & 0o777 == 0o700  # as a temporary run dir is
+    # Where every user may write (/tmp), a link planted as a log or the lock file would
+    # aim the launcher's writes at another file.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (shared / ".lock").symlink_to(victim)
+    cluster = FakeCluster(_config(log_dir=str(shared)))
+    with pytest.raises(ConfigError, match=r"cannot use the log directory .*every user may write"):
+        cluster.start()
+    assert victim.read_text() == "precious" and cluster.started == []

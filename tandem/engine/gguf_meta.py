@@ -32,7 +32,7 @@ def read_gguf_meta(path: str | Path) -> GgufMeta:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         try:
             return _Walk(data).meta()
-        except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        except (struct.error, UnicodeDecodeError, IndexError, RecursionError) as exc:
             raise ValueError(f"not a readable GGUF file: {exc}") from None
 
 
@@ -94,4 +94,6 @@ class _Walk:
             names.append(self.string())
             dims = self.take("I")
             self.offset += 8 * dims + 4 + 8  # the dims, the type, the data's offset
+        if self.offset > len(self.data):
+            raise IndexError("the tensors' table runs past the end of the file")
         return GgufMeta(fields, names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -70,4 +71,23 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_value_error(tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(smollm2_gguf_path().read_bytes()[:100_000])  # in the vocabulary
     with pytest.raises(ValueError, match="not a readable GGUF file"):
+        read_gguf_meta(cut)
+
+
+def test_arrays_nested_past_any_sane_depth_and_a_cut_tensor_table_are_value_errors(tmp_path):
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    deep = tmp_path / "deep.gguf"  # 2,000 arrays, each holding the next
+    deep.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string("deep")
+                     + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000
+                     + struct.pack("<IQ", 0, 0))  # fmt: skip
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        read_gguf_meta(deep)
+    last = GGUFReader(str(smollm2_gguf_path())).tensors[-1]
+    whole = smollm2_gguf_path().read_bytes()
+    end = whole.rindex(string(last.name)) + len(string(last.name)) + 4 + 8 * len(last.shape) + 12
+    cut = tmp_path / "cut.gguf"  # in the last entry of the tensors' table, past its dims
+    cut.write_bytes(whole[: end - 10])
+    with pytest.raises(ValueError, match="the tensors' table runs past the end"):
         read_gguf_meta(cut)

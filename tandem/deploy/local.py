@@ -230,6 +230,8 @@ class LocalCluster:
         self._lifeline = self._lifeline or Lifeline()
         try:
             self._lock_run_dir()
+            if (self.run_dir / "prometheus-targets.json").exists():
+                self._write_targets()  # none yet: a killed launcher's would be scraped on
             cluster = self.security = self._cluster_security()
             self._credentials = ClusterCredentials.load(cluster)
             prefill_cfg = dataclasses.replace(

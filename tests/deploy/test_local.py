@@ -165,6 +165,13 @@ def test_the_prometheus_targets_file_lists_the_processes_while_they_serve(tmp_pa
     assert len(targets.read(path)) == 3
     cluster.stop()
     assert targets.read(path) == []
+    # A launcher killed outright leaves its targets; the next start in the same
+    # directory, with metrics off, must not leave them to be scraped.
+    path.write_text('[{"targets": ["127.0.0.1:1"], "labels": {"process": "router"}}]')
+    monkeypatch.delenv("FAKE_METRICS")
+    cluster.start()
+    assert targets.read(path) == []
+    cluster.stop()
 
 
 def test_threads_default_to_a_share_of_the_cores_this_may_run_on(monkeypatch):

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         output_len=LengthDist.parse(args.output_len, "--output-len"),
     )
     runs: dict[str, list] = {"grpc": [], "openai": []}
-    with LocalCluster(config, tempfile.mkdtemp(prefix="tandem-api-")) as cluster:
+    with LocalCluster(config) as cluster:
         targets = {"grpc": cluster.address, "openai": f"http://{cluster.http_address}"}
         base = LoadConfig(target="", num_requests=args.requests, max_concurrency=args.concurrency,
                           dataset=dataset, progress=False)  # fmt: skip

@@ -28,7 +28,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(base, router=dataclasses.replace(base.router, port=0))
 
     def cluster() -> LocalCluster:
-        return LocalCluster(config, tempfile.mkdtemp(prefix="tandem-bench-migration-"))
+        return LocalCluster(config)
 
     with cluster() as c:
         reference, ref_text, _, _ = _stream(c.address, args.max_tokens, None)

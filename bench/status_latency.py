@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 import threading
 import time
 
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(base, router=dataclasses.replace(base.router, port=0))
     request = worker_pb2.StatusRequest()
     result: dict = {"model": args.model, "streams": args.streams, "calls": args.calls}
-    with LocalCluster(config, tempfile.mkdtemp(prefix="tandem-bench-status-")) as c:
+    with LocalCluster(config) as c:
         stubs = {}
         for proc in c.processes:
             if proc.name == "router":

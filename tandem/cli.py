@@ -407,7 +407,6 @@ class _Stream:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start a local cluster, stream an answer through it, stop it."""
     import dataclasses
-    import shutil
     import signal
 
     from tandem.deploy.local import LocalCluster
@@ -425,7 +424,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         signal.signal(sig, signal.default_int_handler)
     cluster = LocalCluster(config)
     try:
-        with cluster:
+        with cluster:  # a clean run removes its run dir
             log.info("demo: router on %s; streaming an answer to: %s", cluster.address,
                      args.prompt)  # fmt: skip
             _generate_remote(cluster.address, args.prompt, False, params, timeout=300,
@@ -437,8 +436,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except BaseException:
         log.error("demo: the processes' logs are in %s", cluster.run_dir)
         raise
-    if cluster.owns_run_dir:  # a clean run leaves nothing behind
-        shutil.rmtree(cluster.run_dir, ignore_errors=True)
     return 0
 
 

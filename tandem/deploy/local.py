@@ -202,7 +202,8 @@ class LocalCluster:
 
     def __init__(self, config: ClusterConfig, run_dir: str | Path | None = None) -> None:
         """``run_dir``: where the processes' configs and logs go (default: the config's
-        ``log_dir``, else a fresh temporary directory, ``owns_run_dir``)."""
+        ``log_dir``, else a fresh temporary directory, ``owns_run_dir``, which a ``with``
+        block that ends without an error removes; after an error it is kept)."""
         self.config = config
         run_dir = run_dir or (config.log_dir and Path(config.log_dir).expanduser())
         self.owns_run_dir = not run_dir
@@ -221,8 +222,10 @@ class LocalCluster:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.stop()
+        if kind is None and self.owns_run_dir:  # a clean run leaves no temporary dir behind
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def start(self) -> str:
         cfg = self.config

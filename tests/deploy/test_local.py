@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -357,3 +358,20 @@ def test_a_log_dir_is_made_owner_only_and_one_every_user_may_write_is_refused(tm
     with pytest.raises(ConfigError, match=r"cannot use the log directory .*every user may write"):
         cluster.start()
     assert victim.read_text() == "precious" and cluster.started == []
+
+
+def test_a_with_block_removes_its_temporary_run_dir_unless_it_ends_in_an_error(
+    tmp_path, monkeypatch
+):
+    # Every benchmark and demo run left a tandem-run-* directory behind; one that
+    # failed should still leave its logs.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with FakeCluster(_config()) as clean:
+        assert clean.run_dir.parent == tmp_path and clean.owns_run_dir
+    assert not clean.run_dir.exists()
+    with pytest.raises(RuntimeError), FakeCluster(_config()) as failed:
+        raise RuntimeError("the benchmark failed")
+    assert (failed.run_dir / "router.log").exists()
+    with FakeCluster(_config(), tmp_path / "given") as given:  # one given is the caller's
+        pass
+    assert (given.run_dir / "router.log").exists()

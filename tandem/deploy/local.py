@@ -41,6 +41,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,8 @@ log = logging.getLogger(__name__)
 
 # After its drain, what a process may take to exit before it is killed.
 EXIT_GRACE_S = 5.0
+# The logs a run writes in its run dir, by process name.
+_PROCESS_LOG = re.compile(r"(router|(prefill|decode)-\d+)\.log")
 
 
 @dataclass(frozen=True)
@@ -339,8 +342,6 @@ class LocalCluster:
         env = ucx_env_defaults(dict(os.environ), cuda=engine is not None and on_gpu(engine.device))
         threads = str(config.engine.num_threads) if hasattr(config, "engine") else "1"
         env["OMP_NUM_THREADS"] = threads  # BLAS pools size themselves from it
-        if log_path.exists() and log_path.stat().st_size:  # the last run's, kept once
-            log_path.replace(log_path.with_name(f"{log_path.name}.1"))
         log_path.write_bytes(b"")
         popen = subprocess.Popen(
             self._lifeline.command(module, ["--config", str(config_path)]),
@@ -442,6 +443,12 @@ class LocalCluster:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._run_dir_lock = fd
+        # The last run's logs are kept once, each as NAME.log.1, all of them: a log of a
+        # process this run does not start (a decode-1 of a larger run) is not left to
+        # read as this run's.
+        for path in self.run_dir.glob("*.log"):
+            if _PROCESS_LOG.fullmatch(path.name) and path.stat().st_size:
+                path.replace(path.with_name(f"{path.name}.1"))
 
     def newly_exited(self) -> list[_Process]:
         """The processes that have exited since the last call (this launcher does not

@@ -305,11 +305,16 @@ def test_a_log_dir_keeps_the_last_runs_logs_and_serves_one_launcher_at_a_time(tm
     finally:
         first.stop()
     (logs / "decode-0.log").write_text("the last run's last words\n")
+    (logs / "decode-1.log").write_text("a larger run's\n")
+    (logs / "notes.log").write_text("the operator's own\n")
     again = FakeCluster(config)  # the directory is free once the first has stopped
     again.start()
     again.stop()
     assert (logs / "decode-0.log.1").read_text() == "the last run's last words\n"
     assert "fake decode starting" in (logs / "decode-0.log").read_text()
+    # Not left to read as this run's; and a file that is not a process's log stays.
+    assert (logs / "decode-1.log.1").exists() and not (logs / "decode-1.log").exists()
+    assert (logs / "notes.log").read_text() == "the operator's own\n"
     assert not any(alive(p) for p in first.started + again.started)
 
 

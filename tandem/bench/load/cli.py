@@ -190,12 +190,17 @@ def add_plan_parser(sub) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        default="bfloat16",
-        help="bfloat16 (default), float16, float32, int8 (kv_cache_dtype: int8, with its "
-        "scales), fp8",
+        default="auto",
+        help="engine.kv_cache_dtype: auto (default: the weights' dtype) or int8 (with its "
+        "scales); a float dtype (bfloat16, float16, float32) sets the weights' dtype too",
     )
     p.add_argument(
-        "--weight-dtype", default=None, help="default: --kv-dtype, bfloat16 for int8 or fp8"
+        "--weight-dtype",
+        "--dtype",
+        dest="weight_dtype",
+        default=None,
+        help="engine.dtype: bfloat16, float16 or float32 (default: a float --kv-dtype, "
+        "else bfloat16)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument(

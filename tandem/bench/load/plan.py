@@ -43,10 +43,13 @@ GiB = 1 << 30
 DEFAULT_KV_CACHE_BYTES = EngineConfig().kv_cache_bytes
 DEFAULT_MAX_NUM_SEQS = EngineConfig().max_num_seqs
 DEFAULT_MAX_NUM_BATCHED_TOKENS = EngineConfig().max_num_batched_tokens
-DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-    "fp8": 1, "float8": 1, "int8": 1,
-}  # fmt: skip
+# A Tandem engine computes in its ``dtype`` (engine.dtype) and keeps its KV cache in
+# that dtype or in int8 (engine.kv_cache_dtype: auto | int8): those are the only
+# pairs a plan can be deployed with.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+KV_DTYPES = ("auto", "int8", *MODEL_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -55,16 +58,30 @@ class Hardware:
     devices_per_worker: int = 1  # decode workers' tensor_parallel_size
     prefill_devices_per_worker: int = 1  # prefill workers' (device totals only)
     memory_utilization: float = 0.9
-    kv_dtype: str = "bfloat16"
-    weight_dtype: str | None = None  # default: kv_dtype, or bfloat16 for a 1-byte kv_dtype
+    # engine.kv_cache_dtype: auto (the weights' dtype) or int8; a float dtype is taken
+    # as auto with the weights in that dtype (it cannot differ from weight_dtype)
+    kv_dtype: str = "auto"
+    weight_dtype: str | None = None  # engine.dtype; default: a float kv_dtype, else bfloat16
     block_size: int = 16
 
     def __post_init__(self) -> None:
-        for flag, dtype in (("--kv-dtype", self.kv_dtype), ("--weight-dtype", self.weight_dtype)):
-            if dtype is not None and dtype not in DTYPE_BYTES:
-                raise InvalidRequestError(
-                    flag, f"{flag} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}"
-                )
+        kv, weights = dtype_name(self.kv_dtype), dtype_name(self.weight_dtype)
+        if kv not in KV_DTYPES:
+            raise InvalidRequestError(
+                "--kv-dtype", f"--kv-dtype must be one of {', '.join(KV_DTYPES)} (a Tandem KV "
+                f"cache is the model's dtype or int8: engine.kv_cache_dtype), got {self.kv_dtype!r}"
+            )  # fmt: skip
+        if weights is not None and weights not in MODEL_DTYPES:
+            raise InvalidRequestError(
+                "--weight-dtype", f"--weight-dtype must be one of {', '.join(MODEL_DTYPES)} "
+                f"(engine.dtype), got {self.weight_dtype!r}"
+            )  # fmt: skip
+        if kv in MODEL_DTYPES and weights not in (None, kv):
+            raise InvalidRequestError(
+                "--kv-dtype", f"--kv-dtype {self.kv_dtype} with --weight-dtype "
+                f"{self.weight_dtype}: a Tandem engine keeps its KV cache in its own dtype "
+                "or in int8 (--kv-dtype auto or int8)"
+            )  # fmt: skip
         if not (math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0):
             raise InvalidRequestError("device_memory_gib", "--device-memory-gib must be > 0 "
                                       f"and finite, got {self.device_memory_gib}")  # fmt: skip
@@ -82,7 +99,7 @@ class Hardware:
 def row_bytes(mc: ModelConfig, kv_dtype: str) -> int:
     """One token's K (or V) of one KV head."""
     scale = INT8_SCALE_BYTES if kv_dtype == "int8" else 0
-    return mc.head_dim * DTYPE_BYTES[kv_dtype] + scale
+    return mc.head_dim * DTYPE_BYTES[dtype_name(kv_dtype)] + scale
 
 
 def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
@@ -103,11 +120,19 @@ def rank_config(mc: ModelConfig, n: int) -> ModelConfig:
     return Shard(0, n).config(mc)
 
 
+def dtype_name(dtype: str | None) -> str | None:
+    return DTYPE_ALIASES.get(dtype, dtype) if dtype is not None else None
+
+
 def weight_dtype(hw: Hardware) -> str:
-    """The weights' dtype: as given, else the KV's where it is a float dtype, else bf16."""
-    if hw.weight_dtype:
-        return hw.weight_dtype
-    return hw.kv_dtype if DTYPE_BYTES[hw.kv_dtype] >= 2 else "bfloat16"
+    """The weights' dtype (engine.dtype): as given, else a float --kv-dtype, else bf16."""
+    kv = dtype_name(hw.kv_dtype)
+    return dtype_name(hw.weight_dtype) or (kv if kv in MODEL_DTYPES else "bfloat16")
+
+
+def cache_dtype(hw: Hardware) -> str:
+    """The KV cache's dtype: int8, or the weights' (engine.kv_cache_dtype auto)."""
+    return "int8" if dtype_name(hw.kv_dtype) == "int8" else weight_dtype(hw)
 
 
 def param_count(mc: ModelConfig) -> int:
@@ -148,8 +173,8 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
     n = hw.devices_per_worker
     rank = rank_config(mc, n)
     rank_config(mc, hw.prefill_devices_per_worker)  # the prefill pool's width splits it too
-    w_dtype = weight_dtype(hw)
-    per_token = kv_bytes_per_token(rank, hw.kv_dtype)
+    w_dtype, kv_dtype = weight_dtype(hw), cache_dtype(hw)
+    per_token = kv_bytes_per_token(rank, kv_dtype)
     params = param_count(rank)
     weights = params * DTYPE_BYTES[w_dtype]
     budget = max(0, int(hw.device_memory_gib * GiB * hw.memory_utilization) - weights)
@@ -173,9 +198,9 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
         per = " per rank"
     lines += [
         f"KV bytes per token{per} = 2 x {mc.num_layers} layers x {rank.num_kv_heads} KV heads x "
-        f"{row_bytes(mc, hw.kv_dtype)} B per head ({mc.head_dim} x "
-        f"{DTYPE_BYTES[hw.kv_dtype]} B {hw.kv_dtype}"
-        f"{' + a 2 B scale' if hw.kv_dtype == 'int8' else ''}) = {per_token:,} B "
+        f"{row_bytes(mc, kv_dtype)} B per head ({mc.head_dim} x "
+        f"{DTYPE_BYTES[kv_dtype]} B {kv_dtype}"
+        f"{' + a 2 B scale' if kv_dtype == 'int8' else ''}) = {per_token:,} B "
         f"({per_token / 1024:.1f} KiB)",
         f"weights{per} = {params:,} parameters x {DTYPE_BYTES[w_dtype]} B ({w_dtype}) = "
         f"{weights / GiB:.2f} GiB",
@@ -200,7 +225,8 @@ def memory_plan(mc: ModelConfig, hw: Hardware, context_len: int, model: str = ""
         lines.append(
             f"deploy with engine.kv_cache_bytes: {budget}{per} (the default, "
             f"{DEFAULT_KV_CACHE_BYTES // 2**20} MiB, holds {default:,} blocks = "
-            f"{default // per_seq:,} sequences)"
+            f"{default // per_seq:,} sequences), engine.dtype: {w_dtype}"
+            f"{', engine.kv_cache_dtype: int8' if kv_dtype == 'int8' else ''}"
         )
         if seqs > DEFAULT_MAX_NUM_SEQS:  # a worker runs no more than that, room or not
             lines.append(f"and engine.max_num_seqs: {seqs} (the default, {DEFAULT_MAX_NUM_SEQS}, "

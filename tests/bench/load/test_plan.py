@@ -140,7 +140,7 @@ def test_the_plan_says_which_kv_cache_bytes_give_its_budget(smol):
     default = 512 * 2**20 // per_block  # what a worker holds unless told
     assert m.lines[-2] == (
         f"deploy with engine.kv_cache_bytes: {m.kv_budget_bytes} (the default, 512 MiB, "
-        f"holds {default:,} blocks = {default // 256:,} sequences)"
+        f"holds {default:,} blocks = {default // 256:,} sequences), engine.dtype: bfloat16"
     )
     assert m.num_blocks == m.kv_budget_bytes // per_block > 100 * default
     # A worker runs at most max_num_seqs (64) sequences, however many blocks it holds.
@@ -234,8 +234,40 @@ def test_a_sweep_without_capacity_cannot_plan():
 
 
 @pytest.mark.parametrize(
+    "kv_dtype, weight_dtype, engine_settings",
+    [("auto", None, dict(dtype="bfloat16")),
+     ("auto", "float32", dict(dtype="float32")),
+     ("bf16", None, dict(dtype="bfloat16")),
+     ("float32", "float32", dict(dtype="float32")),
+     ("int8", None, dict(dtype="bfloat16", kv_cache_dtype="int8")),
+     ("int8", "float32", dict(dtype="float32", kv_cache_dtype="int8"))],
+)  # fmt: skip
+def test_the_plans_blocks_are_what_an_engine_given_its_settings_holds(
+    kv_dtype, weight_dtype, engine_settings
+):
+    # A plan whose KV dtype no engine keeps (fp8; bf16 KV beside float32 weights)
+    # printed settings that hold another number of blocks, or that no worker takes.
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+
+    tiny = plan.model_config("tiny-random")
+    hw = Hardware(device_memory_gib=0.01, kv_dtype=kv_dtype, weight_dtype=weight_dtype)
+    m = plan.memory_plan(tiny, hw, context_len=64)
+    settings = dict(engine_settings, kv_cache_bytes=m.kv_budget_bytes)
+    deploy = next(line for line in m.lines if line.startswith("deploy with"))
+    assert deploy.endswith(", ".join(f"engine.{k}: {v}" for k, v in settings.items()
+                                     if k != "kv_cache_bytes"))  # fmt: skip
+    engine = LLMEngine(EngineConfig(model="tiny-random", device="cpu", **settings))
+    assert engine.kv.null_block == m.num_blocks > 0
+
+
+@pytest.mark.parametrize(
     "kw, message",
     [(dict(kv_dtype="int3"), "--kv-dtype must be one of"),
+     (dict(kv_dtype="fp8"), "--kv-dtype must be one of auto, int8, bfloat16"),
+     (dict(weight_dtype="int8"), "--weight-dtype must be one of bfloat16, float16, float32"),
+     (dict(kv_dtype="bfloat16", weight_dtype="float32"),
+      "--kv-dtype bfloat16 with --weight-dtype float32: a Tandem engine keeps its KV"),
      (dict(memory_utilization=1.5), "--memory-utilization must be in"),
      (dict(device_memory_gib=0), "--device-memory-gib must be > 0 and finite"),
      (dict(device_memory_gib=math.inf), "--device-memory-gib must be > 0 and finite")],

@@ -102,7 +102,9 @@ class LengthDist:
         return dist
 
     def _check(self, flag: str) -> None:
-        if self.a < 1 or (self.kind == "uniform" and self.b < self.a):
+        if not (math.isfinite(self.a) and self.a >= 1) or (
+            self.kind == "uniform" and self.b < self.a
+        ):
             raise InvalidRequestError(
                 flag, f"{flag} lengths must be >= 1 (and LO <= HI), got {self.describe()}"
             )
@@ -285,8 +287,15 @@ def load_sharegpt_chats(path: str | Path) -> list[list[tuple[str, str]]]:
     if not isinstance(data, list):
         raise InvalidRequestError("dataset", f"{path}: expected a JSON list of conversations")
     chats = []
-    for conv in data:
-        turns = conv.get("conversations") or conv.get("messages") or []
+    for i, conv in enumerate(data):
+        turns = None
+        if isinstance(conv, dict):
+            turns = conv.get("conversations") or conv.get("messages") or []
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise InvalidRequestError(
+                "dataset", f"{path}: conversation {i} must be an object whose "
+                '"conversations" (or "messages") is a list of objects',
+            )  # fmt: skip
         texts = [(t.get("from", t.get("role")), t.get("value", t.get("content"))) for t in turns]
         pairs = [_pair(a, b) for a, b in zip(texts, texts[1:], strict=False)]
         start = next((i for i, pair in enumerate(pairs) if pair), None)
@@ -306,7 +315,8 @@ def load_sharegpt_chats(path: str | Path) -> list[list[tuple[str, str]]]:
 def _pair(turn: tuple, next_turn: tuple) -> tuple[str, str] | None:
     """(human text, reply) when ``turn`` is a human's and ``next_turn`` replies to it."""
     (who, text), (who2, reply) = turn, next_turn
-    ok = who in ("human", "user") and who2 in ("gpt", "assistant") and text and reply
+    ok = who in ("human", "user") and who2 in ("gpt", "assistant")
+    ok = ok and isinstance(text, str) and isinstance(reply, str) and text and reply
     return (text, reply) if ok else None
 
 

@@ -122,13 +122,15 @@ class LoadConfig:
                             ("--max-concurrency", self.max_concurrency)):  # fmt: skip
             if value is not None and value < 1:
                 raise InvalidRequestError(name, f"{name} must be >= 1, got {value}")
-        if self.duration_s is not None and not self.duration_s > 0:
-            raise InvalidRequestError("duration", f"--duration must be > 0, got {self.duration_s}")
+        if self.duration_s is not None and not 0 < self.duration_s < math.inf:
+            raise InvalidRequestError("duration", f"--duration must be > 0 and finite, got "
+                                      f"{self.duration_s}")  # fmt: skip
         if self.num_warmup < 0:
             raise InvalidRequestError("num_warmup", f"--num-warmup must be >= 0, got "
                                       f"{self.num_warmup}")  # fmt: skip
-        if not self.timeout_s > 0:
-            raise InvalidRequestError("timeout", f"--timeout must be > 0, got {self.timeout_s}")
+        if not 0 < self.timeout_s < math.inf:
+            raise InvalidRequestError("timeout", f"--timeout must be > 0 and finite, got "
+                                      f"{self.timeout_s}")  # fmt: skip
         for name, value in (("--slo-ttft-ms", self.slo.ttft_ms),
                             ("--slo-tpot-ms", self.slo.tpot_ms)):  # fmt: skip
             if value is not None and not value > 0:

@@ -38,6 +38,12 @@ def test_argparse_errors_exit_2_with_the_argument_named(capsys, argv, message):
      ([*LOAD, "--duration", "3"], "--duration needs a finite --request-rate or a "
       "--max-concurrency"),
      ([*LOAD, "--input-len", "uniform:9-3"], "--input-len lengths must be >= 1"),
+     ([*LOAD, "--input-len", "normal:nan,5"], "--input-len lengths must be >= 1"),
+     ([*LOAD, "--output-len", "normal:inf,1"], "--output-len lengths must be >= 1"),
+     ([*LOAD, "--duration", "inf", "--request-rate", "5"],
+      "--duration must be > 0 and finite, got inf"),
+     ([*LOAD, "--num-requests", "1", "--timeout", "inf"],
+      "--timeout must be > 0 and finite, got inf"),
      ([*LOAD, "--dataset", "jsonl"], "--dataset jsonl needs --dataset-path"),
      ([*LOAD, "--dataset-in-order"], "--dataset-in-order is for jsonl and sharegpt files"),
      ([*LOAD, "--slo-ttft-ms", "0"], "--slo-ttft-ms must be > 0, got 0.0"),

@@ -208,6 +208,28 @@ def test_unreadable_files_are_named(tmp_path):
         datasets.load_sharegpt(tmp_path / "x.json")
 
 
+@pytest.mark.parametrize(
+    "entry",
+    ['"just text"', '{"conversations": "oops"}', '{"conversations": ["hi", "there"]}'],
+)
+def test_a_sharegpt_conversation_of_another_shape_is_named(tmp_path, entry):
+    # Each ended in an AttributeError's traceback; the JSONL loader names its shapes.
+    good = '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}'
+    path = tmp_path / "s.json"
+    path.write_text(f"[{good}, {entry}]")
+    with pytest.raises(InvalidRequestError, match=r"s.json: conversation 1 must be an object"):
+        datasets.load_sharegpt_chats(path)
+
+
+def test_sharegpt_turns_whose_text_is_not_a_string_are_left_out(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": 5}, {"from": "gpt", "value": "yo"}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+    ]))  # fmt: skip
+    assert datasets.load_sharegpt_chats(path) == [[("hi", "yo")]]
+
+
 class _BusyRouter:
     """Tokenize as the byte counter does, but refused (Overloaded) while more than
     ``max_queue`` calls are in flight, as a router with a small max_queue is."""

@@ -21,7 +21,7 @@ import asyncio
 import copy
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jinja2
 
@@ -57,6 +57,9 @@ class CheckedRequest:
     request_id: str
     text: TextInput
     params: SamplingParams
+    # False where the client left max_tokens unset: its default then stops at the
+    # context's end rather than refusing a prompt that leaves it less room.
+    max_tokens_given: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ class Frontend:
         self.limits.check_stop(request.sampling.stop)
         params = wire.sampling_from_proto(request.sampling)
         text = self.check_input(request)
-        return CheckedRequest(request.request_id or uuid.uuid4().hex, text, params)
+        given = request.sampling.HasField("max_tokens")
+        return CheckedRequest(request.request_id or uuid.uuid4().hex, text, params, given)
 
     def check_input(
         self, request: tandem_pb2.GenerateRequest | tandem_pb2.TokenizeRequest
@@ -140,8 +144,11 @@ class Frontend:
 
     async def prepare(self, checked: CheckedRequest, tenant: str = "") -> PreparedRequest:
         prompt_ids = await self.encode(checked.text)
-        check_request(prompt_ids, checked.params, self.context_length, self.vocab_size)
-        return PreparedRequest(checked.request_id, prompt_ids, checked.params, tenant)
+        params, room = checked.params, self.context_length - len(prompt_ids)
+        if not checked.max_tokens_given and 1 <= room < params.max_tokens:
+            params = replace(params, max_tokens=room)  # as OpenAI and vLLM do
+        check_request(prompt_ids, params, self.context_length, self.vocab_size)
+        return PreparedRequest(checked.request_id, prompt_ids, params, tenant)
 
     async def encode(self, text: TextInput) -> list[int]:
         """The prompt's token ids (raw text as is, chat through the chat template),

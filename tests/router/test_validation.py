@@ -79,6 +79,25 @@ def test_context_length_boundary_is_allowed(frontend):
     asyncio.run(scenario())
 
 
+def test_a_prompt_near_the_context_without_max_tokens_stops_at_the_contexts_end(frontend):
+    # The default of 256 refused such a prompt, naming a max_tokens the client never
+    # sent; OpenAI and vLLM stop at the context's end instead. One that is given is
+    # still held to the context.
+    async def scenario():
+        async with cluster(frontend) as c:
+            sent = []
+            for prompt in ("x" * 4000, "x" * 10):
+                await c.client.complete(prompt)
+                sent.append(c.prefill[0].calls[-1].request.request.sampling.max_tokens)
+            assert sent == [96, 256]  # 4096 - 4000; the default where the context has room
+            with pytest.raises(InvalidRequest, match=r"\+ max_tokens \(256\) = 4256 exceeds"):
+                await c.client.complete("x" * 4000, max_tokens=256)
+            with pytest.raises(InvalidRequest, match=r"prompt \(4096 tokens\) \+ max_tokens"):
+                await c.client.complete("x" * 4096)
+
+    asyncio.run(scenario())
+
+
 def test_client_raises_invalid_request_naming_the_field(frontend):
     async def scenario():
         async with cluster(frontend) as c:

@@ -95,6 +95,8 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
          "messages[0].content[0]", "text part"),
         ({"model": "gpt-9"}, 404, "model", "does not exist"),
         ({"stream": "yes"}, 400, "stream", "must be a boolean"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options",
+         "only allowed with stream: true"),
         ({"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20], got 21"),
         # JSON's escapes can spell half a surrogate pair, which no UTF-8 encoder takes.

@@ -149,6 +149,8 @@ def parse(body: Any, chat: bool, model_id: str, limits: InputLimits | None = Non
     _logprobs(body, request.sampling, chat)
     stream = bool(_field(body, "stream", bool))
     options = _field(body, "stream_options", dict) or {}
+    if options and not stream:  # OpenAI's and vLLM's 400: the options would do nothing
+        raise bad("stream_options", "stream_options is only allowed with stream: true")
     include_usage = bool(_field(options, "include_usage", bool, "stream_options."))
     return Parsed(chat, request, stream, include_usage, param)
 

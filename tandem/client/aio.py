@@ -4,22 +4,26 @@
         async for chunk in client.generate(messages=[{"role": "user", "content": "Hi"}]):
             print(chunk.text, end="", flush=True)
 
-Cancelling the task that iterates (or leaving the loop early) cancels the call,
-and with it the request on every worker.
+Cancelling the task that iterates cancels the call, and with it the request on
+every worker; so does closing the stream (``await stream.aclose()``, or the end of
+an ``async with client.generate(...) as stream:`` block), and leaving a loop early
+over a stream that nothing else holds. A stream kept in a variable runs on after
+a ``break`` until it is closed. Closing the client ends its calls with
+``Cancelled``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import _convert
 from tandem.client._connect import KEEPALIVE_S, Connection
-from tandem.client.errors import from_rpc_error
+from tandem.client.errors import Cancelled, from_rpc_error
 from tandem.client.types import Completion, GenerateChunk, Message, ModelInfo
 
 
@@ -89,7 +93,7 @@ class AsyncTandemClient:
         logprobs: int | None = None,
         request_id: str = "",
         timeout: float | None = None,
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncStream:
         """Streams the generation; the last chunk has ``finish_reason`` and ``usage``."""
         request = _convert.generate_request(
             prompt, messages, request_id,
@@ -102,20 +106,17 @@ class AsyncTandemClient:
     async def complete(self, prompt: str | None = None, **kwargs) -> Completion:
         """``generate`` gathered into one ``Completion`` (same arguments)."""
         builder = _convert.CompletionBuilder()
-        async for c in self.generate(prompt, **kwargs):
-            builder.add(c)
+        async with self.generate(prompt, **kwargs) as stream:
+            async for c in stream:
+                builder.add(c)
         return builder.build()
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        try:
-            info = await self._stub.GetModelInfo(
-                tandem_pb2.GetModelInfoRequest(),
-                timeout=self._timeout(timeout),
-                metadata=self._metadata,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        return _convert.model_info(info)
+        call = self._stub.GetModelInfo(
+            tandem_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout),
+            metadata=self._metadata,
+        )  # fmt: skip
+        return _convert.model_info(await _answer(call))
 
     async def tokenize(
         self,
@@ -125,13 +126,9 @@ class AsyncTandemClient:
         timeout: float | None = None,
     ) -> list[int]:
         request = _convert.tokenize_request(prompt, messages)
-        try:
-            response = await self._stub.Tokenize(
-                request, timeout=self._timeout(timeout), metadata=self._metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        return list(response.token_ids)
+        call = self._stub.Tokenize(request, timeout=self._timeout(timeout),
+                                   metadata=self._metadata)  # fmt: skip
+        return list((await _answer(call)).token_ids)
 
     async def close(self) -> None:
         self._closed = True
@@ -148,38 +145,56 @@ class AsyncTandemClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return _convert.deadline(self.timeout if timeout is None else timeout)
 
-    def _stream(
-        self, request: tandem_pb2.GenerateRequest, timeout: float | None
-    ) -> AsyncIterator[GenerateChunk]:
-        return _Stream(lambda: self._stub.Generate(request, timeout=timeout,
+    def _stream(self, request: tandem_pb2.GenerateRequest, timeout: float | None) -> AsyncStream:
+        return AsyncStream(lambda: self._stub.Generate(request, timeout=timeout,
                                                    metadata=self._metadata))  # fmt: skip
 
 
-class _Stream:
+async def _answer(call, answer=None):
+    """A call's answer (``answer``: what to await of it, the call itself unless given: a
+    stream's ``read()``), or its failure as ``tandem.client.errors``; a call that the
+    client's ``close()`` cancelled under a task nobody cancelled is ``Cancelled``
+    (gRPC ends it with asyncio's CancelledError, which would pass for the caller's
+    own cancellation)."""
+    try:
+        return await (call if answer is None else answer)
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from None
+    except asyncio.CancelledError:
+        if call.cancelled() and not asyncio.current_task().cancelling():
+            raise Cancelled(grpc.StatusCode.CANCELLED, "the client was closed") from None
+        raise
+
+
+class AsyncStream:
     """One Generate call's chunks. Leaving the loop early (``break``, an exception)
     cancels the call at once, as the iterator is dropped: an async generator's clean-up
     waited for the event loop to get to it, and a retry under the same request_id sent
-    meanwhile found the first still in flight."""
+    meanwhile found the first still in flight. A stream that is still held is
+    cancelled by ``aclose()`` or at the end of ``async with``."""
 
     def __init__(self, start) -> None:
         self._start = start  # the call, made on first use (in the loop that iterates)
         self._call = None
 
-    def __aiter__(self) -> _Stream:
+    def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> GenerateChunk:
         if self._call is None:
             self._call = self._start()
-        try:
-            response = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+        response = await _answer(self._call, self._call.read())
         if response is grpc.aio.EOF:
             raise StopAsyncIteration
         return _convert.chunk(response)
 
     async def aclose(self) -> None:
+        self._cancel()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
         self._cancel()
 
     def __del__(self) -> None:

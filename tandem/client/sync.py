@@ -5,13 +5,18 @@
             print(chunk.text, end="", flush=True)
 
 ``timeout`` (seconds) becomes the call's gRPC deadline: when it passes, every
-stage of the cluster stops the request. Leaving a ``generate`` loop early (or
-closing the iterator) cancels the call, which frees the request's KV on the
-workers. Failures raise the exceptions of ``tandem.client.errors``.
+stage of the cluster stops the request. Closing a stream (``close()``, or the end
+of a ``with client.generate(...) as stream:`` block) cancels the call, which frees
+the request's KV on the workers; so does leaving a loop early over a stream that
+nothing else holds (``for chunk in client.generate(...)``), once Python drops it.
+A stream kept in a variable runs on after a ``break`` until it is closed, as its
+tokens may still be wanted. Failures raise the exceptions of
+``tandem.client.errors``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
@@ -76,7 +81,7 @@ class TandemClient:
         logprobs: int | None = None,
         request_id: str = "",
         timeout: float | None = None,
-    ) -> Iterator[GenerateChunk]:
+    ) -> Stream:
         """Streams the generation; the last chunk has ``finish_reason`` and ``usage``."""
         request = _convert.generate_request(
             prompt, messages, request_id,
@@ -89,8 +94,9 @@ class TandemClient:
     def complete(self, prompt: str | None = None, **kwargs) -> Completion:
         """``generate`` gathered into one ``Completion`` (same arguments)."""
         builder = _convert.CompletionBuilder()
-        for c in self.generate(prompt, **kwargs):
-            builder.add(c)
+        with self.generate(prompt, **kwargs) as stream:
+            for c in stream:
+                builder.add(c)
         return builder.build()
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
@@ -132,14 +138,33 @@ class TandemClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return _convert.deadline(self.timeout if timeout is None else timeout)
 
-    def _stream(
-        self, request: tandem_pb2.GenerateRequest, timeout: float | None
-    ) -> Iterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+    def _stream(self, request: tandem_pb2.GenerateRequest, timeout: float | None) -> Stream:
+        return Stream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
+
+
+class Stream(Iterator[GenerateChunk]):
+    """One Generate call's chunks: iterate it; ``close()`` (or leaving ``with``)
+    cancels the call, a no-op once it has ended. Dropped unclosed, it is cancelled
+    when Python collects it."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __next__(self) -> GenerateChunk:
         try:
-            for response in call:
-                yield _convert.chunk(response)
+            return _convert.chunk(next(self._call))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()  # no-op when finished; frees the request when left early
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at exit, gRPC may be gone
+            self.close()

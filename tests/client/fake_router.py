@@ -21,6 +21,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.abort_generate: tuple[grpc.StatusCode, str] | None = None  # Generate only
         self.hang = False
+        self.hang_unary = False  # Tokenize answers only once the call has ended
         self.finish_reason = tandem_pb2.FINISH_REASON_STOP
         self.final = True  # False: the stream ends (OK) without its final response
         self.time_remaining: float | None = None
@@ -58,6 +59,8 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         if self.abort is not None:
             context.abort(*self.abort)
+        while self.hang_unary and context.is_active():
+            time.sleep(0.01)
         return tandem_pb2.TokenizeResponse(token_ids=[5, 6])
 
 

@@ -16,6 +16,7 @@ import pytest
 from tandem.client import (
     AlreadyInFlight,
     AsyncTandemClient,
+    Cancelled,
     Completion,
     DeadlineExceeded,
     InvalidRequest,
@@ -177,5 +178,68 @@ def test_leaving_an_async_stream_early_cancels_it_at_once(fake):
                 break
             # No await since: the event loop has run nothing else.
             assert fake.servicer.cancelled.wait(10)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_kept_in_a_variable_is_cancelled_by_leaving_its_with_block(fake):
+    # "stream = client.generate(...); for c in stream: break" cannot cancel (the
+    # stream is still held, and its tokens may be wanted): the request decoded on to
+    # max_tokens, holding its KV, a max_queue place and its key's stream slot. Such a
+    # stream is now closed by a with block, sync or async.
+    fake.servicer.hang = True
+    with TandemClient(fake.address, timeout=10) as client:
+        with client.generate("hi") as stream:
+            for _ in stream:
+                break
+            assert not fake.servicer.cancelled.is_set()
+        assert fake.servicer.cancelled.wait(10)
+        with pytest.raises(Cancelled):
+            next(stream)
+    fake.servicer.cancelled.clear()
+
+    async def scenario():
+        async with AsyncTandemClient(fake.address, timeout=10) as client:
+            async with client.generate("hi") as stream:
+                async for _ in stream:
+                    break
+                assert not fake.servicer.cancelled.is_set()
+            assert fake.servicer.cancelled.wait(10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("call", ["generate", "tokenize"])
+def test_closing_an_async_client_under_a_call_raises_cancelled_in_the_callers_task(fake, call):
+    # gRPC ends the calls of a closed channel with asyncio's CancelledError: the
+    # caller's task ended as if it had been cancelled, past "except TandemClientError",
+    # and a TaskGroup around it took itself for cancelled.
+    fake.servicer.hang = True
+
+    async def scenario():
+        client = AsyncTandemClient(fake.address, timeout=10)
+
+        async def use():
+            if call == "generate":
+                async for _ in client.generate("hi"):
+                    pass
+            else:
+                fake.servicer.hang_unary = True
+                await client.tokenize("hi")
+
+        task = asyncio.create_task(use())
+        await asyncio.sleep(0.5)
+        await client.close()
+        with pytest.raises(Cancelled, match="the client was closed"):
+            await task
+        assert not task.cancelled()
+        # A task that is cancelled itself still ends cancelled.
+        client = AsyncTandemClient(fake.address, timeout=10)
+        task = asyncio.create_task(client.complete("hi"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await client.close()
 
     asyncio.run(scenario())

@@ -59,11 +59,11 @@ class Connection:
             raise ConfigError("a client certificate needs both cert_file and key_file")
         credentials = None
         if tls_on or files:
-            credentials = tls.channel_credentials(
-                tls.read_pem(ca_file, "ca_file") if ca_file else None,
-                tls.read_pem(cert_file, "cert_file") if cert_file else None,
-                tls.read_pem(key_file, "key_file") if key_file else None,
-            )
+            ca = tls.read_pem(ca_file, "ca_file") if ca_file else None
+            cert = key = None
+            if cert_file:
+                cert, key = tls.read_cert_and_key(cert_file, key_file, "cert_file", "key_file")
+            credentials = tls.channel_credentials(ca, cert, key)
         key = checked_api_key(address, api_key, credentials is not None, environ)
         metadata = (("authorization", f"Bearer {key}"),) if key else ()
         options = ()
@@ -98,7 +98,7 @@ def checked_api_key(
             f"{source}: an API key is printable ASCII (metadata cannot carry other "
             "characters); check the key's file or variable"
         )
-    if key and not secure and not tls.is_loopback(_host(address)):
+    if key and not secure and not all(tls.is_loopback(host) for host in _hosts(address)):
         raise ConfigError(
             f"refusing to send an API key in clear to {address}: connect with TLS "
             "(tls=True or ca_file; --tls-ca on the command line) or over loopback"
@@ -119,11 +119,20 @@ def read_api_key_file(path: str) -> str:
     return key
 
 
-def _host(address: str) -> str:
-    """The host of "host:port", "[v6]:port" or a gRPC target such as "dns:///host:port"."""
+def _hosts(address: str) -> tuple[str, ...]:
+    """The hosts of "host:port", "[v6]:port" or a gRPC target: "dns:[//authority/]host:port",
+    "ipv4:" or "ipv6:" and a comma-separated list, "unix:" (this machine)."""
     if address.startswith(("unix:", "unix-abstract:")):
-        return "localhost"  # a socket file: this machine only
-    target = address.split("///", 1)[-1] if "///" in address else address
+        return ("localhost",)  # a socket file: this machine only
+    scheme, sep, rest = address.partition(":")
+    if sep and scheme in ("ipv4", "ipv6"):
+        return tuple(_host(target) for target in rest.split(","))
+    if sep and scheme == "dns":
+        return (_host(rest.split("/")[-1]),)  # past "//authority/" when there is one
+    return (_host(address),)
+
+
+def _host(target: str) -> str:
     if target.startswith("["):
         return target[1 : target.find("]")]
     host, sep, port = target.rpartition(":")

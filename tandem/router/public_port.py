@@ -83,8 +83,8 @@ class PublicPort:
         with the setting named."""
         credentials = None
         if config.tls_cert_file:
-            cert = tls.read_pem(config.tls_cert_file, "tls_cert_file")
-            key = tls.read_pem(config.tls_key_file, "tls_key_file")
+            cert, key = tls.read_cert_and_key(config.tls_cert_file, config.tls_key_file,
+                                              "tls_cert_file", "tls_key_file")  # fmt: skip
             ca = None
             if config.tls_client_ca_file:
                 ca = tls.read_pem(config.tls_client_ca_file, "tls_client_ca_file")

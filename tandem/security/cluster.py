@@ -29,7 +29,12 @@ from tandem.errors import ConfigError
 from tandem.kv_transfer.auth import MIN_SECRET_BYTES
 from tandem.security import pki
 from tandem.security.files import write_private
-from tandem.security.tls import channel_credentials, read_pem, server_credentials
+from tandem.security.tls import (
+    channel_credentials,
+    read_cert_and_key,
+    read_pem,
+    server_credentials,
+)
 
 KV_SECRET_BYTES = 32  # random bytes, kept as 64 hex characters (what the file holds)
 
@@ -81,10 +86,12 @@ class ClusterCredentials:
                 f"cluster.kv_secret_file: cannot read {config.kv_secret_file}: "
                 f"{exc.strerror or exc}"
             ) from None
+        cert, key = read_cert_and_key(config.cert_file, config.key_file,
+                                      "cluster.cert_file", "cluster.key_file")  # fmt: skip
         return cls(
             ca=read_pem(config.ca_file, "cluster.ca_file"),
-            cert=read_pem(config.cert_file, "cluster.cert_file"),
-            key=read_pem(config.key_file, "cluster.key_file"),
+            cert=cert,
+            key=key,
             kv_secret=secret,
             server_name=config.server_name,
         )

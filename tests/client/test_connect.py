@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from tandem.client import AsyncTandemClient, TandemClient, Unauthenticated, Unavailable
-from tandem.client._connect import Connection, _host, read_api_key_file
+from tandem.client._connect import Connection, _hosts, read_api_key_file
 from tandem.client.flags import add_client_flags, client_kwargs
 from tandem.errors import ConfigError
 from tandem.security import tls
@@ -74,6 +74,9 @@ def test_a_key_is_never_sent_in_clear_off_this_machine(certs):
         Connection.make("10.0.0.1:50051", api_key=KEY)
     assert Connection.make("localhost:1", api_key=KEY).metadata
     assert Connection.make("[::1]:1", api_key=KEY).metadata
+    assert Connection.make("ipv4:127.0.0.1:1,127.0.0.2:1", api_key=KEY).metadata
+    with pytest.raises(ConfigError, match="in clear to ipv4:127.0.0.1:1,10.0.0.1:1"):
+        Connection.make("ipv4:127.0.0.1:1,10.0.0.1:1", api_key=KEY)
     assert Connection.make("10.0.0.1:1", api_key=KEY, tls_on=True).credentials is not None
     assert Connection.make("10.0.0.1:1", api_key=KEY, ca_file=certs.ca).metadata
     assert KEY not in repr(Connection.make("localhost:1", api_key=KEY))
@@ -91,12 +94,36 @@ def test_bad_tls_arguments_are_named(kwargs, message):
 
 
 @pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(ca_file="ca_key"), "^ca_file: {ca_key} does not hold a certificate"),
+     (dict(ca_file="ca", cert_file="client_key", key_file="client_cert"),
+      "^cert_file: {client_key} does not hold a certificate"),
+     (dict(ca_file="ca", cert_file="client_cert", key_file="router_key"),
+      "^key_file: {router_key} is not the private key of cert_file's certificate")],
+)  # fmt: skip
+def test_a_pem_file_of_the_wrong_kind_is_named_when_the_client_is_made(
+    certs, tmp_path, kwargs, message
+):
+    # Each was taken, and every call then failed as Unavailable ("Failed to create
+    # security handshaker"): an outage to retry, not a setting to fix.
+    paths = {**vars(certs), "ca_key": str(tmp_path / "ca_key.pem")}
+    (tmp_path / "ca_key.pem").write_bytes(open(certs.client_key, "rb").read())
+    with pytest.raises(ConfigError, match=message.format(**paths)):
+        TandemClient("127.0.0.1:1", **{k: paths[v] for k, v in kwargs.items()})
+
+
+@pytest.mark.parametrize(
     "address, host",
     [("127.0.0.1:50051", "127.0.0.1"), ("[::1]:5", "::1"), ("dns:///example.com:443",
-     "example.com"), ("localhost", "localhost"), ("unix:/tmp/sock", "localhost")],
+     "example.com"), ("localhost", "localhost"), ("unix:/tmp/sock", "localhost"),
+     ("ipv4:127.0.0.1:5", "127.0.0.1"), ("ipv6:[::1]:5", "::1"), ("dns:127.0.0.1:5",
+     "127.0.0.1"), ("dns://8.8.8.8/localhost:5", "localhost"),
+     ("ipv4:127.0.0.1:5,10.0.0.1:5", "127.0.0.1,10.0.0.1")],
 )  # fmt: skip
 def test_the_host_of_an_address(address, host):
-    assert _host(address) == host
+    # A gRPC target with a scheme (ipv4:127.0.0.1:5) was taken for a remote host, so an
+    # API key over loopback was refused with a message that loopback is allowed.
+    assert _hosts(address) == tuple(host.split(","))
 
 
 def test_the_api_key_file_holds_one_key(tmp_path):

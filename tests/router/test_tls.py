@@ -177,3 +177,19 @@ def test_an_unreadable_certificate_names_its_setting(certs, tmp_path):
                                  tls_client_ca_file=str(not_pem))  # fmt: skip
     with pytest.raises(ConfigError, match=rf"^tls_client_ca_file: {not_pem} is not a PEM file"):
         PublicPort.load(config)
+
+
+def test_a_certificate_and_key_that_do_not_go_together_are_named(certs):
+    # gRPC took them, and every handshake then failed with no file named.
+    swapped = RouterConfig(tls_cert_file=certs.router_key, tls_key_file=certs.router_cert)
+    with pytest.raises(ConfigError, match=rf"^tls_cert_file: {certs.router_key} does not "
+                       "hold a certificate"):  # fmt: skip
+        PublicPort.load(swapped)
+    foreign = RouterConfig(tls_cert_file=certs.router_cert, tls_key_file=certs.client_key)
+    with pytest.raises(ConfigError, match=rf"^tls_key_file: {certs.client_key} is not the "
+                       "private key of tls_cert_file's certificate"):  # fmt: skip
+        PublicPort.load(foreign)
+    key_as_ca = dataclasses.replace(foreign, tls_key_file=certs.router_key,
+                                    tls_client_ca_file=certs.client_key)  # fmt: skip
+    with pytest.raises(ConfigError, match="^tls_client_ca_file: .* does not hold a certificate"):
+        PublicPort.load(key_as_ca)

@@ -9,6 +9,7 @@ address that is not loopback is refused before any connection is made.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ API_KEY_ENV = "TANDEM_API_KEY"
 # between may not: ``keepalive_s=None`` turns the pings off.)
 KEEPALIVE_S = 30.0
 KEEPALIVE_TIMEOUT_S = 20.0
+MAX_KEEPALIVE_S = 2**31 // 1000  # gRPC takes the interval in int32 milliseconds
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ class Connection:
         metadata = (("authorization", f"Bearer {key}"),) if key else ()
         options = ()
         if keepalive_s is not None:
-            if not keepalive_s > 0:
-                raise ConfigError(f"keepalive_s must be > 0 or None, got {keepalive_s!r}")
+            number = isinstance(keepalive_s, numbers.Real) and not isinstance(keepalive_s, bool)
+            if not (number and 0 < keepalive_s <= MAX_KEEPALIVE_S):
+                raise ConfigError(f"keepalive_s must be seconds in (0, {MAX_KEEPALIVE_S:,}] "
+                                  f"or None (no pings), got {keepalive_s!r}")  # fmt: skip
             timeout_s = min(KEEPALIVE_TIMEOUT_S, keepalive_s)
             options = tuple(keepalive.channel_options(keepalive_s, timeout_s))
         return cls(address, credentials, metadata, options)

@@ -50,6 +50,10 @@ def generate_request(
     ignore_eos: bool,
     logprobs: int | None = None,
 ) -> tandem_pb2.GenerateRequest:
+    if not isinstance(request_id, str):
+        raise _invalid(f"request_id must be a string, got {request_id!r}")
+    if not isinstance(ignore_eos, bool):
+        raise _invalid(f"ignore_eos must be True or False, got {ignore_eos!r}")
     request = tandem_pb2.GenerateRequest(request_id=request_id)
     _set_input(request, prompt, messages)
     s = request.sampling
@@ -65,6 +69,8 @@ def generate_request(
         ("logprobs", logprobs),
     ):
         if value is not None:
+            if isinstance(value, bool):  # True is no temperature, nor a token count
+                raise _invalid(f"{name} must be {_KINDS.get(name, 'a number')}, got {value!r}")
             try:
                 setattr(s, name, value)
             except (TypeError, ValueError, OverflowError):  # another type, or past the range
@@ -114,6 +120,8 @@ def _set_input(request, prompt: str | None, messages: Sequence[Message] | None) 
             grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of prompt or messages"
         )
     if prompt is not None:
+        if not isinstance(prompt, str):
+            raise _invalid(f"prompt must be a string, got a {type(prompt).__name__}")
         request.prompt = prompt
         return
     if isinstance(messages, (str, Mapping)):  # one message, not a list of them
@@ -127,6 +135,8 @@ def _set_input(request, prompt: str | None, messages: Sequence[Message] | None) 
                 role, content = m.role, m.content
             else:
                 role, content = m["role"], m["content"]
+            if not (isinstance(role, str) and isinstance(content, str)):
+                raise TypeError  # None went as "", bytes as their decoding
             request.chat.messages.add(role=role, content=content)
         except (KeyError, TypeError, ValueError):
             raise InvalidRequest(
@@ -134,6 +144,10 @@ def _set_input(request, prompt: str | None, messages: Sequence[Message] | None) 
                 f"messages[{i}] must have a string role and content, got {m!r}",
             ) from None
     request.chat.SetInParent()  # an empty list is still "chat", which the server refuses
+
+
+def _invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def chunk(response: tandem_pb2.GenerateResponse) -> GenerateChunk:

@@ -82,6 +82,15 @@ def test_a_key_is_never_sent_in_clear_off_this_machine(certs):
     assert KEY not in repr(Connection.make("localhost:1", api_key=KEY))
 
 
+@pytest.mark.parametrize("keepalive_s", [0, "5", float("inf"), float("nan"), 1e12, True])
+def test_a_keepalive_that_is_no_number_of_seconds_gRPC_takes_is_named(keepalive_s):
+    # "5" was a raw TypeError, inf and 1e12 an OverflowError from gRPC's options.
+    with pytest.raises(ConfigError, match=r"^keepalive_s must be seconds in \(0, 2,147,483\] "
+                       r"or None \(no pings\), got "):  # fmt: skip
+        Connection.make("127.0.0.1:1", keepalive_s=keepalive_s)
+    assert Connection.make("127.0.0.1:1", keepalive_s=2_147_483).options
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"cert_file": "c.pem"}, "a client certificate needs both cert_file and key_file"),

@@ -60,11 +60,30 @@ def test_one_stop_string_is_one_stop_string_not_its_letters():
         ("temperature", 1e39, "temperature must be within float32's range, got 1e+39"),
         ("temperature", 10**400, f"temperature must be a number, got {10**400!r}"),
         ("stop", [1], "stop must be strings, got [1]"),
+        # A bool went out as 1.0; a non-bool ignore_eos was a raw TypeError.
+        ("temperature", True, "temperature must be a number, got True"),
+        ("ignore_eos", "no", "ignore_eos must be True or False, got 'no'"),
+        ("ignore_eos", None, "ignore_eos must be True or False, got None"),
     ],
 )
 def test_a_value_its_field_cannot_hold_is_an_invalid_request(name, value, message):
     with pytest.raises(InvalidRequest) as info:
         _convert.generate_request("hi", None, "", **{**NO_SAMPLING, name: value})
+    assert info.value.details == message
+
+
+@pytest.mark.parametrize(
+    "prompt, request_id, message",
+    [(123, "", "prompt must be a string, got a int"),
+     (b"\xff", "", "prompt must be a string, got a bytes"),
+     ("hi", 123, "request_id must be a string, got 123")],
+)  # fmt: skip
+def test_a_prompt_or_request_id_that_is_no_string_is_an_invalid_request(
+    prompt, request_id, message
+):
+    # A raw TypeError or UnicodeDecodeError, naming nothing.
+    with pytest.raises(InvalidRequest) as info:
+        _convert.generate_request(prompt, None, request_id, **NO_SAMPLING)
     assert info.value.details == message
 
 
@@ -91,6 +110,10 @@ def test_no_stop_is_none_as_well():  # as OpenAI-style code passes it
         ({"role": "user", "content": "hi"}, "messages must be a list of messages, got a dict"),
         ([{"role": "user"}], "messages[0] must have a string role and content"),
         ([{"role": "user", "content": 7}], "messages[0] must have a string role and content"),
+        # These went out as an empty content, or a role the router named as ''.
+        ([{"role": "user", "content": None}], "messages[0] must have a string role and"),
+        ([{"role": None, "content": "hi"}], "messages[0] must have a string role and"),
+        ([{"role": "user", "content": b"hi"}], "messages[0] must have a string role and"),
     ],
 )
 def test_malformed_messages_are_an_invalid_request_naming_them(messages, message):

@@ -7,7 +7,10 @@ reads. A JSON list with one group per process::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 
@@ -16,18 +19,36 @@ def group(address: str, process: str, role: str) -> dict:
 
 
 def write(path: str | Path, groups: list[dict]) -> None:
-    """Atomically: Prometheus may read the file at any moment, never half-written."""
+    """Atomically (Prometheus may read the file at any moment, never half-written),
+    through a temporary file of a fresh name: a fixed one could be a link that another
+    user planted in a shared directory, and writing through it would clobber the file
+    it points to. Readable by all: Prometheus may run as another user."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(groups, indent=2) + "\n")
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(json.dumps(groups, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read(path: str | Path) -> list[tuple[str, str]]:
-    """(address, role) for every target in the file."""
+    """(address, role) for every target in the file; ValueError for a file that is not
+    a list of file_sd groups (``{"targets": [address, ...], "labels": {...}}``)."""
     groups = json.loads(Path(path).read_text())
-    return [
-        (address, g.get("labels", {}).get("role", "?"))
-        for g in groups
-        for address in g.get("targets", [])
-    ]
+    shape = ValueError('not a list of file_sd groups ({"targets": [...], "labels": {...}})')
+    if not isinstance(groups, list):
+        raise shape
+    listed = []
+    for g in groups:
+        addresses = g.get("targets", []) if isinstance(g, dict) else None
+        labels = g.get("labels", {}) if isinstance(g, dict) else None
+        if not (isinstance(addresses, list) and all(isinstance(a, str) for a in addresses)
+                and isinstance(labels, dict)):  # fmt: skip
+            raise shape
+        listed += [(address, str(labels.get("role", "?"))) for address in addresses]
+    return listed

@@ -83,6 +83,7 @@ class Controller:
         self.autoscaler = Autoscaler(config.autoscale, config.pools)
         self.events: deque[str] = deque(maxlen=50)  # recent membership changes, for status
         self.targets_written: list | None = None  # the metrics targets file's last contents
+        self.targets_error = ""  # why the last write of that file failed ("": it did not)
         self._next_id = 0  # worker names are <pool>-<n>, never reused
         # One per pool, made on the actor's event loop: a pool's starts and drains are
         # one at a time, and a start waiting for a node holds up no other pool.

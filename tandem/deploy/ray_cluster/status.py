@@ -64,9 +64,18 @@ def write_targets(ctrl: Controller, stopped: bool = False) -> None:
     try:
         targets.write(ctrl.config.targets_file, groups)
     except OSError as exc:
-        log.warning("cannot write the metrics targets file %s: %s", ctrl.config.targets_file, exc)
+        # Prometheus and `tandem top --file` go on reading what the file holds: stale
+        # targets, or (a name in a shared /tmp taken first) another user's. Said once
+        # in `tandem ray status` and logged on every try.
+        path = ctrl.config.targets_file
+        error = f"cannot write the metrics targets file {path}: {exc.strerror or exc}"
+        log.warning("%s", error)
+        if ctrl.targets_error != error:
+            ctrl._event(f"{error}; set ray.metrics_targets_file to a file in a directory "
+                        "only this deployment's user may write")  # fmt: skip
+        ctrl.targets_error = error
         return
-    ctrl.targets_written = groups
+    ctrl.targets_written, ctrl.targets_error = groups, ""
 
 
 def _pools(ctrl: Controller) -> dict[str, dict[str, Any]]:

@@ -41,7 +41,11 @@ class StepCost:
             return
         prompt_tokens = tokens - sequences  # each sequence's first token is its decode's
         if prompt_tokens <= 0:
-            self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
+            # On a prefill worker such a step is a one-token prompt (or one whose blocks
+            # were all cached): no decode step, and nothing to measure a token by. Taken
+            # for a decode step, it was subtracted from every prefill step after it.
+            if self.decodes:
+                self.decode_step_seconds = _mean(self.decode_step_seconds, seconds)
             return
         if self.decodes and not self.decode_step_seconds:
             # Nothing to tell the prompt's share from the step's own cost yet (a decode

@@ -67,3 +67,14 @@ def test_a_prefill_worker_whose_steps_all_carry_prompts_reports_their_cost():
     for _ in range(10):
         cost.observe(0.05, 1, 512)
     assert cost.prefill_token_seconds == pytest.approx(0.05 / 511)
+
+
+def test_a_prefill_workers_one_token_prompt_is_no_decode_step():
+    # A one-token prompt (or one whose blocks were all cached) set a decode step figure
+    # on a worker that never decodes (tandem top showed its STEP), and that figure was
+    # then taken off every prefill step after it: 0.0004 s a token for 0.001.
+    cost = StepCost(decodes=False)
+    cost.observe(0.006, sequences=1, tokens=1)
+    cost.observe(0.010, sequences=1, tokens=11)
+    assert cost.decode_step_seconds == 0
+    assert cost.prefill_token_seconds == pytest.approx(0.001)

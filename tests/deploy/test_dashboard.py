@@ -89,7 +89,18 @@ def test_template_variables():
     variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    assert "tandem_router_requests_total" in variables["model"]["definition"]
+    # $model must have a value on a router that has served nothing yet: every panel
+    # filters on it, and tandem_router_requests_total has no series before a request
+    # ends, so a fresh deployment's dashboard showed nothing.
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tandem.metrics.export import RouterMetrics
+
+    source = re.fullmatch(r"label_values\((\w+), model\)", variables["model"]["definition"])
+    fresh = generate_latest(RouterMetrics("m").registry).decode()
+    samples = [s for f in text_string_to_metric_families(fresh) for s in f.samples]
+    assert any(s.name == source[1] and s.labels.get("model") == "m" for s in samples)
     worker = variables["worker"]
     assert "tandem_worker_kv_blocks_capacity" in worker["definition"]
     assert worker["multi"] and worker["includeAll"]

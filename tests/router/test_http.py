@@ -597,6 +597,38 @@ def test_connections_past_the_cap_are_closed_at_once(frontend, monkeypatch):
     run(scenario())
 
 
+def test_tls_sockets_count_against_the_cap_before_their_handshake_and_it_has_a_deadline(
+    frontend, certs, monkeypatch
+):
+    # asyncio calls a TLS server's protocol only once the handshake is done, and waits
+    # 60 s for one: sockets that never sent a ClientHello were past the cap and the
+    # request timeout, and a client with no credentials took every descriptor of the
+    # router process, the gRPC port's too.
+    from tandem.router.http import server
+
+    monkeypatch.setattr(server, "connection_cap", lambda share: 4)
+    monkeypatch.setattr(server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    settings = dict(tls_cert_file=certs.router_cert, tls_key_file=certs.router_key)
+
+    async def scenario():
+        async with cluster(frontend, http_port=0, connect={"ca_file": certs.ca},
+                           **settings) as c:  # fmt: skip
+            host, port = c.router.http_address.rsplit(":", 1)
+            silent = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # past the cap: closed
+            writer.close()
+            for reader, _ in silent:  # each closed at its handshake's deadline
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            url = f"https://{c.router.http_address}"
+            async with httpx.AsyncClient(base_url=url, verify=_context(certs, False)) as http:
+                assert (await http.get("/health")).status_code == 200  # room again
+            assert not c.router._http._protocol.handshakes
+
+    run(scenario())
+
+
 def test_a_large_body_is_parsed_off_the_event_loop(frontend, monkeypatch):
     # A few MiB of small JSON values took the loop that every stream shares for a
     # second or two (json.loads, then the check of every string).

@@ -116,18 +116,23 @@ class HttpApi:
             sock.close()
             raise ConfigError(f"cannot serve HTTP on {config.host}:{port} (setting http_port): "
                               f"{exc}") from exc  # fmt: skip
-        tls = {}
-        if config.tls_cert_file:
-            tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+        tls = None
+        if config.tls_cert_file:  # the handshake is _Protocol's, not uvicorn's (below)
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+            tls.set_alpn_protocols(["http/1.1"])
             if config.tls_client_ca_file:
-                tls.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+                tls.load_verify_locations(config.tls_client_ca_file)
+                tls.verify_mode = ssl.CERT_REQUIRED
         protocol = type("_Protocol", (_Protocol,), {
             "stall_timeout_s": config.stream_stall_timeout_s,
             "cap": connection_cap(0.5),  # of the descriptor limit in force now
+            "tls": tls,
+            "handshakes": set(),
         })  # fmt: skip
+        self._protocol = protocol
         server = _Server(uvicorn.Config(
             self.app, lifespan="off", log_level="warning", access_log=False, http=protocol,
-            **tls,
         ))  # fmt: skip
         self._server = server
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -149,6 +154,8 @@ class HttpApi:
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await self._task
+        for handshake in list(self._protocol.handshakes):  # no request on them yet
+            handshake.cancel()
         self._server = self._task = None
 
     # ---- routes ------------------------------------------------------------------------
@@ -318,6 +325,9 @@ class HttpApi:
 # keep-alive timer only after a response, so a connection that sent nothing or half a
 # request was held for good, each taking a descriptor from the whole router.
 REQUEST_TIMEOUT_S = 30.0
+# How long a client has for its TLS handshake (asyncio's default, 60 s, outlasted the
+# request timeout above).
+HANDSHAKE_TIMEOUT_S = 10.0
 # How long the rest of a refused body is read and dropped before its 413 (``_body``).
 LINGER_S = 2.0
 
@@ -330,17 +340,25 @@ _REQUEST_IN = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
 class _Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, bounded: a connection past the cap is closed at once,
     and one whose request has not all arrived ``REQUEST_TIMEOUT_S`` after it began
-    waiting for it is closed (a request arriving slowly: 408's place, with no reply)."""
+    waiting for it is closed (a request arriving slowly: 408's place, with no reply).
+
+    Over TLS the handshake is done here, on the accepted socket (``loop.start_tls``),
+    rather than by the server: asyncio calls a server's protocol only once the
+    handshake is done, and gives it 60 s, so sockets that never sent a ClientHello
+    were held past the cap and past the request timeout, until the process ran out of
+    descriptors (the gRPC port's too). Here a socket counts from its accept, and its
+    handshake has ``HANDSHAKE_TIMEOUT_S``."""
 
     cap = 64  # connections held at once: half the descriptors (public_port.py), at start
     stall_timeout_s = 60.0  # RouterConfig.stream_stall_timeout_s, set at start
+    tls: ssl.SSLContext | None = None  # the port's TLS, set at start (None: plaintext)
+    handshakes: set[asyncio.Task] = set()  # TLS handshakes under way (a set per server)
     _refused, _told_at = 0, 0.0  # connections closed at the cap, and when last logged
     _stall: asyncio.TimerHandle | None = None
+    _deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._deadline = None
-        if len(self.connections) > self.cap:
+        if len(self.connections) + len(self.handshakes) >= self.cap:
             transport.close()
             cls, now = type(self), time.monotonic()
             cls._refused += 1
@@ -349,7 +367,29 @@ class _Protocol(H11Protocol):
                             self.cap, cls._refused)  # fmt: skip
                 cls._refused, cls._told_at = 0, now
             return
+        if self.tls is not None and transport.get_extra_info("sslcontext") is None:
+            transport.pause_reading()  # nothing reaches h11 before the handshake is done
+            task = self.loop.create_task(self._handshake(transport))
+            self.handshakes.add(task)
+            task.add_done_callback(self.handshakes.discard)
+            return
+        super().connection_made(transport)
         self._await_request()
+
+    async def _handshake(self, transport) -> None:
+        try:
+            tls_transport = await self.loop.start_tls(
+                transport, self, self.tls, server_side=True,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+            )  # fmt: skip
+        except Exception:  # noqa: BLE001 (a bad client: a timeout, a reset, a refused certificate)
+            transport.abort()
+            return
+        except asyncio.CancelledError:  # the server is stopping
+            transport.abort()
+            raise
+        self.handshakes.discard(asyncio.current_task())  # it is a connection from here
+        self.connection_made(tls_transport)
 
     def _await_request(self) -> None:
         if self._deadline is not None:
@@ -397,7 +437,8 @@ class _Protocol(H11Protocol):
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
-        super().connection_lost(exc)
+        if self.transport is not None:  # else refused at the cap: h11 never saw it
+            super().connection_lost(exc)
 
 
 class _Server(uvicorn.Server):

@@ -1,5 +1,6 @@
 """Admission: at most ``max_queue`` requests in flight through the router, and per
-API key at most its ``max_streams`` of them and its ``requests_per_s``.
+API key at most its ``max_streams`` of them and its ``requests_per_s`` (callers by
+client certificate alone, on a router without keys, share one such key's limits).
 
 A Generate or Tokenize call is admitted after the checks that need no tokenizer
 and holds its slots (the key's and the router's) until it ends for any reason.
@@ -63,6 +64,9 @@ class Admission:
         self.key_requests_per_s = key_requests_per_s
         self._clock = clock
         self._keys: dict[str, _KeyState] = {}
+        # Whose limits a call without a key is under (None: none; the router sets
+        # auth.CERTIFICATE_CALLERS where client certificates alone authenticate).
+        self.keyless: ApiKey | None = None
 
     def _state(self, key: ApiKey) -> _KeyState:
         state = self._keys.get(key.name)
@@ -75,13 +79,14 @@ class Admission:
 
     def check_rate(self, key: ApiKey | None) -> None:
         """Takes one call from ``key``'s bucket (RESOURCE_EXHAUSTED when it is empty)."""
+        key = key or self.keyless
         if key is None:
             return
         bucket = self._state(key).bucket
         wait = 0.0 if bucket is None else bucket.take()
         if wait:
             raise RouterError.overloaded(
-                f"API key {key.name!r} is over its rate limit "
+                f"{key.describe()} is over its rate limit "
                 f"(requests_per_s={bucket.rate:g}); retry in {wait:.2g} s",
                 reason="key_rate",
                 retry_after_s=wait,
@@ -93,10 +98,11 @@ class Admission:
 
     @contextmanager
     def admit(self, key: ApiKey | None = None) -> Iterator[None]:
+        key = key or self.keyless
         state = None if key is None else self._state(key)
         if state is not None and state.max_streams and state.in_flight >= state.max_streams:
             raise RouterError.overloaded(
-                f"API key {key.name!r} has {state.in_flight} requests in flight, its "
+                f"{key.describe()} has {state.in_flight} requests in flight, its "
                 f"limit (max_streams={state.max_streams}); retry later",
                 reason="key_streams",
             )

@@ -65,11 +65,20 @@ class ApiKey:
     max_streams: int | None = None  # None: RouterConfig.key_max_streams; 0: no limit
     requests_per_s: float | None = None  # None: RouterConfig.key_requests_per_s; 0: none
 
+    def describe(self) -> str:
+        return f"API key {self.name!r}" if self.digest else self.name
+
     @property
     def tenant(self) -> str:
         """The namespace of this key's request ids (12 hex digits of the digest): keys
         with the same name still never share ids."""
         return self.digest.hex()[:12]
+
+
+# The callers of a router that requires client certificates and has no API keys: one
+# party, under the keys' default limits (key_max_streams, key_requests_per_s), and
+# with the keyless callers' request ids and prefix cache (its tenant is "").
+CERTIFICATE_CALLERS = ApiKey("the shared key of the callers by client certificate", b"")
 
 
 def digest(key: str) -> bytes:

@@ -25,7 +25,7 @@ from tandem.errors import ConfigError
 from tandem.keepalive import LAST_REPLIES_S, SERVER_OPTIONS, channel_options
 from tandem.metrics import MetricsEndpoint, RouterMetrics
 from tandem.router.admission import Admission
-from tandem.router.auth import AuthInterceptor
+from tandem.router.auth import CERTIFICATE_CALLERS, AuthInterceptor
 from tandem.router.disaggregation import PrefillRouting
 from tandem.router.frontend import Frontend
 from tandem.router.gateway import Gateway
@@ -108,6 +108,8 @@ class Router:
 
     async def start(self) -> None:
         public = PublicPort.load(self.config)  # first: a bad setting starts nothing
+        if public.client_ca and not public.keys:
+            self.admission.keyless = CERTIFICATE_CALLERS
         if self.frontend is None:
             self.frontend = await asyncio.to_thread(Frontend.load, self.config)
             self._owns_frontend = True

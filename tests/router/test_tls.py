@@ -193,3 +193,30 @@ def test_a_certificate_and_key_that_do_not_go_together_are_named(certs):
                                     tls_client_ca_file=certs.client_key)  # fmt: skip
     with pytest.raises(ConfigError, match="^tls_client_ca_file: .* does not hold a certificate"):
         PublicPort.load(key_as_ca)
+
+
+def test_callers_by_client_certificate_alone_share_one_keys_limits(frontend, certs):
+    # The README says they share one set of a key's limits; they had none: one such
+    # caller could hold the whole max_queue.
+    from tandem.client import Overloaded
+    from tests.router.fakes import FakeDecode, wait_until
+
+    member = dict(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key)
+
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())
+        async with cluster(frontend, decode=[decode], connect=member,
+                           tls_cert_file=certs.router_cert, tls_key_file=certs.router_key,
+                           tls_client_ca_file=certs.ca, key_max_streams=2) as c:  # fmt: skip
+            held = [asyncio.create_task(c.client.complete("hello")) for _ in range(2)]
+            await wait_until(lambda: len(decode.calls) == 2, what="two streams placed")
+            async with AsyncTandemClient(c.router.address, timeout=10, **member) as other:
+                with pytest.raises(Overloaded, match=r"^RESOURCE_EXHAUSTED: the shared key of "
+                                   r"the callers by client certificate has 2 requests in "
+                                   r"flight, its limit \(max_streams=2\)"):  # fmt: skip
+                    await other.complete("hello")
+            decode.gate.set()
+            for task in held:
+                assert (await task).finish_reason == "length"
+
+    asyncio.run(scenario())

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health
 
+from tandem import logs
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
 
@@ -221,6 +222,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys
+        # Anyone who reaches the port may be refused at any rate: a line per method
+        # every 10 s, with a count (flushed by the router's stop).
+        self.refused = logs.Throttle(log)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -228,7 +232,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         key = self.keys.identify(details.invocation_metadata)
         if key is None:
-            log.info("refused %s: %s", details.method, UNAUTHENTICATED_MESSAGE)
+            self.refused.log(logging.INFO, "refused %s: %s", details.method,
+                             UNAUTHENTICATED_MESSAGE, kind=details.method)  # fmt: skip
             return _refusal(handler)
         current_key.set(key)
         return handler

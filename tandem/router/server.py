@@ -84,6 +84,7 @@ class Router:
         self.metrics.watch(self.registry.workers, self.relay)
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._http = None  # the OpenAI-compatible API (http/server.py), when http_port is set
+        self._auth: AuthInterceptor | None = None  # with API keys: refuses calls without one
         self._ready = False  # the Tandem service's health, for the HTTP /health
         self.port: int | None = None
         self._owns_frontend = False
@@ -110,6 +111,7 @@ class Router:
         public = PublicPort.load(self.config)  # first: a bad setting starts nothing
         if public.client_ca and not public.keys:
             self.admission.keyless = CERTIFICATE_CALLERS
+        self._auth = AuthInterceptor(public.keys) if public.keys else None
         if self.frontend is None:
             self.frontend = await asyncio.to_thread(Frontend.load, self.config)
             self._owns_frontend = True
@@ -133,7 +135,7 @@ class Router:
             ],
             # The key first: a refused one is UNAUTHENTICATED whatever the message holds.
             interceptors=[
-                *([AuthInterceptor(public.keys)] if public.keys else []),
+                *([self._auth] if self._auth else []),
                 ParseInterceptor(),
             ],
         )
@@ -246,6 +248,8 @@ class Router:
             self._metrics_endpoint.stop()
             self._metrics_endpoint = None
         self.gateway.overloaded.flush()  # the refusals not logged yet
+        if self._auth is not None:
+            self._auth.refused.flush()
         self.relay.full.flush()
         if self.relay.routing.counts:
             log.info("prompts prefilled since start: %s", self.relay.routing.describe())

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import AsyncTandemClient, Overloaded, TandemClientError, Unauthenticated
 from tandem.config import RouterConfig
 from tandem.errors import ConfigError
@@ -165,8 +166,6 @@ def test_admission_bounds_each_key_and_the_router(keys_file):
 
 
 def _stub_call(kind: str, channel, metadata):
-    from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-
     stub = tandem_pb2_grpc.TandemStub(channel)
     if kind == "Generate":
         return stub.Generate(tandem_pb2.GenerateRequest(prompt="hi"), metadata=metadata)
@@ -200,6 +199,24 @@ def test_a_call_without_a_valid_key_is_unauthenticated(frontend, keys_file, capl
     with caplog.at_level(logging.DEBUG):
         run(scenario())
     assert ALICE not in caplog.text and "z" * 32 not in caplog.text
+
+
+def test_a_flood_of_calls_without_a_key_does_not_flood_the_log(frontend, keys_file, caplog):
+    # Each refusal wrote its own line: anyone who reached the port could grow the log
+    # at hundreds of KB a second.
+    async def scenario():
+        async with cluster(frontend, api_keys_file=keys_file) as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                stub = tandem_pb2_grpc.TandemStub(channel)
+                for _ in range(200):
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await stub.GetModelInfo(tandem_pb2.GetModelInfoRequest())
+
+    with caplog.at_level(logging.INFO, logger="tandem.router.auth"):
+        run(scenario())
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 2, refused  # the first, and the count held at stop
+    assert refused[-1].startswith("199 lines like this one were not logged: refused ")
 
 
 def test_the_client_raises_unauthenticated(frontend, keys_file):

@@ -23,7 +23,10 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     g.add_argument(
-        "--temperature", type=float, default=0.0, help="0 is greedy (the default); > 0 samples"
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 is greedy (the default); from 1e-5 up samples",
     )
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold in (0, 1]")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -52,7 +55,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default=None,
-        help="auto (default: the model's dtype) or int8 (half the KV memory of bfloat16)",
+        help="auto (default: the model's dtype) or int8 (0.52x the KV memory of bfloat16)",
     )
     g.add_argument(
         "--kv-window",

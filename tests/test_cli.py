@@ -271,3 +271,14 @@ def test_httpx_does_not_log_every_request_of_an_http_load_run():
 
     assert main(["plan", "--model", "tiny-random"]) == 0
     assert logging.getLogger("httpx").level == logging.WARNING  # whatever the root says
+
+
+def test_the_temperature_help_names_the_least_that_samples(capsys):
+    # It said "> 0 samples", and --temperature 1e-6 was then refused.
+    from tandem.cli import main
+    from tandem.engine.sampling_params import MIN_TEMPERATURE
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "from 1e-5 up samples" in " ".join(capsys.readouterr().out.split())
+    assert MIN_TEMPERATURE == 1e-5

@@ -58,7 +58,12 @@ def test_conditional_flag_keeps_the_yaml_thresholds(tmp_path):
         (["--colocated", "2", "--prefill", "1"], "--colocated N replaces"),
         (["--colocated", "2", "--disaggregation", "always"], "--colocated N replaces"),
         (["--prefill", "0"], "no prefill worker needs router.disaggregation.mode"),
-        (["--disaggregation", "never"], "sends nothing to the 1 prefill workers"),
+        # the flag to fix it is named, not only the YAML key
+        (
+            ["--disaggregation", "never"],
+            r"sends nothing to the 1 prefill workers: set "
+            r"num_prefill \(--prefill\) 0",
+        ),
     ],
 )
 def test_contradictions_are_refused_by_name(argv, message):

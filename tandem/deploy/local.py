@@ -118,7 +118,9 @@ class ClusterConfig:
                 f"a cluster needs >= 1 decode worker and >= 0 prefill workers, "
                 f"got prefill={self.num_prefill}, decode={self.num_decode}"
             )
-        self.router.disaggregation.check_prefill_workers(self.num_prefill, "num_prefill")
+        self.router.disaggregation.check_prefill_workers(
+            self.num_prefill, "num_prefill (--prefill)"
+        )
         for pool in ("prefill", "decode"):
             width = getattr(self, f"{pool}_tensor_parallel_size")
             if width is not None and width < 1:

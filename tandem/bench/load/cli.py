@@ -17,7 +17,9 @@ log = logging.getLogger("tandem")
 
 def add_bench_parsers(bench_sub) -> None:
     load = bench_sub.add_parser(
-        "load", help="load-test a running deployment through its gRPC API: TTFT, TPOT, goodput"
+        "load",
+        help="load-test a running deployment through its gRPC API (or an OpenAI-compatible "
+        "one: --api openai): TTFT, TPOT, goodput",
     )
     _add_load_flags(load)
     load.add_argument(

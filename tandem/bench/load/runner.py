@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import datetime
 import itertools
+import logging
 import math
 import sys
 import time
@@ -40,6 +41,8 @@ from tandem.bench.load.metrics import SLO, RequestRecord, Summary, summarize
 from tandem.client import AsyncTandemClient, ModelInfo
 from tandem.client.errors import InvalidRequest, TandemClientError
 from tandem.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 # Requests a duration-bounded run prepares up front; past them a file's are sent again
 # (cycled), and synthetic ones drawn anew, this many at a time.
@@ -273,10 +276,12 @@ TOKENIZE_RETRY_S = 60.0
 RETRY_WAIT_S = (0.05, 1.0)  # the first wait, doubled up to the second
 
 
-async def _overloaded_again(call: Callable[[], Awaitable[T]]) -> T:
+async def _overloaded_again(
+    call: Callable[[], Awaitable[T]], refused: Callable[[TandemClientError], None]
+) -> T:
     """``call()``, again with backoff while the router answers RESOURCE_EXHAUSTED
     (``Overloaded``; not ``RequestTooLarge``, which never fits), for up to
-    TOKENIZE_RETRY_S."""
+    TOKENIZE_RETRY_S; ``refused`` is told of each refusal."""
     (wait, most), deadline = RETRY_WAIT_S, time.monotonic() + TOKENIZE_RETRY_S
     while True:
         try:
@@ -287,6 +292,7 @@ async def _overloaded_again(call: Callable[[], Awaitable[T]]) -> T:
             )
             if not overloaded or time.monotonic() + wait > deadline:
                 raise
+            refused(exc)
         await asyncio.sleep(wait)
         wait = min(2 * wait, most)
 
@@ -305,8 +311,16 @@ async def build_dataset(
     else:
         n = config.num_warmup + DURATION_POOL
 
+    told = []
+
+    def refused(exc: TandemClientError) -> None:
+        if not told:  # a key's rate can make this minutes, which must not look hung
+            told.append(exc)
+            log.warning("the router refuses Tokenize calls for now (%s): the dataset's "
+                        "prompts are counted as it lets them through", exc.details)  # fmt: skip
+
     async def count(**kw) -> int:
-        return len(await _overloaded_again(lambda: client.tokenize(**kw)))
+        return len(await _overloaded_again(lambda: client.tokenize(**kw), refused))
 
     if ds.kind == "synthetic":
         longest = ds.input_len.upper + ds.output_len.upper

@@ -253,7 +253,7 @@ class _BusyRouter:
             self.in_flight -= 1
 
 
-def test_a_dataset_is_counted_through_a_router_that_takes_fewer_calls_at_once(monkeypatch):
+def test_a_dataset_is_counted_through_a_router_that_takes_fewer_calls_at_once(monkeypatch, caplog):
     # 16 Tokenize calls at once failed the run against a router with max_queue 2.
     from tandem.bench.load import runner
     from tandem.client import ModelInfo
@@ -266,6 +266,9 @@ def test_a_dataset_is_counted_through_a_router_that_takes_fewer_calls_at_once(mo
     specs, _ = run(runner.build_dataset(busy, config, ModelInfo("m", 512, 256)))
     assert busy.refused > 0 and len(specs) == 8
     assert all(s.input_len == 20 for s in specs)
+    # Said once: against a key's rate this can take minutes, with nothing else printed.
+    told = [r.getMessage() for r in caplog.records if "refuses Tokenize" in r.getMessage()]
+    assert len(told) == 1 and "the router's queue is full" in told[0]
 
 
 def test_the_first_failure_of_a_limited_gather_leaves_no_coroutine_unawaited():

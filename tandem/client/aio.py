@@ -176,12 +176,15 @@ class AsyncStream:
     def __init__(self, start) -> None:
         self._start = start  # the call, made on first use (in the loop that iterates)
         self._call = None
+        self._closed = False
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> GenerateChunk:
         if self._call is None:
+            if self._closed:  # closed before it began: nothing is sent
+                raise StopAsyncIteration
             self._call = self._start()
         response = await _answer(self._call, self._call.read())
         if response is grpc.aio.EOF:
@@ -202,5 +205,6 @@ class AsyncStream:
             self._cancel()
 
     def _cancel(self) -> None:
+        self._closed = True
         if self._call is not None:
             self._call.cancel()  # a no-op once the call has ended

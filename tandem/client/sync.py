@@ -139,25 +139,34 @@ class TandemClient:
         return _convert.deadline(self.timeout if timeout is None else timeout)
 
     def _stream(self, request: tandem_pb2.GenerateRequest, timeout: float | None) -> Stream:
-        return Stream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
+        return Stream(lambda: self._stub.Generate(request, timeout=timeout,
+                                                  metadata=self._metadata))  # fmt: skip
 
 
 class Stream(Iterator[GenerateChunk]):
-    """One Generate call's chunks: iterate it; ``close()`` (or leaving ``with``)
-    cancels the call, a no-op once it has ended. Dropped unclosed, it is cancelled
-    when Python collects it."""
+    """One Generate call's chunks, the call made on the first ``next``: iterate it;
+    ``close()`` (or leaving ``with``) cancels the call, a no-op once it has ended.
+    Dropped unclosed, it is cancelled when Python collects it."""
 
-    def __init__(self, call) -> None:
-        self._call = call
+    def __init__(self, start) -> None:
+        self._start = start
+        self._call = None
+        self._closed = False
 
     def __next__(self) -> GenerateChunk:
+        if self._call is None:
+            if self._closed:
+                raise StopIteration
+            self._call = self._start()
         try:
             return _convert.chunk(next(self._call))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
     def close(self) -> None:
-        self._call.cancel()
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
 
     def __enter__(self) -> Stream:
         return self

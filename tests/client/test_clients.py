@@ -209,6 +209,23 @@ def test_a_stream_kept_in_a_variable_is_cancelled_by_leaving_its_with_block(fake
     asyncio.run(scenario())
 
 
+def test_a_stream_sends_nothing_until_it_is_read_nor_once_closed_first(fake):
+    with TandemClient(fake.address, timeout=10) as client:
+        stream = client.generate("hi")
+        assert fake.servicer.requests == []
+        stream.close()
+        assert list(stream) == [] and fake.servicer.requests == []
+        assert [c.text for c in client.generate("hi")] == ["Hel", "lo"]
+
+    async def scenario():
+        async with AsyncTandemClient(fake.address, timeout=10) as client:
+            async with client.generate("hi") as stream:
+                pass
+            assert [c async for c in stream] == [] and len(fake.servicer.requests) == 1
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("call", ["generate", "tokenize"])
 def test_closing_an_async_client_under_a_call_raises_cancelled_in_the_callers_task(fake, call):
     # gRPC ends the calls of a closed channel with asyncio's CancelledError: the

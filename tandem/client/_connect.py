@@ -62,10 +62,11 @@ class Connection:
         credentials = None
         if tls_on or files:
             ca = tls.read_pem(ca_file, "ca_file") if ca_file else None
-            cert = key = None
+            cert_pem = key_pem = None
             if cert_file:
-                cert, key = tls.read_cert_and_key(cert_file, key_file, "cert_file", "key_file")
-            credentials = tls.channel_credentials(ca, cert, key)
+                cert_pem, key_pem = tls.read_cert_and_key(cert_file, key_file, "cert_file",
+                                                          "key_file")  # fmt: skip
+            credentials = tls.channel_credentials(ca, cert_pem, key_pem)
         key = checked_api_key(address, api_key, credentials is not None, environ)
         metadata = (("authorization", f"Bearer {key}"),) if key else ()
         options = ()

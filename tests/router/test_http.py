@@ -7,6 +7,7 @@ bodies is the check), and by plain HTTP (httpx) for what the client hides.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -625,6 +626,89 @@ def test_tls_sockets_count_against_the_cap_before_their_handshake_and_it_has_a_d
             async with httpx.AsyncClient(base_url=url, verify=_context(certs, False)) as http:
                 assert (await http.get("/health")).status_code == 200  # room again
             assert not c.router._http._protocol.handshakes
+
+    run(scenario())
+
+
+def _tls_request_with_finished(certs, host: str, port: int, request: bytes) -> bytes:
+    """A TLS client whose request goes out in the same write as its Finished (curl's
+    and asyncio's way); what came back before the server closed or 5 s passed."""
+    import ssl
+
+    tls = ssl.create_default_context(cafile=certs.ca).wrap_bio(
+        incoming := ssl.MemoryBIO(), outgoing := ssl.MemoryBIO(), server_hostname="127.0.0.1"
+    )
+    with socket.create_connection((host, port), timeout=5) as sock:
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(65536))
+        tls.write(request)
+        sock.sendall(outgoing.read())  # Finished + the request, one write
+        got = b""
+        with contextlib.suppress(OSError, ssl.SSLError):
+            while b"\r\n\r\n" not in got and (data := sock.recv(65536)):
+                incoming.write(data)
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    got += tls.read(65536)
+        return got
+
+
+def test_a_request_that_comes_with_the_tls_finished_is_answered(frontend, certs):
+    # TLS passes such a request up as the handshake ends, before the connection is
+    # made: h11 parsed it with no transport, and the client got nothing (curl, every
+    # time).
+    settings = dict(tls_cert_file=certs.router_cert, tls_key_file=certs.router_key)
+
+    async def scenario():
+        async with cluster(frontend, http_port=0, connect={"ca_file": certs.ca},
+                           **settings) as c:  # fmt: skip
+            host, port = c.router.http_address.rsplit(":", 1)
+            request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+            for _ in range(3):
+                got = await asyncio.to_thread(
+                    _tls_request_with_finished, certs, host, int(port), request
+                )
+                assert got.startswith(b"HTTP/1.1 200"), got
+
+    run(scenario())
+
+
+def test_a_tls_handshake_under_way_when_the_router_stops_is_not_served(frontend, certs):
+    # uvicorn tells the connections it has to finish once, as its stop begins: one
+    # whose handshake ended later was kept open past the stop, and still answered.
+    import ssl
+
+    settings = dict(tls_cert_file=certs.router_cert, tls_key_file=certs.router_key)
+
+    def handshake(raw):
+        context = ssl.create_default_context(cafile=certs.ca)
+        with pytest.raises((ssl.SSLError, OSError)):
+            context.wrap_socket(raw, server_hostname="127.0.0.1").sendall(b"GET / HTTP/1.1")
+
+    async def scenario():
+        decode = FakeDecode(gate=asyncio.Event())  # a request in flight holds the grace
+        async with cluster(frontend, decode=[decode], http_port=0,
+                           connect={"ca_file": certs.ca}, **settings) as c:  # fmt: skip
+            host, port = c.router.http_address.rsplit(":", 1)
+            url, verify = f"https://{c.router.http_address}", _context(certs, False)
+            async with httpx.AsyncClient(base_url=url, verify=verify, timeout=20) as http:
+                held = asyncio.create_task(
+                    http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+                )
+                await wait_until(lambda: decode.calls, what="the request placed")
+                raw = socket.create_connection((host, int(port)), timeout=5)
+                await asyncio.sleep(0.2)  # accepted: its handshake is under way
+                stopping = asyncio.create_task(c.router.stop(grace=5))
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(handshake, raw)  # refused, though in the grace
+                raw.close()
+                decode.gate.set()
+                assert (await held).status_code == 200  # what was in flight finished
+                await stopping
 
     run(scenario())
 

@@ -150,12 +150,15 @@ class HttpApi:
         """No new connections; open ones get ``grace`` seconds, then are closed."""
         if self._server is None:
             return
+        # Handshakes under way carry no request yet: ended now, and none served from here
+        # (uvicorn tells the connections it has to finish, once, as its stop begins).
+        self._protocol.stopping = True
+        for handshake in list(self._protocol.handshakes):
+            handshake.cancel()
         self._server.config.timeout_graceful_shutdown = max(grace, 0.001)
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await self._task
-        for handshake in list(self._protocol.handshakes):  # no request on them yet
-            handshake.cancel()
         self._server = self._task = None
 
     # ---- routes ------------------------------------------------------------------------
@@ -353,12 +356,16 @@ class _Protocol(H11Protocol):
     stall_timeout_s = 60.0  # RouterConfig.stream_stall_timeout_s, set at start
     tls: ssl.SSLContext | None = None  # the port's TLS, set at start (None: plaintext)
     handshakes: set[asyncio.Task] = set()  # TLS handshakes under way (a set per server)
+    stopping = False  # the server stops: a handshake that ends now is not served
     _refused, _told_at = 0, 0.0  # connections closed at the cap, and when last logged
     _stall: asyncio.TimerHandle | None = None
     _deadline: asyncio.TimerHandle | None = None
+    # What TLS passed up with the end of the handshake, before connection_made (a
+    # client's request often comes in the same read as its Finished).
+    _early: list[bytes] | None = None
 
     def connection_made(self, transport) -> None:
-        if len(self.connections) + len(self.handshakes) >= self.cap:
+        if self.stopping or len(self.connections) + len(self.handshakes) >= self.cap:
             transport.close()
             cls, now = type(self), time.monotonic()
             cls._refused += 1
@@ -375,6 +382,9 @@ class _Protocol(H11Protocol):
             return
         super().connection_made(transport)
         self._await_request()
+        early, self._early = self._early, None
+        for data in early or ():
+            self.data_received(data)
 
     async def _handshake(self, transport) -> None:
         try:
@@ -389,7 +399,16 @@ class _Protocol(H11Protocol):
             transport.abort()
             raise
         self.handshakes.discard(asyncio.current_task())  # it is a connection from here
+        if self.stopping or tls_transport.is_closing():
+            tls_transport.abort()
+            return
         self.connection_made(tls_transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is None:  # TLS's first read, before connection_made (above)
+            self._early = [*(self._early or ()), data]
+            return
+        super().data_received(data)
 
     def _await_request(self) -> None:
         if self._deadline is not None:

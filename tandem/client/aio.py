@@ -182,11 +182,16 @@ class AsyncStream:
         return self
 
     async def __anext__(self) -> GenerateChunk:
+        if self._closed:  # as a closed generator: no more chunks (none sent if not begun)
+            raise StopAsyncIteration
         if self._call is None:
-            if self._closed:  # closed before it began: nothing is sent
-                raise StopAsyncIteration
             self._call = self._start()
-        response = await _answer(self._call, self._call.read())
+        try:
+            response = await _answer(self._call, self._call.read())
+        except Cancelled:
+            if self._closed:  # closed by another task while this one waited
+                raise StopAsyncIteration from None
+            raise
         if response is grpc.aio.EOF:
             raise StopAsyncIteration
         return _convert.chunk(response)

@@ -145,8 +145,9 @@ class TandemClient:
 
 class Stream(Iterator[GenerateChunk]):
     """One Generate call's chunks, the call made on the first ``next``: iterate it;
-    ``close()`` (or leaving ``with``) cancels the call, a no-op once it has ended.
-    Dropped unclosed, it is cancelled when Python collects it."""
+    ``close()`` (or leaving ``with``) cancels the call (a no-op once it has ended) and
+    ends the iteration, as a generator's does. Dropped unclosed, it is cancelled when
+    Python collects it."""
 
     def __init__(self, start) -> None:
         self._start = start
@@ -154,13 +155,15 @@ class Stream(Iterator[GenerateChunk]):
         self._closed = False
 
     def __next__(self) -> GenerateChunk:
+        if self._closed:  # as a closed generator: no more chunks
+            raise StopIteration
         if self._call is None:
-            if self._closed:
-                raise StopIteration
             self._call = self._start()
         try:
             return _convert.chunk(next(self._call))
         except grpc.RpcError as exc:
+            if self._closed:  # closed from another thread while this one waited
+                raise StopIteration from None
             raise from_rpc_error(exc) from None
 
     def close(self) -> None:

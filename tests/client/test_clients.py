@@ -194,7 +194,7 @@ def test_a_stream_kept_in_a_variable_is_cancelled_by_leaving_its_with_block(fake
                 break
             assert not fake.servicer.cancelled.is_set()
         assert fake.servicer.cancelled.wait(10)
-        with pytest.raises(Cancelled):
+        with pytest.raises(StopIteration):  # closed
             next(stream)
     fake.servicer.cancelled.clear()
 
@@ -205,6 +205,32 @@ def test_a_stream_kept_in_a_variable_is_cancelled_by_leaving_its_with_block(fake
                     break
                 assert not fake.servicer.cancelled.is_set()
             assert fake.servicer.cancelled.wait(10)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_closed_mid_loop_ends_as_a_closed_generator_does(fake):
+    # "for c in stream: ...; stream.close()" ended the loop when generate returned a
+    # generator; the stream class raised Cancelled at the next read.
+    fake.servicer.hang = True
+    with TandemClient(fake.address, timeout=10) as client:
+        stream, got = client.generate("hi"), []
+        for chunk in stream:
+            got.append(chunk.text)
+            stream.close()
+        assert got == ["Hel"] and fake.servicer.cancelled.wait(10)
+        with pytest.raises(StopIteration):
+            next(stream)
+
+    async def scenario():
+        async with AsyncTandemClient(fake.address, timeout=10) as client:
+            stream, got = client.generate("hi"), []
+            async for chunk in stream:
+                got.append(chunk.text)
+                await stream.aclose()
+            assert got == ["Hel"]
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
 
     asyncio.run(scenario())
 

@@ -145,7 +145,12 @@ class Frontend:
     async def prepare(self, checked: CheckedRequest, tenant: str = "") -> PreparedRequest:
         prompt_ids = await self.encode(checked.text)
         params, room = checked.params, self.context_length - len(prompt_ids)
-        if not checked.max_tokens_given and 1 <= room < params.max_tokens:
+        if not checked.max_tokens_given and room < params.max_tokens:
+            if room < 1:  # the limit is the server's default: the prompt is what is wrong
+                raise InvalidRequestError(
+                    "prompt", f"prompt ({len(prompt_ids)} tokens) leaves no room to generate "
+                    f"in the context length {self.context_length}",
+                )  # fmt: skip
             params = replace(params, max_tokens=room)  # as OpenAI and vLLM do
         check_request(prompt_ids, params, self.context_length, self.vocab_size)
         return PreparedRequest(checked.request_id, prompt_ids, params, tenant)

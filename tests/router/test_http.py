@@ -92,6 +92,9 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
          "must be one of"),
         ({"messages": []}, 400, "messages", "must not be empty"),
+        # no max_tokens sent: the prompt is named, not the server's default limit
+        ({"messages": [{"role": "user", "content": "x" * 4096}]}, 400, "messages",
+         "leaves no room to generate in the context length 4096"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages[0].content[0]", "text part"),
         ({"model": "gpt-9"}, 404, "model", "does not exist"),

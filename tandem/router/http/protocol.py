@@ -297,6 +297,8 @@ def param_of(field: str, parsed: Parsed | None) -> str:
         return field.removeprefix("chat.")
     if field == "input":
         return "messages" if parsed is None or parsed.chat else "prompt"
+    if field == "prompt" and parsed is not None and parsed.chat:  # its tokens: the template's
+        return "messages"
     if field == "max_tokens" and parsed is not None:
         return parsed.max_tokens_param
     return field

@@ -186,3 +186,48 @@ def test_down_removes_the_deployments_placement_groups_left_behind():
     )
     assert launch.remove_placement_groups(fake, "prod") == ["tandem-prod-decode-3"]
     assert removed == [ids["a"]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_an_up_refused_for_a_deployment_already_running_leaves_it_running(tmp_path, monkeypatch):
+    # Its clean-up ran `down` on the namespace, which stopped the running deployment
+    # that the refusal was about (another operator's, another state file's).
+    import contextlib
+
+    from tandem.config import RouterConfig
+    from tandem.deploy.ray_cluster.config import RayDeployConfig
+    from tandem.deploy.ray_cluster.head import RayDeployError
+
+    class Running:
+        def get_actor(self, name, namespace):
+            return object()  # its controller
+
+    monkeypatch.setattr(launch, "connected", lambda state: contextlib.nullcontext(Running()))
+    stopped = []
+    monkeypatch.setattr(launch, "stop_deployment", lambda *a, **k: stopped.append(a) or ["x"])
+    config = RayDeployConfig(router=RouterConfig(host="127.0.0.1"))
+    with pytest.raises(RayDeployError, match="a Tandem deployment already runs in namespace"):
+        launch.up(config, "10.0.0.1:6379", tmp_path / "state.json")
+    assert stopped == [] and not (tmp_path / "state.json").exists()
+
+
+def test_the_recorded_clusters_address_keeps_its_token_and_head(tmp_path, monkeypatch):
+    # --address replaced the recorded state: the token was lost (every call then
+    # failed InvalidAuthToken), and `down --address` of the recorded local head
+    # stopped the deployment, left the head running and forgot it.
+    state_file = tmp_path / "ray-state.json"
+    state = {"namespace": "tandem", "address": "127.0.0.1:6379", "auth_mode": "token",
+             "auth_token_file": str(tmp_path / "token"), "head_pid": 4242}  # fmt: skip
+    state_file.write_text(json.dumps(state))
+    assert launch._state(state_file, "127.0.0.1:6379") == state
+    assert launch._state(state_file, "10.0.0.9:6379") == {"namespace": "tandem",
+                                                         "address": "10.0.0.9:6379"}  # fmt: skip
+    heads = []
+    monkeypatch.setattr(launch, "head_processes", lambda s: ["the head"])
+    monkeypatch.setattr(launch, "stop_head", lambda s: heads.append(s["head_pid"]))
+    monkeypatch.setattr(launch, "stop_deployment", lambda s, grace=30.0: ["deployment"])
+    assert launch.down(state_file, "10.0.0.9:6379") == ["deployment"]  # another cluster's
+    assert heads == [] and state_file.exists()  # this file's head is not that one
+    assert launch.down(state_file, "127.0.0.1:6379") == ["deployment",
+                                                         "local Ray head (pid 4242)"]  # fmt: skip
+    assert heads == [4242] and not state_file.exists()

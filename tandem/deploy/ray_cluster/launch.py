@@ -156,7 +156,8 @@ def up(
         address = state["address"]
     state["address"] = address
     write_state(state_file, state)  # now, so that `down` can clean up a failed start
-    try:
+    ours = "head_pid" in state  # what `down` may stop if this start fails: our own head,
+    try:  # or the deployment once this call has made its controller, never another's
         with connected(state) as ray:
             try:
                 ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
@@ -183,13 +184,17 @@ def up(
                 )
                 .remote(config, credentials)
             )
+            ours = True  # made (a name another `up` took meanwhile fails the line above)
             # The controller bounds the router's start and each worker's (they start
             # together); the margin covers its own start and the router calls.
             timeout = config.router_timeout_s + config.startup_timeout_s + 60
             state["router"] = _get(ray, ctrl.start.remote(), timeout, "`up`")
     except BaseException:
         try:
-            down(state_file)
+            if ours:
+                down(state_file)
+            else:  # nothing of this call's runs: the namespace's deployment is not ours
+                state_file.unlink(missing_ok=True)
         except Exception as exc:  # the start's error is the one to report
             log.warning("cleaning up after the failed start: %s", exc)
         raise
@@ -267,6 +272,9 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
     Returns what was stopped, for the CLI to print.
     """
     state = _state(state_file, address, required=False)
+    # The file is forgotten only with what it records (--address of another cluster
+    # leaves it, and the local head it may record, alone).
+    recorded = state.get("address") == read_state(state_file).get("address")
     stopped: list[str] = []
     head_gone = bool(state.get("head_pid")) and not head_processes(state)
     if head_gone:  # a reboot or a crash took the local head, and its actors with it
@@ -284,7 +292,7 @@ def down(state_file: Path, address: str | None = None, grace: float = 30.0) -> l
         stop_head(state)  # and its temp dir and token, even when it is gone
         if not head_gone:
             stopped.append(f"local Ray head (pid {state['head_pid']})")
-    if state_file.exists():
+    if recorded and state_file.exists():
         state_file.unlink()
     return stopped
 
@@ -348,7 +356,7 @@ def tandem_actors(ray, namespace: str) -> list[str]:
 
 def _state(state_file: Path, address: str | None, required: bool = True) -> dict[str, Any]:
     state = read_state(state_file)
-    if address:
+    if address and address != state.get("address"):  # another cluster: not its token, head
         state = {"namespace": state.get("namespace", "tandem"), "address": address}
     if required and not state.get("address"):
         raise RayDeployError(

@@ -77,6 +77,14 @@ def test_yaml_sections_map_onto_the_deploy_config():
             r"ray.prefill.replicas 0 is outside .* \(ray.autoscale.prefill.min_replicas",
         ),
         ({"ray": {"monitor_interval_s": float("nan")}}, "monitor_interval_s must be a number"),
+        # These started a head and failed in a worker's start, naming no setting.
+        ({"ray": {"decode": {"num_cpus": float("inf")}}}, "num_cpus and num_gpus must be finite"),
+        ({"ray": {"decode": {"resources": {"d": float("nan")}}}}, "finite and >= 0, got d: nan"),
+        (
+            {"ray": {"autoscale": {"prefill": {"bogus": 1}}}},
+            r"unknown setting bogus in .* "
+            r"ray.autoscale.prefill",
+        ),
     ],
 )
 def test_bad_settings_fail_with_the_setting_named(values, message):

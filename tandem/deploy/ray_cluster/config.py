@@ -87,19 +87,18 @@ class ActorResources:
         object.__setattr__(self, "resources", dict(self.resources))
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0, got {self.replicas}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ConfigError(
-                f"num_cpus and num_gpus must be >= 0, got {self.num_cpus}, {self.num_gpus}"
-            )
+        if not (0 <= self.num_cpus < math.inf and 0 <= self.num_gpus < math.inf):
+            raise ConfigError(f"num_cpus and num_gpus must be finite and >= 0, got "
+                              f"{self.num_cpus}, {self.num_gpus}")  # fmt: skip
         if self.strategy not in STRATEGIES:
             raise ConfigError(
                 f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
             )
         for name, amount in self.resources.items():
-            if name in ("CPU", "GPU") or amount < 0:
+            if name in ("CPU", "GPU") or not 0 <= amount < math.inf:
                 raise ConfigError(
-                    f"resources: custom resources must be named (not CPU/GPU) and >= 0, "
-                    f"got {name}: {amount}"
+                    f"resources: custom resources must be named (not CPU/GPU) and finite "
+                    f"and >= 0, got {name}: {amount}"
                 )
         if self.max_restarts < -1:
             raise ConfigError(f"max_restarts must be >= -1, got {self.max_restarts}")
@@ -293,7 +292,8 @@ def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
             if pool in scale:
                 base = dataclasses.asdict(getattr(defaults, pool))
                 given = section(scale, pool, f"{where} ray.autoscale")
-                scale[pool] = from_dict(PoolPolicy, {**base, **given}, where=where)
+                scale[pool] = from_dict(PoolPolicy, {**base, **given},
+                                        where=f"{where} ray.autoscale.{pool}")  # fmt: skip
         ray["autoscale"] = from_dict(AutoscaleConfig, scale, where=f"{where} ray.autoscale")
     for name in ("prefill_pool", "decode_pool", "router_actor", "autoscale"):
         if name in ray and not dataclasses.is_dataclass(ray[name]):

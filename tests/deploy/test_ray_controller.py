@@ -528,3 +528,65 @@ def test_an_owed_router_removal_spares_a_new_worker_on_the_same_address(killed, 
         assert router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
 
     _run(ctrl, go)
+
+
+def test_a_lower_target_ends_a_start_that_waits_for_a_node(killed):
+    # The monitor's top-up held the pool's lock while its start waited up to
+    # startup_timeout_s (600 s) for a node: `scale --decode 2` waited it out.
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    def setup(w):
+        if w.name == "decode-3":
+            w.info.hang = True  # no node has room
+
+    ctrl = _controller(setup, decode_pool=ActorResources(replicas=2))
+
+    async def go():
+        assert await ctrl._reconcile() == []  # prefill-0, decode-1, decode-2
+        ctrl.targets["decode"] = 3
+        await ctrl._monitor_once()  # the top-up starts decode-3, which waits
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(ctrl.scale(decode=2), 5)
+        assert "decode-3" not in ctrl.workers and ctrl._top_up["decode"].cancelled()
+        await ctrl._monitor_once()  # at the target: nothing started
+        assert sorted(ctrl.workers) == ["decode-1", "decode-2", "prefill-0"]
+
+    _run(ctrl, go)
+
+
+def test_workers_past_a_target_lowered_while_they_were_adopted_are_drained(killed):
+    # A scale-down drains serving workers only: one still restarting when the target
+    # was lowered served on past it for good once it answered.
+    from tandem.deploy.ray_cluster import adoption
+    from tandem.deploy.ray_cluster.state import _Worker
+    from tests.deploy.fake_actors import FakeWorker
+
+    ctrl = _controller()
+
+    async def go():
+        ctrl.targets.update(prefill=0, decode=2)
+        first = FakeWorker("decode", "decode-0", port=5000)
+        address = first.current["address"]
+        ctrl.workers["decode-0"] = _Worker("decode-0", "decode", first, state="serving",
+                                           info=first.current, routed=address)  # fmt: skip
+        await ctrl.router.add_worker.remote("decode", address)
+        slow, answer = FakeWorker("decode", "decode-1", port=5001), asyncio.Event()
+
+        async def info_later():
+            await answer.wait()
+            return dict(slow.current)
+
+        slow.info.fn = info_later
+        ctrl.workers["decode-1"] = adopted = _Worker("decode-1", "decode", slow)  # restarting
+        ctrl._next_id = 2
+        adopting = asyncio.ensure_future(adoption.adopt(ctrl, adopted))
+        await asyncio.sleep(0.05)
+        await ctrl.scale(decode=1)
+        answer.set()
+        await adopting
+        await ctrl._monitor_once()
+        await ctrl._resizes["decode"]
+        serving = [n for n, w in ctrl.workers.items() if w.state == "serving"]
+        assert len(serving) == 1 and len(ctrl.router.members) == 1
+
+    _run(ctrl, go)

@@ -215,6 +215,7 @@ class Controller:
         now = time.monotonic()
         for pool, n in wanted.items():
             if n is not None and n != self.targets[pool]:
+                self.lower_ends_top_up(pool, n)
                 self.targets[pool] = n
                 self.autoscaler.resized(pool, now)
         self._save()
@@ -309,6 +310,15 @@ class Controller:
                 jobs.append(self._stop_worker(w, self.config.drain_timeout_s))
             # Every job runs to its end whatever another does; each failure is reported.
             return await asyncio.gather(*jobs, return_exceptions=True)
+
+    def lower_ends_top_up(self, pool: str, target: int) -> None:
+        """A target lowered ends the pool's top-up: its start may wait
+        ``startup_timeout_s`` for a node, holding the pool's lock, and the resize would
+        wait it out (``scale --decode N`` for minutes). The start is cancelled, which
+        frees what it made; the monitor tops the pool up again if it is still short."""
+        task = self._top_up.get(pool)
+        if target < self.targets[pool] and task is not None and not task.done():
+            task.cancel()
 
     def resizing(self, pool: str) -> bool:
         """Whether a resize of ``pool`` (the autoscaler's, or a manual ``scale``) is under

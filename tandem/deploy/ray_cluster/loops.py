@@ -83,12 +83,24 @@ async def monitor_once(ctrl: Controller) -> None:
         if pool not in ctrl._top_up or ctrl._top_up[pool].done():
             ctrl._top_up[pool] = asyncio.create_task(ctrl._reconcile([pool]))
             ctrl._top_up[pool].add_done_callback(_log_crash)
+    for pool in _over(ctrl):
+        # A target lowered while workers were adopted and not answering yet: a resize
+        # drains serving workers only, so those past the target once they answer are
+        # drained now (as a resize: the autoscaler waits for it).
+        if not ctrl.resizing(pool):
+            ctrl._resize_soon(pool)
 
 
 def _short(ctrl: Controller) -> list[str]:
     """The pools with fewer live (starting or serving) workers than their targets."""
     live = [w.pool for w in ctrl.workers.values() if w.state != "draining"]
     return [pool for pool in POOLS if live.count(pool) < ctrl.targets[pool]]
+
+
+def _over(ctrl: Controller) -> list[str]:
+    """The pools with more serving workers than their targets."""
+    serving = [w.pool for w in ctrl.workers.values() if w.state == "serving"]
+    return [pool for pool in POOLS if serving.count(pool) > ctrl.targets[pool]]
 
 
 async def autoscale_forever(ctrl: Controller) -> None:
@@ -124,6 +136,7 @@ async def autoscale_once(ctrl: Controller) -> None:
     for pool in changed:
         d = decisions[pool]
         ctrl._event(f"autoscale {pool}: {d.current} -> {d.replicas} ({d.reason})")
+        ctrl.lower_ends_top_up(pool, d.replicas)
         ctrl.targets[pool] = d.replicas
     if changed:
         ctrl._save()

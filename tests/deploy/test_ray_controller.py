@@ -590,3 +590,27 @@ def test_workers_past_a_target_lowered_while_they_were_adopted_are_drained(kille
         assert len(serving) == 1 and len(ctrl.router.members) == 1
 
     _run(ctrl, go)
+
+
+def test_lost_workers_are_freed_together_without_a_drain(killed):
+    # Each was drained first, and a call to an actor Ray cannot place waits: every lost
+    # worker held the monitor round (router syncs, targets file, replacements) 30 s,
+    # one after another.
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    ctrl = _controller(decode_pool=ActorResources(replicas=3), startup_timeout_s=0.01)
+    made = ctrl._actor_classes["worker"].made
+
+    async def go():
+        assert await ctrl._reconcile() == []
+        lost = ["decode-1", "decode-2"]
+        for name in lost:
+            made[name].stats.hang = made[name].drain.hang = True  # no answer, ever
+        await asyncio.wait_for(ctrl._monitor_once(), 20)  # a hang guard: 60 s before
+        assert [made[n].drain.calls for n in lost] == [[], []]
+        assert sorted(ctrl.workers) == ["decode-3", "prefill-0"]
+        assert {made[n] for n in lost} <= set(killed)
+        assert [e for e in ctrl.events if "lost" in e] and ctrl._top_up["decode"]
+        ctrl._top_up["decode"].cancel()
+
+    _run(ctrl, go)

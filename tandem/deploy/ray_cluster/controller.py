@@ -355,7 +355,7 @@ class Controller:
     async def _start_worker(self, pool: str) -> str | None:
         return await lifecycle.start_worker(self, pool)
 
-    async def _stop_worker(self, w: _Worker, grace: float) -> None:
+    async def _stop_worker(self, w: _Worker, grace: float | None) -> None:
         await lifecycle.stop_worker(self, w, grace)
 
     async def _monitor_forever(self) -> None:

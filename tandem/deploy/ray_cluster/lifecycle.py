@@ -92,13 +92,19 @@ def _worker_class(ctrl: Controller) -> Any:
     return ctrl._actor_classes["worker"]
 
 
-async def stop_worker(ctrl: Controller, w: _Worker, grace: float) -> None:
-    """Out of the router, drain, kill. The kill and the freeing happen whatever fails."""
+async def stop_worker(ctrl: Controller, w: _Worker, grace: float | None) -> None:
+    """Out of the router, drain, kill. The kill and the freeing happen whatever fails.
+    ``grace`` None: a lost worker, not drained (a call to an actor Ray cannot place
+    waits, and would hold the monitor for the drain's whole timeout)."""
     w.state = "draining"
     try:
         if ctrl.router is not None and w.address and await membership.leave_router(ctrl, w):
+            if grace is None:
+                return
             # A request placed just before the removal reaches the worker before it stops.
             await asyncio.sleep(0.5)
+        if grace is None:
+            return
         try:
             served = await asyncio.wait_for(w.handle.drain.remote(grace), grace + 30)
             ctrl._event(f"{w.name} drained ({served} requests served)")

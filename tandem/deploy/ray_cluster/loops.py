@@ -63,7 +63,9 @@ async def monitor_once(ctrl: Controller) -> None:
         why = ("Ray will not restart it" if recovery.dead_for_good(w.handle)
                else f"no answer for {ctrl.config.startup_timeout_s:g} s")  # fmt: skip
         ctrl._event(f"{w.name} lost: {why}")
-        await ctrl._stop_worker(w, grace=0)
+    # Out of the router and freed, not drained, all at once: each drain of an actor
+    # Ray cannot place waited out its timeout (30 s), one after another.
+    await asyncio.gather(*(ctrl._stop_worker(w, grace=None) for w in lost))
     await membership.check_router(ctrl)
     await membership.settle_removals(ctrl)
     # Only answering workers: a silent one's address may be a dead node's.

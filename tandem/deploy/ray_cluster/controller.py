@@ -215,7 +215,7 @@ class Controller:
         now = time.monotonic()
         for pool, n in wanted.items():
             if n is not None and n != self.targets[pool]:
-                self.lower_ends_top_up(pool, n)
+                self._lower_ends_top_up(pool, n)
                 self.targets[pool] = n
                 self.autoscaler.resized(pool, now)
         self._save()
@@ -311,7 +311,7 @@ class Controller:
             # Every job runs to its end whatever another does; each failure is reported.
             return await asyncio.gather(*jobs, return_exceptions=True)
 
-    def lower_ends_top_up(self, pool: str, target: int) -> None:
+    def _lower_ends_top_up(self, pool: str, target: int) -> None:
         """A target lowered ends the pool's top-up: its start may wait
         ``startup_timeout_s`` for a node, holding the pool's lock, and the resize would
         wait it out (``scale --decode N`` for minutes). The start is cancelled, which

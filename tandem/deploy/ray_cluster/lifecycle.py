@@ -98,13 +98,11 @@ async def stop_worker(ctrl: Controller, w: _Worker, grace: float | None) -> None
     waits, and would hold the monitor for the drain's whole timeout)."""
     w.state = "draining"
     try:
-        if ctrl.router is not None and w.address and await membership.leave_router(ctrl, w):
-            if grace is None:
-                return
-            # A request placed just before the removal reaches the worker before it stops.
-            await asyncio.sleep(0.5)
+        left = ctrl.router is not None and w.address and await membership.leave_router(ctrl, w)
         if grace is None:
             return
+        if left:  # a request placed just before the removal reaches it before it stops
+            await asyncio.sleep(0.5)
         try:
             served = await asyncio.wait_for(w.handle.drain.remote(grace), grace + 30)
             ctrl._event(f"{w.name} drained ({served} requests served)")

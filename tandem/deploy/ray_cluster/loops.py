@@ -138,7 +138,7 @@ async def autoscale_once(ctrl: Controller) -> None:
     for pool in changed:
         d = decisions[pool]
         ctrl._event(f"autoscale {pool}: {d.current} -> {d.replicas} ({d.reason})")
-        ctrl.lower_ends_top_up(pool, d.replicas)
+        ctrl._lower_ends_top_up(pool, d.replicas)
         ctrl.targets[pool] = d.replicas
     if changed:
         ctrl._save()

@@ -614,3 +614,32 @@ def test_lost_workers_are_freed_together_without_a_drain(killed):
         ctrl._top_up["decode"].cancel()
 
     _run(ctrl, go)
+
+
+def test_a_top_up_cancelled_during_its_router_add_leaves_the_router(killed):
+    # A lowered target cancels the top-up; the router's add_worker, already sent, runs
+    # all the same: the killed worker's address stayed routed for good.
+    from tandem.deploy.ray_cluster.config import ActorResources
+
+    ctrl = _controller(decode_pool=ActorResources(replicas=2))
+    made = ctrl._actor_classes["worker"].made
+
+    async def go():
+        assert await ctrl._reconcile() == []
+        add = ctrl.router.add_worker.fn
+
+        async def add_slowly(pool, address):
+            ctrl.router.members.add((pool, address))  # arrived; the answer is late
+            await asyncio.sleep(1.0)
+
+        ctrl.router.add_worker.fn = add_slowly
+        ctrl.targets["decode"] = 3
+        await ctrl._monitor_once()  # the top-up starts decode-3 and adds it
+        await asyncio.sleep(0.1)
+        ctrl.router.add_worker.fn = add
+        await asyncio.wait_for(ctrl.scale(decode=2), 5)
+        await ctrl._monitor_once()
+        assert made["decode-3"] in killed
+        assert ctrl.router.members == {(w.pool, w.address) for w in ctrl.workers.values()}
+
+    _run(ctrl, go)

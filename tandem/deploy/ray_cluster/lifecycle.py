@@ -48,6 +48,8 @@ async def start_worker(ctrl: Controller, pool: str) -> str | None:
         w.state = "draining"
         if isinstance(exc, Exception):
             await membership.leave_router(ctrl, w)
+        elif w.address:  # cancelled (a lowered target): the add may arrive all the same,
+            ctrl._owed_removals.add((w.pool, w.address))  # taken out at the next round
         free(ctrl, w)
         if not isinstance(exc, Exception):
             raise

@@ -341,33 +341,41 @@ def test_a_colocated_deployment_runs_no_prefill_pool_and_scales_only_decode(kill
     assert ctrl.autoscaler.pools == ("decode",)  # nothing grows a prefill pool back
 
 
-def test_a_worker_adopted_but_not_answering_yet_counts_toward_its_pool(killed):
-    # After a controller restart a worker whose node restarts it is "starting" until it
-    # answers; a scale or autoscale round meanwhile must not start a replacement.
+async def _serving_and_adopted(ctrl: Controller) -> tuple[asyncio.Future, asyncio.Event]:
+    """decode-0 serving and routed, decode-1 adopted after a controller restart and not
+    answering until the event is set; (the adoption, the event)."""
     from tandem.deploy.ray_cluster import adoption
     from tandem.deploy.ray_cluster.state import _Worker
     from tests.deploy.fake_actors import FakeWorker
 
+    ctrl.targets.update(prefill=0, decode=2)
+    first = FakeWorker("decode", "decode-0", port=5000)
+    address = first.current["address"]
+    ctrl.workers["decode-0"] = _Worker(
+        "decode-0", "decode", first, state="serving", info=first.current, routed=address
+    )
+    await ctrl.router.add_worker.remote("decode", address)
+    slow, answer = FakeWorker("decode", "decode-1", port=5001), asyncio.Event()
+
+    async def info_later():
+        await answer.wait()
+        return dict(slow.current)
+
+    slow.info.fn = info_later
+    ctrl.workers["decode-1"] = adopted = _Worker("decode-1", "decode", slow)
+    ctrl._next_id = 2
+    adopting = asyncio.ensure_future(adoption.adopt(ctrl, adopted))
+    await asyncio.sleep(0.05)
+    return adopting, answer
+
+
+def test_a_worker_adopted_but_not_answering_yet_counts_toward_its_pool(killed):
+    # After a controller restart a worker whose node restarts it is "starting" until it
+    # answers; a scale or autoscale round meanwhile must not start a replacement.
     ctrl = _controller()
 
     async def go():
-        ctrl.targets.update(prefill=0, decode=2)
-        first = FakeWorker("decode", "decode-0", port=5000)
-        address = first.current["address"]
-        ctrl.workers["decode-0"] = _Worker(
-            "decode-0", "decode", first, state="serving", info=first.current, routed=address
-        )
-        slow, answer = FakeWorker("decode", "decode-1", port=5001), asyncio.Event()
-
-        async def info_later():
-            await answer.wait()
-            return dict(slow.current)
-
-        slow.info.fn = info_later
-        ctrl.workers["decode-1"] = adopted = _Worker("decode-1", "decode", slow)
-        ctrl._next_id = 2
-        adopting = asyncio.ensure_future(adoption.adopt(ctrl, adopted))
-        await asyncio.sleep(0.05)
+        adopting, answer = await _serving_and_adopted(ctrl)
         await ctrl.scale(decode=2)
         answer.set()
         await adopting
@@ -557,30 +565,10 @@ def test_a_lower_target_ends_a_start_that_waits_for_a_node(killed):
 def test_workers_past_a_target_lowered_while_they_were_adopted_are_drained(killed):
     # A scale-down drains serving workers only: one still restarting when the target
     # was lowered served on past it for good once it answered.
-    from tandem.deploy.ray_cluster import adoption
-    from tandem.deploy.ray_cluster.state import _Worker
-    from tests.deploy.fake_actors import FakeWorker
-
     ctrl = _controller()
 
     async def go():
-        ctrl.targets.update(prefill=0, decode=2)
-        first = FakeWorker("decode", "decode-0", port=5000)
-        address = first.current["address"]
-        ctrl.workers["decode-0"] = _Worker("decode-0", "decode", first, state="serving",
-                                           info=first.current, routed=address)  # fmt: skip
-        await ctrl.router.add_worker.remote("decode", address)
-        slow, answer = FakeWorker("decode", "decode-1", port=5001), asyncio.Event()
-
-        async def info_later():
-            await answer.wait()
-            return dict(slow.current)
-
-        slow.info.fn = info_later
-        ctrl.workers["decode-1"] = adopted = _Worker("decode-1", "decode", slow)  # restarting
-        ctrl._next_id = 2
-        adopting = asyncio.ensure_future(adoption.adopt(ctrl, adopted))
-        await asyncio.sleep(0.05)
+        adopting, answer = await _serving_and_adopted(ctrl)
         await ctrl.scale(decode=1)
         answer.set()
         await adopting

@@ -86,6 +86,9 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
          "max_completion_tokens must be >= 1"),
         ({"temperature": "hot"}, 400, "temperature", "must be a number"),
         ({"temperature": -1}, 400, "temperature", "temperature"),
+        # a huge JSON integer was a 500 (OverflowError), 1e40 was refused as "got inf"
+        ({"temperature": 10**400}, 400, "temperature", "must be within float32's range"),
+        ({"top_p": 1e40}, 400, "top_p", "must be within float32's range, got 1e+40"),
         ({"top_k": -5}, 400, "top_k", "top_k must be -1 or 0 (off) or at least 1, got -5"),
         ({"n": 2}, 400, "n", "n must be 1"),
         ({"stop": [1]}, 400, "stop", "array of strings"),

@@ -25,6 +25,7 @@ from tandem._proto.tandem.v1 import tandem_pb2
 from tandem.router.limits import InputLimits
 
 MAX_LOGPROBS = 20
+FLOAT32_MAX = 3.4028234663852886e38  # the sampling fields are float32 in tandem.v1
 FINISH = {tandem_pb2.FINISH_REASON_STOP: "stop", tandem_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -242,6 +243,8 @@ def _sampling(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> str:
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         value = _field(body, name, float)
         if value is not None:
+            if not abs(value) <= FLOAT32_MAX:  # a float field: past it, inf (a huge int: a 500)
+                raise bad(name, f"{name} must be within float32's range, got {_short(value)}")
             setattr(s, name, value)
     top_k = _field(body, "top_k", int)
     if top_k is not None:

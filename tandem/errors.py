@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# gRPC's standard retry pushback (gRFC A6): the trailing metadata of a call the
+# router refused for overload says, in integer milliseconds, when to try again.
+# gRPC's own retry policy honours it; the client's ``Overloaded.retry_after_s`` reads it.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
 
 class TandemError(Exception):
     """Base class for Tandem's own errors."""

@@ -4,7 +4,8 @@
   and the limit, e.g. "max_tokens must be >= 1, got 0";
 - ``Unauthenticated``  (UNAUTHENTICATED) no API key, or one the router does not know;
 - ``Overloaded``       (RESOURCE_EXHAUSTED) retry later, with backoff (the router's
-  bound, or the API key's own: its streams or its rate);
+  bound, or the API key's own: its streams or its rate); ``retry_after_s`` is the
+  router's hint of when (gRPC's ``grpc-retry-pushback-ms`` trailer), None without one;
 - ``RequestTooLarge``  (RESOURCE_EXHAUSTED from gRPC itself, and an ``InvalidRequest``)
   the message is over the router's ``max_request_bytes``, or the metadata over
   gRPC's limit: it never fits, so it is not ``Overloaded`` (not to be retried);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.errors import TandemError
+from tandem.errors import RETRY_PUSHBACK_KEY, TandemError
 
 
 class TandemClientError(TandemError):
@@ -44,7 +45,9 @@ class Unauthenticated(TandemClientError):
 
 
 class Overloaded(TandemClientError):
-    pass
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
+        super().__init__(code, details)
+        self.retry_after_s = retry_after_s  # the router's hint; None: back off on your own
 
 
 class RequestTooLarge(InvalidRequest):
@@ -89,4 +92,19 @@ def from_rpc_error(exc: grpc.RpcError) -> TandemClientError:
     details = exc.details() or ""  # type: ignore[attr-defined]
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and any(t in details for t in _TOO_LARGE):
         return RequestTooLarge(code, details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(code, details, _pushback_s(exc))
     return _BY_CODE.get(code, TandemClientError)(code, details)
+
+
+def _pushback_s(exc: grpc.RpcError) -> float | None:
+    """The call's retry pushback in seconds; None when it has none, or one that
+    is not a count of milliseconds (which gRFC A6 reads as "do not retry")."""
+    try:
+        trailers = exc.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # an error raised before the call had trailers
+        return None
+    for key, value in trailers:
+        if key == RETRY_PUSHBACK_KEY:
+            return int(value) / 1000 if str(value).isdigit() else None
+    return None

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from contextlib import aclosing
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from tandem.errors import InvalidRequestError
+from tandem.errors import RETRY_PUSHBACK_KEY, InvalidRequestError
 from tandem.router.auth import current_key
 from tandem.router.errors import RouterError
 from tandem.router.gateway import Gateway
@@ -54,13 +55,13 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         try:
             self.gateway.check_rate(current_key.get())
         except RouterError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
         f = self.frontend
         return tandem_pb2.ModelInfo(
             model_id=f.model_id, context_length=f.context_length, vocab_size=f.vocab_size
@@ -72,8 +73,17 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
         return tandem_pb2.TokenizeResponse(token_ids=ids)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    """Ends the call with ``exc``'s status; an overload says when to retry (in
+    ``RETRY_PUSHBACK_KEY``, machine-readable; the message says it to a person)."""
+    if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        wait_ms = math.ceil(min(exc.retry_after_s, 86400) * 1000)
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(max(wait_ms, 0))),))
+    await context.abort(exc.code, exc.message)
 
 
 class _Stalled:

@@ -20,6 +20,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.metadata: list[dict[str, str]] = []  # each call's invocation metadata
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.abort_generate: tuple[grpc.StatusCode, str] | None = None  # Generate only
+        self.trailers: tuple[tuple[str, str], ...] = ()  # sent with an abort
         self.hang = False
         self.hang_unary = False  # Tokenize answers only once the call has ended
         self.finish_reason = tandem_pb2.FINISH_REASON_STOP
@@ -32,6 +33,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         self.time_remaining = context.time_remaining()
         if self.abort is not None or self.abort_generate is not None:
+            context.set_trailing_metadata(self.trailers)
             context.abort(*(self.abort or self.abort_generate))
         if self.hang:  # only a cancel or the deadline ends the call; the callback sees it end
             context.add_callback(self.cancelled.set)
@@ -58,6 +60,7 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         if self.abort is not None:
+            context.set_trailing_metadata(self.trailers)
             context.abort(*self.abort)
         while self.hang_unary and context.is_active():
             time.sleep(0.01)

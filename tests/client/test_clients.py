@@ -67,6 +67,32 @@ def test_sync_statuses_raise_their_exception(fake, code, cls):
             client.tokenize("hi")
 
 
+@pytest.mark.parametrize(
+    "trailers, seconds",
+    [
+        ((("grpc-retry-pushback-ms", "1500"),), 1.5),
+        ((), None),
+        ((("grpc-retry-pushback-ms", "-1"),), None),  # gRFC A6: not a wait to honour
+    ],
+)
+def test_an_overload_carries_the_routers_retry_pushback(fake, trailers, seconds):
+    fake.servicer.abort = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    fake.servicer.trailers = trailers
+    with TandemClient(fake.address) as client:
+        for call in (lambda: list(client.generate("hi")), lambda: client.tokenize("hi")):
+            with pytest.raises(Overloaded) as info:
+                call()
+            assert info.value.retry_after_s == seconds
+
+    async def scenario():
+        async with AsyncTandemClient(fake.address) as client:
+            with pytest.raises(Overloaded) as info:
+                await client.complete("hi")
+            assert info.value.retry_after_s == seconds
+
+    asyncio.run(scenario())
+
+
 def test_sync_timeout_is_the_deadline(fake):
     fake.servicer.hang = True
     # 2 s, not less: the server must see the call while some of its deadline is left.

@@ -272,8 +272,9 @@ def test_a_key_over_its_streams_is_refused_while_another_key_is_served(frontend,
             first = asyncio.create_task(c.client.complete("hello"))
             await wait_until(lambda: decode.calls, what="alice's stream placed")
             with pytest.raises(Overloaded, match=r"API key 'alice' has 1 requests in flight, "
-                               r"its limit \(max_streams=1\)"):  # fmt: skip
+                               r"its limit \(max_streams=1\)") as info:  # fmt: skip
                 await c.client.complete("hello")
+            assert info.value.retry_after_s == 1.0  # the router's hint, machine-readable
             with pytest.raises(Overloaded, match="'alice'"):  # Tokenize is admitted too
                 await c.client.tokenize("hello")
             async with AsyncTandemClient(c.router.address, timeout=10, api_key=BOB) as bob:
@@ -292,8 +293,17 @@ def test_a_key_over_its_rate_is_refused_while_another_key_is_served(frontend, ke
         async with cluster(frontend, connect={"api_key": CAROL}, api_keys_file=keys_file) as c:
             await c.client.model_info()  # the burst of 1
             with pytest.raises(Overloaded, match=r"API key 'key-[0-9a-f]{8}' is over its rate "
-                               r"limit \(requests_per_s=1\)"):  # fmt: skip
+                               r"limit \(requests_per_s=1\)") as info:  # fmt: skip
                 await c.client.complete("hello")
+            # When the bucket has a token again, in gRPC's standard retry pushback.
+            assert 0 < info.value.retry_after_s <= 1.0
+            stub = tandem_pb2_grpc.TandemStub(c.client._channel)
+            bearer = (("authorization", f"Bearer {CAROL}"),)
+            with pytest.raises(grpc.aio.AioRpcError) as raw:
+                await stub.GetModelInfo(tandem_pb2.GetModelInfoRequest(), metadata=bearer)
+            assert raw.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            pushback = dict(raw.value.trailing_metadata())["grpc-retry-pushback-ms"]
+            assert 0 < int(pushback) <= 1000
             async with AsyncTandemClient(c.router.address, timeout=10, api_key=BOB) as bob:
                 for _ in range(5):
                     await bob.model_info()

@@ -142,17 +142,33 @@ class Frontend:
             return wire.chat_from_proto(request.chat)
         raise InvalidRequestError("input", "one of prompt or chat must be set")
 
-    async def prepare(self, checked: CheckedRequest, tenant: str = "") -> PreparedRequest:
+    async def prepare(
+        self, checked: CheckedRequest, tenant: str = "", capacity: int | None = None
+    ) -> PreparedRequest:
+        """``capacity``: the most tokens a decode worker's KV pool holds for one
+        sequence, where that is less than the context (None: unknown, the workers
+        check)."""
         prompt_ids = await self.encode(checked.text)
-        params, room = checked.params, self.context_length - len(prompt_ids)
+        params = checked.params
+        if capacity is None or capacity >= self.context_length:
+            limit, what = self.context_length, f"the context length {self.context_length}"
+        else:
+            limit = capacity
+            what = f"what a decode worker's KV pool holds for one sequence ({capacity} tokens)"
+        room = limit - len(prompt_ids)
         if not checked.max_tokens_given and room < params.max_tokens:
             if room < 1:  # the limit is the server's default: the prompt is what is wrong
                 raise InvalidRequestError(
                     "prompt", f"prompt ({len(prompt_ids)} tokens) leaves no room to generate "
-                    f"in the context length {self.context_length}",
+                    f"in {what}",
                 )  # fmt: skip
             params = replace(params, max_tokens=room)  # as OpenAI and vLLM do
         check_request(prompt_ids, params, self.context_length, self.vocab_size)
+        if len(prompt_ids) + params.max_tokens > limit:  # the pool, the smaller limit
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {len(prompt_ids) + params.max_tokens} exceeds {what}",
+            )  # fmt: skip
         return PreparedRequest(checked.request_id, prompt_ids, params, tenant)
 
     async def encode(self, text: TextInput) -> list[int]:

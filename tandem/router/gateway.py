@@ -31,6 +31,7 @@ from tandem.router.admission import Admission
 from tandem.router.auth import ApiKey
 from tandem.router.errors import RouterError
 from tandem.router.frontend import Frontend
+from tandem.router.placement import Pool
 from tandem.router.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class Gateway:
             request_id = checked.request_id
             logs.request_id.set(request_id)  # this task's log lines carry it
             with self.admission.admit(key):
-                prepared = await self.frontend.prepare(checked, key.tenant if key else "")
+                prepared = await self.frontend.prepare(checked, key.tenant if key else "",
+                                                       self.sequence_capacity())  # fmt: skip
                 stream = self.relay.generate(prepared, timeout, track.arrived)
                 async with aclosing(stream):
                     async for response in stream:
@@ -110,6 +112,16 @@ class Gateway:
         except RouterError as exc:
             self.refused(exc)
             raise
+
+    def sequence_capacity(self) -> int | None:
+        """The most tokens a decode worker's KV pool holds for one sequence (the smallest
+        pool's, from the workers' last Status; None: none has reported)."""
+        return self.relay.registry.sequence_capacity(Pool.DECODE)
+
+    def context_length(self) -> int:
+        """The longest prompt + max_tokens this router serves: the model's context, or
+        the decode workers' KV pools where they hold less."""
+        return min(self.frontend.context_length, self.sequence_capacity() or 2**31)
 
     def check_rate(self, key: ApiKey | None) -> None:
         """Takes a call from ``key``'s rate outside ``generate`` (model info, tokenize,

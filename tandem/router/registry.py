@@ -185,6 +185,14 @@ class WorkerRegistry:
         skip = set(map(id, exclude))
         return [w for w in self.workers(pool) if w.healthy and id(w) not in skip]
 
+    def sequence_capacity(self, pool: Pool) -> int | None:
+        """The most tokens one sequence may hold on every placeable worker of ``pool``
+        that has reported its KV pool (its blocks x tokens per block); None when none
+        has. A worker with a KV window is bounded by the window, not by its pool."""
+        held = [w.kv_blocks_total * w.kv_block_size for w in self.placeable(pool)
+                if w.kv_blocks_total and w.kv_block_size and not w.kv_window_tokens]  # fmt: skip
+        return min(held, default=None)
+
     async def any_placeable(self, pool: Pool, timeout: float) -> bool:
         """Whether ``pool`` has a placeable worker; when every registered one is down,
         after the next poll round (one marked down by a failed call but alive answers

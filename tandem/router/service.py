@@ -64,7 +64,9 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
             await _abort(context, exc)
         f = self.frontend
         return tandem_pb2.ModelInfo(
-            model_id=f.model_id, context_length=f.context_length, vocab_size=f.vocab_size
+            model_id=f.model_id,
+            context_length=self.gateway.context_length(),
+            vocab_size=f.vocab_size,
         )
 
     async def Tokenize(self, request, context: grpc.aio.ServicerContext):

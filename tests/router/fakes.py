@@ -43,6 +43,7 @@ class FakeWorker:
     queue_depth: int = 0
     running: int = 0
     kv_blocks_free: int = 1000
+    kv_blocks_total: int = 1000
     prefix_query_tokens: int = 0
     kv_block_size: int = 16
     kv_window_tokens: int = 0
@@ -60,7 +61,7 @@ class FakeWorker:
             queue_depth=self.queue_depth,
             running=self.running,
             kv_blocks_free=self.kv_blocks_free,
-            kv_blocks_total=1000,
+            kv_blocks_total=self.kv_blocks_total,
             kv_address="127.0.0.1:1",
             prefix_query_tokens=self.prefix_query_tokens,
             kv_block_size=self.kv_block_size,

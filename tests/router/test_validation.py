@@ -9,7 +9,7 @@ import pytest
 
 from tandem._proto.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem.client import InvalidRequest
-from tests.router.fakes import cluster
+from tests.router.fakes import FakeDecode, cluster, wait_until
 
 S = tandem_pb2.SamplingParams
 M = tandem_pb2.ChatMessage
@@ -98,6 +98,29 @@ def test_a_prompt_near_the_context_without_max_tokens_stops_at_the_contexts_end(
                 r"leaves no room to generate in the context length 4096$",
             ):
                 await c.client.complete("x" * 4096)  # not "max_tokens (256)", never sent
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_pool_smaller_than_the_context_bounds_what_is_served(frontend):
+    # A decode worker refuses a sequence its whole KV pool cannot hold. The router knew
+    # only the context: a request that fit it (max_tokens unset, the default) reached
+    # the worker and was refused in the worker's words, and GetModelInfo promised the
+    # context.
+    async def scenario():
+        decode = FakeDecode(kv_blocks_total=64)  # 1024 tokens in blocks of 16
+        async with cluster(frontend, decode=[decode]) as c:
+            await wait_until(lambda: c.router.gateway.sequence_capacity(), what="a poll")
+            assert (await c.client.model_info()).context_length == 1024
+            await c.client.complete("x" * 900)
+            assert decode.calls[-1].request.request.sampling.max_tokens == 124
+            with pytest.raises(InvalidRequest, match=r"^INVALID_ARGUMENT: prompt \(900 tokens\) "
+                               r"\+ max_tokens \(400\) = 1300 exceeds what a decode worker's KV "
+                               r"pool holds for one sequence \(1024 tokens\)$"):  # fmt: skip
+                await c.client.complete("x" * 900, max_tokens=400)
+            with pytest.raises(InvalidRequest, match=r"prompt \(1024 tokens\) leaves no room"):
+                await c.client.complete("x" * 1024)
+            assert len(decode.calls) == 1
 
     asyncio.run(scenario())
 

@@ -192,7 +192,7 @@ class HttpApi:
             "object": "model",
             "created": self.started,
             "owned_by": "tandem",
-            "max_model_len": f.context_length,
+            "max_model_len": self.gateway.context_length(),
         }  # vLLM's extension: the context length
 
     async def _tokenize(self, request: Request) -> Response:
@@ -215,7 +215,7 @@ class HttpApi:
         except (ApiError, InvalidRequestError, RouterError) as exc:
             return _error(_api_error(exc, parsed))
         return JSONResponse({"count": len(ids), "max_model_len":
-                             self.gateway.frontend.context_length, "tokens": ids})  # fmt: skip
+                             self.gateway.context_length(), "tokens": ids})  # fmt: skip
 
     async def _health(self, request: Request) -> Response:
         ok = self.ready()

@@ -29,15 +29,18 @@ hand them to another request at once. Bytes that fail their checksum are never
 decoded: the request fails "checksum".
 
 Data for an unknown, released, aborted or expired request is discarded here
-(nothing is read). The first sender to feed a reservation owns it: another
-sender's messages for it (a router that retried prefill on another worker) are
-discarded, and its final message is answered FAILED "another sender", never
-"done", so that two prefill workers can never both report the first token of one
-request.
+(nothing is read). A final message for a request released after it failed is
+answered with why it failed (the owner gave it up, its lease expired), not as an
+unknown request: the sender counts no failure for the first, and names the second.
+The first sender to feed a reservation owns it: another sender's messages for it
+(a router that retried prefill on another worker) are discarded, and its final
+message is answered FAILED "another sender", never "done", so that two prefill
+workers can never both report the first token of one request.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -107,6 +110,11 @@ class _Reservation:
         )
 
 
+UNKNOWN = "unknown request"
+# How many released requests' reasons a receiver remembers (for their late messages).
+RELEASED_KEPT = 4096
+
+
 class ReceiverCore:
     """Reservations of one decode worker's KV tensor; thread-safe."""
 
@@ -135,6 +143,8 @@ class ReceiverCore:
         self.block_layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()
         self._lock = threading.Lock()  # guards _table and every reservation's fields
         self._table: dict[str, _Reservation] = {}
+        # Requests released after they failed -> why (oldest first, RELEASED_KEPT of them).
+        self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
         # Called (under _lock) whenever a reservation ends: KVReceiver.notify.
         self.on_end: Callable[[], None] | None = None
 
@@ -157,6 +167,7 @@ class ReceiverCore:
         with self._lock:
             if request_id in self._table:
                 raise ValueError(f"request {request_id!r} is already expected; release it first")
+            self._released.pop(request_id, None)
             self._table[request_id] = _Reservation(
                 request_id=request_id,
                 block_ids=tuple(block_ids),
@@ -213,6 +224,10 @@ class ReceiverCore:
         with self._lock:
             if self._table.get(request_id) is res:
                 del self._table[request_id]
+                if res.state is TransferState.FAILED:
+                    self._released[request_id] = res.reason
+                    if len(self._released) > RELEASED_KEPT:
+                        self._released.popitem(last=False)
         return True
 
     def sweep(self) -> list[str]:
@@ -445,11 +460,13 @@ class ReceiverCore:
         self,
         header: MessageHeader,
         res: _Reservation | None,
-        reason: str = "unknown request",
+        reason: str = "",  # the answer when res is None ("": why it was released, if known)
         detail: str = "",
     ) -> TransferStatus | None:
         with self._lock:
             self.metrics.messages_discarded += 1
+            if res is None and not reason:
+                reason = self._released.get(header.request_id, UNKNOWN)
         if not header.final:
             return None
         if res is None:

@@ -66,3 +66,26 @@ def test_a_header_beyond_its_reservation_fails_it_without_a_read() -> None:
     answer = core.deliver(final, "peer", lambda: reads.append(1))
     assert (answer.state, answer.reason) == (TransferState.FAILED, "unknown request")
     assert reads == [] and core.metrics.messages_discarded == 2  # both, unread
+
+
+def test_a_late_final_message_for_a_released_request_is_told_why_it_ended() -> None:
+    # The decode worker releases a request it gave up, or whose lease ran out, at once;
+    # the prefill worker's final message then met no reservation and was answered
+    # "unknown request", which its sender counted and logged as a transfer failure,
+    # and which hid an expired lease.
+    now = [0.0]
+    core = ReceiverCore(make_side(32).kv, fingerprint(), "test", clock=lambda: now[0])
+    final = lambda rid: dataclasses.replace(_header(rid, (0, 1), 1), final=True)  # noqa: E731
+    core.expect("given-up", [0], lease_s=30)
+    core.release("given-up")
+    core.expect("expired", [1], lease_s=1)
+    now[0] = 2.0
+    assert core.sweep() == ["expired"]
+    core.release("expired")
+    answers = {rid: core.deliver(final(rid), "peer", lambda: None).reason
+               for rid in ("given-up", "expired", "nobody")}  # fmt: skip
+    assert answers == {"given-up": "aborted", "expired": "lease expired",
+                       "nobody": "unknown request"}  # fmt: skip
+    assert core.metrics.failures == {"lease expired": 1}
+    core.expect("given-up", [3], lease_s=30)  # the id again: a new reservation
+    assert core.poll("given-up").state is TransferState.WAITING

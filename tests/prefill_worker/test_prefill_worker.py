@@ -121,6 +121,7 @@ def test_unreachable_decode_worker_is_aborted_and_frees_blocks(pair):
 
 def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
     req = request([5] * 40, PARAMS)
+    failures = dict(pair.prefill.server.sender.metrics.failures)
     stream = pair.decode.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
     dest = next(stream).destination
     stream.cancel()  # the router gave up: the decode side forgets the request
@@ -128,8 +129,10 @@ def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
     with pytest.raises(grpc.RpcError) as err:
         prefill(pair.prefill, req, dest)
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
-    assert "unknown request" in err.value.details()
+    assert "aborted" in err.value.details()
     wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
+    # The decode side gave it up: no transfer failure at either end (it was one here).
+    assert pair.prefill.server.sender.metrics.failures == failures
 
 
 def test_mismatched_decode_worker_is_named_at_once(bg, pair):

@@ -118,9 +118,12 @@ class KvAdmission:
             self._draining.add(rid)
 
     def end_all(self, engine: LLMEngine) -> None:
-        """Shutting down: waits for reads in flight, then frees everything."""
+        """Shutting down: fails every reservation and frees everything. A read still
+        running into some blocks is not waited for here, on the engine thread (up to the
+        transport's read timeout: the stop would take the engine for hung); no request
+        can take the blocks any more, and the receiver's close, next, waits for it."""
         for rid in [*self._waiting, *self._draining]:
-            self.receiver.release(rid)
+            self.receiver.release(rid, wait=False)
         self._waiting.clear()
         self._draining.clear()
         engine.abort_all()

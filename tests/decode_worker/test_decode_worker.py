@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -179,6 +180,30 @@ def test_stop_drains_then_cancels_and_frees_everything(bg):
     assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
     engine = worker.server.engine
     engine.kv.pool.check_integrity()
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
+    worker.channel.close()
+
+
+def test_a_stop_during_a_stalled_kv_read_does_not_take_the_engine_for_hung(bg, monkeypatch, caplog):
+    # The stop's clean-up waited on the engine thread for each KV read in flight (up to
+    # the transport's 30 s read timeout). Past the 10 s the stop gives the engine, the
+    # worker logged a hung engine and stopped without it (a tensor-parallel one killed
+    # its other ranks).
+    from tandem.worker import server as worker_server
+
+    monkeypatch.setattr(worker_server, "_ENGINE_ANSWER_S", 1.0)
+    worker = start_worker(bg, DecodeConfig(engine=engine_config(num_blocks=16)))
+    _open(worker, request([5] * 30, PARAMS, rid="A"))  # waits for KV
+    read = worker.server.receiver.core._table["A"].write_lock  # a read in flight into A
+    read.acquire()
+    try:
+        with caplog.at_level(logging.ERROR, logger="tandem"):
+            stopping = asyncio.run_coroutine_threadsafe(worker.server.stop(grace=0.2), bg.loop)
+            stopping.result(3.0)
+    finally:
+        read.release()
+    assert "did not answer" not in caplog.text
+    engine = worker.server.engine
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
     worker.channel.close()
 

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from tandem.argtypes import at_least, port
 from tandem.client.flags import add_client_flags, client_kwargs
 from tandem.errors import ConfigError, TandemError
 
@@ -59,14 +60,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kv-window",
-        type=int,
+        type=at_least(1),
         default=None,
         help="keep only the last N tokens' KV (and the sinks'): constant memory, lower quality",
     )
     g.add_argument(
-        "--kv-sinks", type=int, default=None, help="with --kv-window: first tokens kept (4)"
+        "--kv-sinks", type=at_least(0), default=None, help="with --kv-window: first tokens kept (4)"
     )
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--threads", type=at_least(1), default=None, help="torch intra-op threads")
     _add_tensor_parallel_flag(g)
     g.add_argument("--config", default=None, help="YAML file; its `engine:` section sets defaults")
 
@@ -76,7 +77,7 @@ def _add_tensor_parallel_flag(p) -> None:
         "--tensor-parallel-size",
         "--tp",
         dest="tensor_parallel_size",
-        type=int,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="split the model over N processes and devices (default 1)",
@@ -136,11 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="start a router and prefill/decode workers on this machine"
     )
     serve.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
-    serve.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
-    serve.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    serve.add_argument("--prefill", type=at_least(0), default=None,
+                       help="prefill workers (default 1)")  # fmt: skip
+    serve.add_argument("--decode", type=at_least(1), default=None,
+                       help="decode workers (default 1)")  # fmt: skip
     serve.add_argument(
         "--colocated",
-        type=int,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="N workers that prefill and decode, no prefill pool (no KV transfer)",
@@ -152,14 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where prompts are prefilled (default always: on the prefill pool)",
     )
     serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    serve.add_argument("--port", type=port, default=None, help="router port (default 50051)")
     serve.add_argument(
         "--http-port",
-        type=int,
+        type=port,
         default=None,
         help="the router also serves the OpenAI-compatible HTTP API here (0: a free port)",
     )
-    serve.add_argument("--threads", type=int, default=None,
+    serve.add_argument("--threads", type=at_least(1), default=None,
                        help="torch threads per rank (default: engine.num_threads, "
                        "else the cores shared out)")  # fmt: skip
     _add_tensor_parallel_flag(serve)
@@ -167,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(
             f"--{pool}-tp",
             dest=f"{pool}_tensor_parallel_size",
-            type=int,
+            type=at_least(1),
             default=None,
             metavar="N",
             help=f"the {pool} pool's width, if not --tp's (the widths may differ)",
@@ -207,9 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill from decode?",
     )  # fmt: skip
     for flag, kind, text in (("--model", str, "default: smollm2-135m-instruct"),
-                             ("--prefill", int, "prefill workers (default 1)"),
-                             ("--decode", int, "decode workers (default 1)"),
-                             ("--threads", int, "torch threads per worker"),
+                             ("--prefill", at_least(0), "prefill workers (default 1)"),
+                             ("--decode", at_least(1), "decode workers (default 1)"),
+                             ("--threads", at_least(1), "torch threads per worker"),
                              ("--config", str, "YAML, as for serve")):  # fmt: skip
         demo.add_argument(flag, type=kind, default=None, help=text)
     demo.set_defaults(func=cmd_demo, host=None, port=None)
@@ -493,8 +496,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     PublicPort.load(config.router)  # a bad or unsafe setting fails now, not after the workers
-    for setting in ("port", "http_port", "metrics_port"):  # and a port already taken
+    for setting in ("port", "http_port"):  # and a port already taken
         _check_port_free(config.router.host, getattr(config.router, setting), setting)
+    router = config.router
+    _check_port_free(router.metrics_bind_host, router.metrics_port, "metrics_port")
     if args.log_format:
         from tandem import logs
 

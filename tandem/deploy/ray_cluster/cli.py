@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from tandem import logs
+from tandem.argtypes import at_least, port, seconds
 
 
 def add_parser(sub) -> None:
@@ -31,9 +32,9 @@ def add_parser(sub) -> None:
                          "--address) and print the router address")  # fmt: skip
     common(up)
     up.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
-    up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
-    up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
-    up.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    up.add_argument("--prefill", type=at_least(0), default=None, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=at_least(1), default=None, help="decode workers (default 1)")
+    up.add_argument("--port", type=port, default=None, help="router port (default 50051)")
     up.add_argument("--config", default=None, help="YAML: engine, router, prefill, decode, ray")
     up.add_argument(
         "--insecure",
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
         "(router.insecure; only behind a proxy that does both)",
     )
     up.add_argument(
-        "--local-cpus", type=int, default=8, help="logical CPUs of a local head (default 8)"
+        "--local-cpus", type=at_least(1), default=8, help="logical CPUs of a local head (default 8)"
     )
     up.add_argument(
         "--log-format",
@@ -65,13 +66,13 @@ def add_parser(sub) -> None:
 
     sc = cmds.add_parser("scale", help="set pool sizes; scale-down drains the removed workers")
     common(sc)
-    sc.add_argument("--prefill", type=int, default=None, help="prefill workers")
-    sc.add_argument("--decode", type=int, default=None, help="decode workers")
+    sc.add_argument("--prefill", type=at_least(0), default=None, help="prefill workers")
+    sc.add_argument("--decode", type=at_least(0), default=None, help="decode workers")
     sc.set_defaults(func=cmd_scale)
 
     dn = cmds.add_parser("down", help="stop what `up` started (in-flight streams drain first)")
     common(dn)
-    dn.add_argument("--grace", type=float, default=30.0, help="seconds for in-flight streams")
+    dn.add_argument("--grace", type=seconds, default=30.0, help="seconds for in-flight streams")
     dn.set_defaults(func=cmd_down)
 
 

@@ -632,6 +632,9 @@ LAUNCHER_SETS = {
         "engine": "every worker takes the top-level engine: section",
         "port": "each worker takes a free port",
         "cluster": "set the top-level cluster: section",
+        "kv_backend": "a deployment's workers are separate processes: the KV moves over "
+                      "ucx (inproc serves one process only, in tests)",
+        "worker_id": "each worker is named by its role and address",
     } for pool in ("prefill", "decode")},
 }  # fmt: skip
 LAUNCHER_SETS["decode"]["kv_port"] = "each worker takes a free port"

@@ -173,7 +173,12 @@ def test_numbers_and_empty_sections_take_their_natural_yaml_forms():
      ({"decode": {"kv_port": 7000}}, "decode.kv_port cannot be set"),
      ({"router": {"model": "other"}}, "router.model cannot be set"),
      ({"router": {"decode_workers": ["a:1"]}}, "router.decode_workers cannot be set"),
-     ({"decode": {"drain_timeout_s": 120}}, "decode.drain_timeout_s cannot be set")],
+     ({"decode": {"drain_timeout_s": 120}}, "decode.drain_timeout_s cannot be set"),
+     # The in-process backend in separate processes: the cluster served, then failed
+     # every request (INVALID_ARGUMENT where only one pool had it).
+     ({"decode": {"kv_backend": "inproc"}}, "decode.kv_backend cannot be set"),
+     # One id for every worker of the pool: their metrics merged.
+     ({"prefill": {"worker_id": "p"}}, "prefill.worker_id cannot be set")],
 )  # fmt: skip
 def test_a_deployment_refuses_what_its_launcher_sets_for_every_process(values, message):
     # Each would be replaced by the launcher without a word (a pool's engine tuning).
@@ -210,3 +215,21 @@ def test_a_ray_deployment_names_what_is_wrong_with_its_sections(values, message)
 
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         deploy_config(values, "r.yaml")
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [({"startup_timeout_s": 0}, "startup_timeout_s must be finite and > 0, got 0 (in c.yaml)"),
+     ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be finite and > 0"),
+     ({"drain_timeout_s": -1}, "drain_timeout_s must be finite and >= 0, got -1 (in c.yaml)"),
+     ({"num_prefill": 2, "prefill": {"metrics_port": 9400}},
+      "prefill.metrics_port would be every prefill worker's")],
+)  # fmt: skip
+def test_a_local_deployment_checks_its_own_settings_when_loaded(values, message):
+    # Each was taken: a start that failed "not ready after -1 s" naming no setting, or
+    # the second worker failing to bind its metrics port after its model had loaded.
+    from tandem.deploy.local import cluster_config
+
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        cluster_config(values, "c.yaml")
+    cluster_config({"num_prefill": 1, "prefill": {"metrics_port": 9400}})  # one worker: fine

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import logging
+import math
 import os
 import re
 import shutil
@@ -127,6 +128,19 @@ class ClusterConfig:
                 raise ConfigError(f"{pool}_tensor_parallel_size must be >= 1, got {width}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        if not 0 < self.startup_timeout_s < math.inf:
+            raise ConfigError(f"startup_timeout_s must be finite and > 0, got "
+                              f"{self.startup_timeout_s}")  # fmt: skip
+        if not 0 <= self.drain_timeout_s < math.inf:
+            raise ConfigError(
+                f"drain_timeout_s must be finite and >= 0, got {self.drain_timeout_s}"
+            )
+        for pool in ("prefill", "decode"):
+            if getattr(self, pool).metrics_port and getattr(self, f"num_{pool}") > 1:
+                raise ConfigError(
+                    f"{pool}.metrics_port would be every {pool} worker's: with more than one, "
+                    f"set metrics: true (each process on a free port, listed in the targets file)"
+                )
 
     def width(self, pool: str) -> int:
         """The tensor-parallel width of the "prefill" or "decode" pool's workers."""

@@ -98,7 +98,11 @@ class HostTier:
         host = self._take(len(blocks))
         if host is None:
             return None
-        self.copy_out(cache, blocks, host)
+        try:
+            self.copy_out(cache, blocks, host)
+        except BaseException:  # nothing taken: the blocks are free again
+            self._free.extend(host)
+            raise
         self.held_blocks += len(blocks)
         self.swaps_out += 1
         return host

@@ -242,7 +242,11 @@ class KVCache:
         if self.blocks_for(self.table_index(seq, num_tokens)) > self.pool.num_free:
             return False
         blocks = self.pool.allocate(len(seq.host_blocks))
-        self.host.swap_in(seq.host_blocks, self.tensor, blocks)
+        try:
+            self.host.swap_in(seq.host_blocks, self.tensor, blocks)
+        except BaseException:  # the copy failed: still swapped out, the blocks free again
+            self.pool.free(blocks[::-1])
+            raise
         seq.block_table = list(blocks)  # not the list the copy names: the table grows
         seq.host_blocks = None
         return self.ensure(seq, num_tokens)

@@ -130,10 +130,12 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence out to the host tier where it has room (its KV is kept),
-        else free its blocks (its tokens are recomputed when it runs again)."""
-        self.running.remove(seq)
+        else free its blocks (its tokens are recomputed when it runs again). A swap that
+        raises (a failed copy) changes nothing: the sequence stays running, and the
+        failed step ends it."""
         if not self.kv.swap_out(seq):
             self.kv.free(seq)
+        self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -4,6 +4,7 @@ same as without the tier, and no block stays held on either side."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -15,6 +16,7 @@ from tandem.engine import host_tier
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_cache import bytes_per_block
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import FinishReason
 from tests.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -235,3 +237,42 @@ def test_a_host_tier_without_a_driver_library_stays_pageable(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="tandem.engine.host_tier"):
         host_tier._page_lock(HostTier.__new__(HostTier), torch.zeros(10))
     assert "(cuMemHostRegister: OSError: libcuda.so.1: cannot open" in caplog.text
+
+
+@pytest.mark.parametrize("copy", ["copy_out", "copy_in"])
+def test_a_swap_whose_copy_fails_fails_the_step_and_leaves_nothing_behind(tiny_engine, copy):
+    # A failed copy out took the sequence off the running list first: the failed
+    # step's clean-up could not find it, raised, and the engine thread died with every
+    # stream on it. A failed copy in kept the blocks it had allocated.
+    from tandem.engine.loop import EngineLoop
+
+    engine = _tiered(tiny_engine, num_blocks=6, host_blocks=20)  # 3 x 5 blocks: preemption
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    host = engine.kv.host
+    real = getattr(host, copy)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(f"injected: {copy} failed")
+
+    setattr(host, copy, fails)
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def run(rid: str) -> FinishReason:
+        q = loop.subscribe(rid)
+        await loop.call(lambda e: e.add_request(list(range(3, 10)), params, rid))
+        out = await asyncio.wait_for(q.get(), 30)
+        while not out.finished:
+            out = await asyncio.wait_for(q.get(), 30)
+        return out.finish_reason
+
+    async def three() -> list[FinishReason]:
+        return await asyncio.gather(*(run(f"r{i}") for i in range(3)))
+
+    try:
+        assert FinishReason.ERROR in asyncio.run(three())
+        setattr(host, copy, real)
+        assert asyncio.run(run("after")) is FinishReason.LENGTH  # the engine went on
+        loop.submit(_no_leaks).result(10)
+    finally:
+        loop.stop()

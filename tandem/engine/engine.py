@@ -216,6 +216,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}  # prefill side: KV kept for transfer
+        # The request ids of the step under way, once it has its batch (else None).
+        self._stepping: list[str] | None = None
         self._ids = itertools.count()
         # Prefill side: on_prefill_layer(layer, [(request_id, block_ids)]) for the
         # prefill_only prompts that complete in the current step, after each layer.
@@ -276,7 +278,7 @@ class LLMEngine:
         # Under a window a prompt is computed in segments: the first from an empty
         # table, each later one after a slide; generated tokens one at a time.
         step = self.kv.window_step
-        later = step if len(prompt_ids) > step else 1
+        later = min(step, len(prompt_ids) - step) if len(prompt_ids) > step else 1
         blocks = self.kv.max_blocks_per_sequence(total, later, min(len(prompt_ids), step))
         if blocks > self.kv.pool.num_blocks:
             raise InvalidRequestError(
@@ -509,6 +511,19 @@ class LLMEngine:
             self.abort(request_id)
         return ids
 
+    def abort_failed_step(self) -> list[str]:
+        """After ``step`` raised: abort the requests it was computing, whose state is
+        not to be trusted; the others (waiting, not in its batch) stay queued. A step
+        that failed before it had its batch (scheduling) takes every request but the
+        KV that transfers may move (``abort_scheduled``). Returns the ids."""
+        stepping, self._stepping = self._stepping, None
+        if stepping is None:
+            return self.abort_scheduled()
+        ids = [rid for rid in stepping if rid in self._requests]
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
     def abort_all(self) -> list[str]:
         """Abort every request, held KV included; returns their ids."""
         ids = [*self._requests, *self._held]
@@ -560,12 +575,14 @@ class LLMEngine:
     # ---- the step loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._stepping = None  # until the step has its batch: every request is at stake
         batch = self.scheduler.schedule()
         stats = self.stats
         stats.preemptions += len(batch.preempted)
         if not batch:  # no step: its figures are 0, not the last step's
             stats.last_sequences = stats.last_tokens = 0
             return []
+        self._stepping = [seq.request_id for seq, _ in batch.work]
         stats.last_sequences = len(batch.work)
         stats.last_tokens = sum(n for _, n in batch.work)
         seqs, logits = self.runner.run(batch.work, self._layer_hook(batch.work))
@@ -579,10 +596,12 @@ class LLMEngine:
         )
         stats.generated_tokens += len(seqs)
         logprobs = self._logprobs(seqs, logits, tokens)
-        return [
+        outputs = [
             self._postprocess(self._requests[s.request_id], t, logprobs.get(i))
             for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
         ]
+        self._stepping = None
+        return outputs
 
     @staticmethod
     def _logprobs(seqs: list[Sequence], logits, tokens: list[int]) -> dict[int, TokenLogprob]:

@@ -19,7 +19,8 @@ watches the engine thread only while it works: one that waits for work is never
 stalled, and a busy one finishes an iteration every step.
 
 A failed step ends its requests with ERROR and the loop goes on: the next step may
-well succeed (a bug that one request's input reached). Not after an error of the
+well succeed (a bug that one request's input reached). Requests that were not in it
+(waiting their turn) stay queued. Not after an error of the
 device's runtime (``torch.AcceleratorError``: a CUDA error), after which the device's
 state is not to be trusted and every later step fails too: a worker that went on
 would fail each request it is given, fast, and so look the least loaded. Such a
@@ -269,7 +270,7 @@ class EngineLoop:
         flight: freed now, its blocks would go to other requests while a transfer still
         reads or writes them. The step's outputs are lost with it, so a request that it
         finished, or held for a transfer (its owner frees that KV), is told too."""
-        aborted = self.engine.abort_scheduled()
+        aborted = self.engine.abort_failed_step()
         held = self.engine.held_ids
         finished = requests_before - self.engine.request_ids - held - set(aborted)
         for request_id in [*aborted, *(held - held_before), *finished]:

@@ -170,6 +170,22 @@ def test_the_window_bound_counts_a_short_prompts_chunk_not_the_whole_step_budget
     assert max(held) <= engine.kv.max_blocks_per_sequence(620, 20) <= 16
 
 
+def test_the_window_bound_counts_a_prompts_last_segment_as_long_as_it_is():
+    # A prompt past one segment was counted as if each later segment were a whole
+    # window_step: a request that runs in 8 of 10 blocks was refused as needing 11.
+    engine = make_engine(block_size=2, num_blocks=10, kv_window_tokens=4, kv_sink_tokens=0,
+                         max_num_batched_tokens=16)  # fmt: skip
+    prompt, params = list(range(3, 22)), SamplingParams(max_tokens=24, temperature=0,
+                                                        ignore_eos=True)  # fmt: skip
+    engine.validate(prompt, params)
+    held = []
+    engine.add_request(prompt, params, "r")
+    while engine.has_unfinished():
+        engine.step()
+        held.append(engine.kv.pool.num_used)
+    assert max(held) <= 10 and engine.stats.preemptions == 0
+
+
 def test_what_a_windowed_prompt_sees_does_not_depend_on_its_batch_or_the_cache(tiny_engine):
     # Its chunks follow the step budget that running decodes leave: the window used to
     # slide between them, so each token's context (and the greedy tokens) changed

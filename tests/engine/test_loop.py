@@ -81,6 +81,50 @@ def test_a_failing_step_fails_its_requests_and_frees_blocks(tiny_engine, monkeyp
     assert tiny_engine.kv.pool.num_used == 0
 
 
+def test_a_failing_step_fails_its_own_requests_not_those_waiting_their_turn(monkeypatch):
+    # Every request but the reservations was failed, queued ones that never ran too: on
+    # a prefill worker one bad prompt failed the whole queue (and the router moved each
+    # of them on, to fail again wherever the bad one went).
+    from tests.conftest import make_engine
+
+    engine = make_engine(max_num_seqs=1)  # one request a step: "queued" waits its turn
+    expected = engine.generate([[8, 9, 10]], PARAMS)[0]
+    run = engine.runner.run
+
+    def poisoned(work, *args, **kwargs):
+        if any(seq.request_id == "poison" for seq, _ in work):
+            raise RuntimeError("a bug that one request's input reached")
+        return run(work, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", poisoned)
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def main():
+        queues = {rid: loop.subscribe(rid) for rid in ("poison", "queued")}
+
+        def add(e):
+            e.add_request([5, 6, 7], PARAMS, "poison")
+            e.add_request([8, 9, 10], PARAMS, "queued")
+
+        await loop.call(add)
+        outs = {}
+        for rid, q in queues.items():
+            outs[rid] = [await asyncio.wait_for(q.get(), 30)]
+            while not outs[rid][-1].finished:
+                outs[rid].append(await asyncio.wait_for(q.get(), 30))
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert outs["poison"][-1].finish_reason is FinishReason.ERROR
+    assert outs["queued"][-1].finish_reason is FinishReason.LENGTH
+    assert [t for o in outs["queued"] for t in o.token_ids] == expected
+    assert engine.kv.pool.num_used == 0
+
+
 def test_a_failing_step_leaves_the_kv_of_transfers_in_flight_to_their_owners(
     tiny_engine, monkeypatch
 ):

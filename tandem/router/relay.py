@@ -3,9 +3,9 @@
 An *attempt* is one decode reservation plus one prefill:
 1. Pick a decode worker and open ``Decode``; its first message is the
    ``KvDestination`` (blocks reserved for prompt + max_tokens). A worker that has
-   no room (RESOURCE_EXHAUSTED) or is gone (UNAVAILABLE) is replaced by one
-   other; nothing was computed yet, so that is safe. When no decode worker has
-   room, the request waits for one (``DecodeCapacity``), up to its deadline or
+   no room (RESOURCE_EXHAUSTED) or is gone (UNAVAILABLE) is replaced by another,
+   each tried once; nothing was computed yet, so that is safe. When no decode
+   worker has room, the request waits for one (``DecodeCapacity``), up to its deadline or
    ``queue_timeout_s``: overload is RESOURCE_EXHAUSTED, never UNAVAILABLE.
 2. Pick a prefill worker and call ``Prefill(request, destination)``; while the
    call is open (the request waits in the worker's queue, is prefilled, its KV
@@ -414,7 +414,12 @@ class Relay:
         while True:
             if not await self._any_placeable(Pool.DECODE, deadline):
                 raise self._none_available(Pool.DECODE)
-            opened, error = await self._try_decode(worker_req, deadline, avoid, prompt_whole)
+            try:
+                opened, error = await self._try_decode(worker_req, deadline, avoid, prompt_whole)
+            except BaseException:  # its client left, or it failed, with the room it woke for
+                if queued_at is not None:
+                    self.capacity.notify()  # the next in line takes it
+                raise
             if opened is not None:
                 if queued_at is not None:
                     self.capacity.notify()  # room for us: maybe for the next one too
@@ -460,8 +465,10 @@ class Relay:
         prompt_whole: bool = False,
     ) -> tuple[tuple[Worker, grpc.aio.UnaryStreamCall, worker_pb2.KvDestination] | None,
                RouterError | None]:  # fmt: skip
-        """Decode workers in turn, up to two that are full; (opened, None) or (None, the
-        error: a full worker's if one was, so that the caller waits for room). A worker
+        """Decode workers in turn, each once; (opened, None) or (None, the error: a full
+        worker's if one was, so that the caller waits for room). Not only the first
+        that refuse: placement ranks workers by their free KV, and workers at
+        ``max_num_seqs`` with short sequences have the most, while others have room. A worker
         found dead is marked down and does not count: a crashed host's workers must not
         use up the tries while a live one is free. ``prompt_whole``: a prompt prefilled
         on the decode worker is computed as the prefill pool computed it before (see
@@ -470,9 +477,8 @@ class Relay:
         tried: list[Worker] = []
         error: RouterError | None = None
         full: RouterError | None = None
-        full_tries = 0
         tokens = [*worker_req.prompt_token_ids, *worker_req.output_token_ids]
-        while full_tries < 2:
+        while True:
             candidates = self._candidates(Pool.DECODE, tried, avoid)
             if not candidates:
                 break
@@ -509,7 +515,7 @@ class Relay:
                     else:
                         log.info("request %s: %s", worker_req.request_id, error.message)
                     if exc.code() is Code.RESOURCE_EXHAUSTED:
-                        full, full_tries = error, full_tries + 1
+                        full = error
                     continue
                 raise error from None
             except BaseException:

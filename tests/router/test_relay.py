@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -495,6 +496,75 @@ def test_a_prefill_retried_after_a_worker_went_away_is_relayed_only_once_its_kv_
             _, moved = c.decode[0].calls
             assert list(moved.request.request.output_token_ids) == [20]
             assert c.router.relay.migrations == 1
+
+    run(scenario())
+
+
+def test_every_decode_worker_is_tried_before_a_request_waits_for_room(frontend):
+    # Two refusals and the request waited: placement ranks workers by free KV first, and
+    # workers at max_num_seqs with short sequences have the most, so the two full ones
+    # were tried again on every wake-up and the request was refused after
+    # queue_timeout_s while the others had room.
+    async def scenario():
+        full = [FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED, kv_blocks_free=1000,
+                           running=64) for _ in range(2)]  # fmt: skip
+        roomy = [FakeDecode(kv_blocks_free=800, running=1) for _ in range(2)]
+        async with cluster(frontend, decode=[*full, *roomy], queue_timeout_s=2.0) as c:
+            await wait_until(lambda: all(w.kv_blocks_free for w in c.router.registry.workers()),
+                             what="a poll")  # fmt: skip
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14)
+            assert [len(w.calls) for w in full] == [1, 1]
+            assert sum(len(w.calls) for w in roomy) == 1
+
+    run(scenario())
+
+
+@dataclass
+class _OneSlot(FakeDecode):
+    """Room for one stream; the Decode call of request ``slow`` takes a second."""
+
+    active: int = 0
+    slow: str = ""
+
+    async def Decode(self, request, context):
+        if request.request.request_id == self.slow:
+            await asyncio.sleep(1.0)
+        if self.active >= 1:
+            self._record(request, context)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
+        self.active += 1
+        try:
+            async for response in super().Decode(request, context):
+                yield response
+        finally:
+            self.active -= 1
+
+
+def test_a_woken_waiter_whose_client_leaves_passes_the_room_on(frontend):
+    # Woken for room, B's client left while its Decode call was on its way: the wake-up
+    # went with it, and C sat in line with the worker idle until a poll round (or its
+    # queue_timeout_s, with polls far apart).
+    async def scenario():
+        worker = _OneSlot(gate=asyncio.Event())
+        async with cluster(frontend, decode=[worker], status_interval_s=3600,
+                           queue_timeout_s=4) as c:  # fmt: skip
+            capacity = c.router.relay.capacity
+            a = asyncio.ensure_future(c.client.complete("hello", request_id="A"))
+            await wait_until(lambda: worker.active == 1, what="A holds the slot")
+            b = asyncio.ensure_future(c.client.complete("hello", request_id="B"))
+            await wait_until(lambda: capacity.waiting == 1, what="B waits")
+            later = asyncio.ensure_future(c.client.complete("hello", request_id="C"))
+            await wait_until(lambda: capacity.waiting == 2, what="C waits")
+            worker.slow = "B"
+            worker.gate.set()
+            await a  # room: B is woken, and its Decode call takes a second
+            await wait_until(lambda: capacity.waiting == 1, what="B woken")
+            await asyncio.sleep(0.3)
+            b.cancel()
+            started = time.monotonic()
+            assert (await later).finish_reason == "length"
+            assert time.monotonic() - started < 2.5
 
     run(scenario())
 

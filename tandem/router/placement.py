@@ -81,11 +81,13 @@ class PlacementPolicy(abc.ABC):
         tokens so far (prompt, and output of a migrated request) are ``token_ids``, in
         the workers' prefix-cache namespace ``cache_salt``."""
 
-    def finished(
+    def holds(
         self, pool: Pool, address: str, token_ids: Sequence[int], cache_salt: str = ""
     ) -> None:
-        """A request on ``address`` ended with ``token_ids`` (prompt and every output
-        token): what its worker now holds, for policies that track it."""
+        """The worker at ``address`` took a request whose tokens are ``token_ids`` (a
+        prompt it prefills or reserved KV for; at the request's end, prompt and every
+        output token): what it holds now, for policies that track it. Not said of a
+        worker that refused: a pick is no placement."""
         return None
 
     def forget(self, pool: Pool, address: str) -> None:
@@ -159,9 +161,12 @@ class PrefixAware(PlacementPolicy):
     cache-aware router does, rather than from the workers' reports of blocks cached
     and evicted: it needs no protocol, costs one hash per block of prompt tokens, and
     is right exactly when it matters (a prefix placed recently is still cached). A
-    decode worker also caches the tokens it generated, and the router streamed them:
-    a finished request's whole sequence joins its worker's history (``finished``), so
-    that a conversation's next turn, which repeats the reply, follows it there. A
+    worker's history grows when it takes a request (``holds``: a decode worker's
+    reservation, a prefill worker's first token), not when it is picked: a worker
+    that refused holds nothing of the prompt. A decode worker also caches the tokens
+    it generated, and the router streamed them: a finished request's whole sequence
+    joins its worker's history, so that a conversation's next turn, which repeats the
+    reply, follows it there. A
     worker's history is an LRU of chained block hashes (those of the engines' prefix
     cache: ``hash_block`` over blocks of the worker's ``kv_block_size``, which its
     Status reports) bounded by the worker's own KV pool size, so that what the worker
@@ -240,10 +245,9 @@ class PrefixAware(PlacementPolicy):
             choice.kv_block_size,
             choice.prefix_cache_max_tokens,
         )
-        self._remember(pool, choice.address, mine[choice.address])
         return choice
 
-    def finished(
+    def holds(
         self, pool: Pool, address: str, token_ids: Sequence[int], cache_salt: str = ""
     ) -> None:
         if address in self._pool_size:

@@ -485,6 +485,7 @@ class Relay:
             if tried:  # the last one failed at its door: given to another
                 self.metrics.retried(Pool.DECODE.value)
             worker = self._pick(Pool.DECODE, candidates, tokens, worker_req.cache_salt)
+            cached = self.policy.cached_tokens  # this pick's: others' may come while we wait
             tried.append(worker)
             moved = bool(worker_req.output_token_ids)
             if moved and not worker.kv_block_size:  # added since the last poll: its window
@@ -494,7 +495,7 @@ class Relay:
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
             # What the worker would have to compute if it prefilled: less its cached prefix.
-            to_compute = len(tokens) - self.policy.cached_tokens
+            to_compute = len(tokens) - cached
             decision = self.routing.decide(to_compute, prefill, worker.load(), moved)
             self.registry.acquire(worker)
             request = worker_pb2.DecodeRequest(
@@ -535,6 +536,7 @@ class Relay:
                     f"KvDestination {'without' if decision.here else 'with'} an address",
                 )
             self.registry.reserved(worker, len(first.destination.block_ids))
+            self.policy.holds(Pool.DECODE, worker.address, tokens, worker_req.cache_salt)
             self.routing.count(decision)
             if decision.here:  # until its first token is back (_relay_decode, _attempt)
                 worker.prefilling[worker_req.request_id] = max(0, to_compute)
@@ -621,6 +623,7 @@ class Relay:
                 raise RouterError(
                     Code.INTERNAL, f"prefill worker {worker.address} ended Prefill with no token"
                 )
+            self.policy.holds(Pool.PREFILL, worker.address, tokens, request.request.cache_salt)
             return worker, call, first, doubtful
 
     def _start_shipped(
@@ -733,7 +736,7 @@ class Relay:
             if chunk.finish_reason:
                 # The worker's count includes tokens it held back (a stop string).
                 _set_usage(response, req, chunk.completion_tokens, len(streamed))
-                self.policy.finished(
+                self.policy.holds(
                     Pool.DECODE, worker.address, [*req.prompt_ids, *streamed], self._cache_salt(req)
                 )
                 yield response

@@ -269,3 +269,28 @@ def test_prefix_aware_learns_the_reply_a_decode_worker_generated(frontend):
             assert len(held) > len(policy._hashes(prompt_ids))
 
     run(scenario())
+
+
+def test_a_decode_worker_that_refused_a_prompt_is_not_taken_to_hold_it(frontend):
+    # A pick was recorded as a placement: a worker that refused the reservation at its
+    # door (computing nothing) was taken to hold the whole prompt, the next request
+    # with it went there as "short", and that worker computed all of it while its
+    # streams waited.
+    async def scenario():
+        refusing = FakeDecode(open_error=grpc.StatusCode.RESOURCE_EXHAUSTED, kv_blocks_free=1000)
+        serving = FakeDecode(kv_blocks_free=800)
+        config = DisaggregationConfig(mode="conditional", local_max_tokens=16)
+        async with cluster(frontend, decode=[refusing, serving], disaggregation=config,
+                           placement="prefix-aware") as c:  # fmt: skip
+            await wait_until(lambda: all(w.kv_block_size for w in c.router.registry.workers()),
+                             what="a poll")  # fmt: skip
+            prompt = "the same long conversation so far " * 8  # well over 16 tokens
+            await c.client.complete(prompt, max_tokens=5)
+            refusing.open_error = None  # room now
+            await c.client.complete(prompt, max_tokens=5)
+            # It goes where the prompt is: the worker that served it, prefilled there.
+            assert len(refusing.calls) == 1
+            assert [call.request.prefill_here for call in serving.calls] == [False, True]
+            assert c.router.relay.routing.counts == {"long": 1, "short": 1}
+
+    run(scenario())

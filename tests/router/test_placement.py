@@ -139,15 +139,22 @@ def _engine_hashes(prompt: list[int], salt: str, block_size: int, blocks: int) -
     return [kv.pool.block_hash[b] for b in seq.block_table[:blocks]]
 
 
+def place(policy, pool: Pool, candidates, token_ids=(), cache_salt: str = "") -> WorkerLoad:
+    """A pick that the worker takes: what the relay does when it accepts the request."""
+    choice = policy.pick(pool, candidates, token_ids, cache_salt)
+    policy.holds(pool, choice.address, token_ids, cache_salt)
+    return choice
+
+
 def test_prefix_aware_follows_the_prefix_and_spreads_what_is_new():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
-    first = policy.pick(Pool.PREFILL, ws, _prompt(1, 8, tail=3)).address
-    second = policy.pick(Pool.PREFILL, ws, _prompt(2, 8, tail=3)).address
+    first = place(policy, Pool.PREFILL, ws, _prompt(1, 8, tail=3)).address
+    second = place(policy, Pool.PREFILL, ws, _prompt(2, 8, tail=3)).address
     assert first != second  # nothing cached anywhere: least-loaded takes turns
     for tail in range(1, 6):  # same system prompt, another question: where it was
-        assert policy.pick(Pool.PREFILL, ws, _prompt(1, 8, tail=tail)).address == first
-        assert policy.pick(Pool.PREFILL, ws, _prompt(2, 8, tail=tail)).address == second
+        assert place(policy, Pool.PREFILL, ws, _prompt(1, 8, tail=tail)).address == first
+        assert place(policy, Pool.PREFILL, ws, _prompt(2, 8, tail=tail)).address == second
     # The pools keep separate histories: the decode pool has seen nothing yet.
     assert policy._history[Pool.DECODE] == {}
 
@@ -158,10 +165,10 @@ def test_prefix_aware_matches_within_a_cache_salt_as_the_workers_do():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
     prompt = _prompt(1, 8, tail=3)
-    home = policy.pick(Pool.PREFILL, ws, prompt, "alice").address
-    policy.pick(Pool.PREFILL, ws, prompt, "bob")
+    home = place(policy, Pool.PREFILL, ws, prompt, "alice").address
+    place(policy, Pool.PREFILL, ws, prompt, "bob")
     assert policy.cached_tokens == 0
-    assert policy.pick(Pool.PREFILL, ws, prompt, "alice").address == home
+    assert place(policy, Pool.PREFILL, ws, prompt, "alice").address == home
     assert policy.cached_tokens == 8 * 16
     assert _engine_hashes(prompt, "alice", 16, 8) == policy._hashes(prompt, "alice")
 
@@ -173,18 +180,18 @@ def test_prefix_aware_counts_in_each_workers_own_block_size():
     policy = PrefixAware()
     big = [load("a", kv_blocks_total=4, kv_block_size=32)]
     prompt = _prompt(1, 5, tail=3)  # 80 tokens of prefix: two whole blocks of 32
-    policy.pick(Pool.PREFILL, big, prompt, "alice")
-    policy.pick(Pool.PREFILL, big, prompt, "alice")
+    place(policy, Pool.PREFILL, big, prompt, "alice")
+    place(policy, Pool.PREFILL, big, prompt, "alice")
     assert policy.cached_tokens == 64
     cached = _engine_hashes(prompt, "alice", 32, 2)
     assert list(policy._history[Pool.PREFILL]["a"]) == cached[::-1]
     # 4 blocks of 32 hold this prompt and one other of the same length: a third pushes
     # the first out (in blocks of 16 the history would have held 4 of its blocks).
-    policy.pick(Pool.PREFILL, big, _prompt(2, 5, tail=3))
-    assert policy.pick(Pool.PREFILL, big, prompt, "alice") and policy.cached_tokens == 64
-    policy.pick(Pool.PREFILL, big, _prompt(3, 5, tail=3))
-    policy.pick(Pool.PREFILL, big, _prompt(4, 5, tail=3))
-    policy.pick(Pool.PREFILL, big, prompt, "alice")
+    place(policy, Pool.PREFILL, big, _prompt(2, 5, tail=3))
+    assert place(policy, Pool.PREFILL, big, prompt, "alice") and policy.cached_tokens == 64
+    place(policy, Pool.PREFILL, big, _prompt(3, 5, tail=3))
+    place(policy, Pool.PREFILL, big, _prompt(4, 5, tail=3))
+    place(policy, Pool.PREFILL, big, prompt, "alice")
     assert policy.cached_tokens == 0
 
 
@@ -195,16 +202,16 @@ def test_prefix_aware_counts_no_more_than_a_windowed_worker_caches():
     policy = PrefixAware()
     windowed = [load("a", kv_blocks_free=1000, kv_blocks_total=1000, prefix_cache_max_tokens=64)]
     prompt = _prompt(1, 10, tail=3)
-    policy.pick(Pool.DECODE, windowed, prompt)
+    place(policy, Pool.DECODE, windowed, prompt)
     assert len(policy._history[Pool.DECODE]["a"]) == 4
-    policy.pick(Pool.DECODE, windowed, prompt)
+    place(policy, Pool.DECODE, windowed, prompt)
     assert policy.cached_tokens == 64
-    policy.finished(Pool.DECODE, "a", [*prompt, *range(200)])
+    policy.holds(Pool.DECODE, "a", [*prompt, *range(200)])
     assert len(policy._history[Pool.DECODE]["a"]) == 4
     # Its room is still counted for the whole prompt, which arrives whole: 7 blocks more.
     short = load("a", kv_blocks_free=6, kv_blocks_total=1000, prefix_cache_max_tokens=64)
     roomy = load("b", kv_blocks_free=1000, kv_blocks_total=1000)
-    assert policy.pick(Pool.DECODE, [short, roomy], prompt).address == "b"
+    assert place(policy, Pool.DECODE, [short, roomy], prompt).address == "b"
 
 
 def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():
@@ -213,48 +220,48 @@ def test_prefix_aware_passes_over_a_holder_without_room_for_the_reservation():
     policy = PrefixAware()
     roomy = {"kv_blocks_free": 1000, "kv_blocks_total": 1000}
     prompt = _prompt(1, 8, tail=3)
-    home = policy.pick(Pool.DECODE, [load("a", **roomy), load("b", **roomy)], prompt).address
+    home = place(policy, Pool.DECODE, [load("a", **roomy), load("b", **roomy)], prompt).address
     other = "b" if home == "a" else "a"
     # With room for this request many times over, fewer free blocks than another's and
     # 2 requests more (within the bound) keep it where its prefix is.
     busier = [load(home, kv_blocks_free=850, running=2, kv_blocks_total=1000), load(other, **roomy)]
-    assert policy.pick(Pool.DECODE, busier, prompt).address == home
+    assert place(policy, Pool.DECODE, busier, prompt).address == home
     full = [load(home, kv_blocks_free=0, kv_blocks_total=1000), load(other, **roomy)]
-    assert policy.pick(Pool.DECODE, full, prompt).address == other
-    assert policy.pick(Pool.DECODE, [load(home, **roomy)], prompt).address == home
+    assert place(policy, Pool.DECODE, full, prompt).address == other
+    assert place(policy, Pool.DECODE, [load(home, **roomy)], prompt).address == home
     assert policy.cached_tokens == 8 * 16  # still held there
     policy.forget(Pool.DECODE, home)
-    policy.pick(Pool.DECODE, [load(home, **roomy)], prompt)
+    place(policy, Pool.DECODE, [load(home, **roomy)], prompt)
     assert policy.cached_tokens == 0
 
 
 def test_prefix_aware_takes_the_longest_match():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
-    policy.pick(Pool.PREFILL, ws, _prompt(1, 2, tail=1))  # a: 2 blocks of prefix 1
+    place(policy, Pool.PREFILL, ws, _prompt(1, 2, tail=1))  # a: 2 blocks of prefix 1
     longer = _prompt(1, 6, tail=1)
-    policy.pick(Pool.PREFILL, [ws[1]], longer)  # b: 6 blocks of it
-    assert policy.pick(Pool.PREFILL, ws, longer).address == "b"
+    place(policy, Pool.PREFILL, [ws[1]], longer)  # b: 6 blocks of it
+    assert place(policy, Pool.PREFILL, ws, longer).address == "b"
 
 
 def test_prefix_aware_gives_way_to_load_beyond_the_bound():
     policy = PrefixAware(imbalance_max=2)
     idle = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
-    home = policy.pick(Pool.PREFILL, idle, _prompt(1, 4, tail=1)).address
+    home = place(policy, Pool.PREFILL, idle, _prompt(1, 4, tail=1)).address
     other = "b" if home == "a" else "a"
     within = [load(home, queue_depth=1, running=1, kv_blocks_total=100),
               load(other, kv_blocks_total=100)]  # fmt: skip
-    assert policy.pick(Pool.PREFILL, within, _prompt(1, 4, tail=2)).address == home
+    assert place(policy, Pool.PREFILL, within, _prompt(1, 4, tail=2)).address == home
     beyond = [load(home, queue_depth=2, running=1, kv_blocks_total=100),
               load(other, kv_blocks_total=100)]  # fmt: skip
-    assert policy.pick(Pool.PREFILL, beyond, _prompt(1, 4, tail=3)).address == other
+    assert place(policy, Pool.PREFILL, beyond, _prompt(1, 4, tail=3)).address == other
 
 
 def test_prefix_aware_forgets_what_the_worker_cannot_hold():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=4)]
-    policy.pick(Pool.PREFILL, ws, _prompt(1, 4, tail=1))
-    policy.pick(Pool.PREFILL, ws, _prompt(2, 4, tail=1))  # 4 new blocks push the first out
+    place(policy, Pool.PREFILL, ws, _prompt(1, 4, tail=1))
+    place(policy, Pool.PREFILL, ws, _prompt(2, 4, tail=1))  # 4 new blocks push the first out
     assert policy._matched(policy._history[Pool.PREFILL]["a"], policy._hashes(
         _prompt(1, 4, tail=1))) == 0  # fmt: skip
 
@@ -263,8 +270,8 @@ def test_prefix_aware_forgets_a_sequence_tail_first_as_the_worker_evicts():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=10)]
     first, second = _prompt(1, 6, tail=1), _prompt(2, 6, tail=1)
-    policy.pick(Pool.PREFILL, ws, first)
-    policy.pick(Pool.PREFILL, ws, second)  # 12 blocks in 10: two of the first go
+    place(policy, Pool.PREFILL, ws, first)
+    place(policy, Pool.PREFILL, ws, second)  # 12 blocks in 10: two of the first go
     # The worker frees a sequence's last blocks first and keeps its beginning.
     held = policy._history[Pool.PREFILL]["a"]
     assert policy._matched(held, policy._hashes(first)) == 4
@@ -285,23 +292,23 @@ def test_prefix_aware_does_not_follow_a_short_shared_header():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
     header = [5] * 16  # one block every prompt starts with (a chat template's, say)
-    first = policy.pick(Pool.PREFILL, ws, header + _prompt(1, 6, tail=1)).address
+    first = place(policy, Pool.PREFILL, ws, header + _prompt(1, 6, tail=1)).address
     # 1 block of 7 in common: below min_match, so least-loaded's turn, not the header's.
-    assert policy.pick(Pool.PREFILL, ws, header + _prompt(2, 6, tail=1)).address != first
+    assert place(policy, Pool.PREFILL, ws, header + _prompt(2, 6, tail=1)).address != first
 
 
 def test_prefix_aware_follows_a_conversation_to_the_worker_that_generated_its_reply():
     policy = PrefixAware()
     ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
     turn1 = _prompt(1, 4, tail=5)
-    policy.pick(Pool.DECODE, ws[:1], turn1)  # both hold the prompt's 4 blocks
-    policy.pick(Pool.DECODE, ws[1:], turn1)
+    place(policy, Pool.DECODE, ws[:1], turn1)  # both hold the prompt's 4 blocks
+    place(policy, Pool.DECODE, ws[1:], turn1)
     reply = list(range(2000, 2043))  # 69 + 43 tokens: 7 full blocks, the last not computed
-    policy.finished(Pool.DECODE, "b", turn1 + reply)  # b generated the reply
+    policy.holds(Pool.DECODE, "b", turn1 + reply)  # b generated the reply
     # The next turn repeats the first and its reply: its full blocks up to the
     # reply's last token are b's.
     turn2 = turn1 + reply + [9] * 40
-    assert policy.pick(Pool.DECODE, ws, turn2).address == "b"
+    assert place(policy, Pool.DECODE, ws, turn2).address == "b"
     assert policy.cached_tokens == 16 * 6
-    policy.finished(Pool.DECODE, "gone", turn2)  # a worker never placed on: ignored
+    policy.holds(Pool.DECODE, "gone", turn2)  # a worker never placed on: ignored
     assert "gone" not in policy._history[Pool.DECODE]

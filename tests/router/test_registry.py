@@ -316,6 +316,7 @@ def test_history_hashed_before_a_workers_block_size_was_known_is_forgotten(front
             policy = c.router.relay.policy
             worker.kv_block_size = 0  # as before its first Status: placed in blocks of 16
             policy.pick(Pool.DECODE, [worker.load()], list(range(100)))
+            policy.holds(Pool.DECODE, decode.address, list(range(100)))  # it took the request
             assert policy._history[Pool.DECODE][decode.address]
             await c.router.registry.poll_once()
             assert decode.address not in policy._history[Pool.DECODE]

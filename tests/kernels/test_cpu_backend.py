@@ -167,6 +167,33 @@ def test_a_failed_build_is_reported_and_leaves_nothing_behind(
     assert not any((tmp_path / "kernels").iterdir())
 
 
+def test_a_first_load_that_failed_compiles_no_kernel_elsewhere(
+    tmp_path: Path, cpu, monkeypatch
+) -> None:
+    # An engine's cache_dir that cannot hold the library turned the C attention off,
+    # and then RMSNorm's first call compiled the library into the default cache (the
+    # home directory) and ran it: the log said torch's ops, and a home was written.
+    for name, value in (("_loaded", {}), ("_functions", {}), ("_first", None), ("_tried", False)):
+        monkeypatch.setattr(build, name, value)
+    monkeypatch.delenv("TANDEM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    (tmp_path / "a-file").write_text("")
+    assert build.load(tmp_path / "a-file" / "cache") is None  # cannot be made
+    assert build.function("tandem_rms_norm_bf16", []) is None
+    assert not (tmp_path / "home-cache").exists()
+
+
+def test_a_cached_library_that_does_not_load_is_compiled_again(tmp_path: Path, cpu, monkeypatch):
+    # Cut short by a full disk or copied in half by a cache sync, it was found, failed
+    # to load, and every later start ran torch's slower ops until someone deleted it.
+    monkeypatch.setattr(build, "_loaded", {})
+    path = build.library_path(tmp_path, build.compiler())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF" + bytes(60))
+    assert build.load(tmp_path) is not None
+    assert path.stat().st_size > 64
+
+
 def test_cpu_backend_is_refused_on_other_devices() -> None:
     with pytest.raises(ConfigError, match="attention_backend 'cpu' runs on CPU devices"):
         resolve_backend("cpu", torch.device("cuda"))

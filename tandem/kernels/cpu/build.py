@@ -42,8 +42,11 @@ _BUILD_TIMEOUT_S = 120
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 _functions: dict[str, Callable[..., int] | None] = {}
 # The first library loaded (from an engine's cache_dir, or the default cache): the
-# one ``function`` serves, so that every kernel of a process comes from one build.
+# one ``function`` serves, so that every kernel of a process comes from one build. Once
+# tried, a first load that failed stands: no kernel of the process is then compiled
+# elsewhere (into the home directory, behind a read-only cache_dir).
 _first: ctypes.CDLL | None = None
+_tried = False
 # A caller during the first load (or build) waits for it; re-entered by ``function``.
 _loading = threading.RLock()
 
@@ -123,7 +126,7 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             command = compiler()
             if shutil.which(command[0]) is None:
                 raise BuildError(f"no C compiler {command[0]!r} on PATH (set CC to choose one)")
-            lib = ctypes.CDLL(str(build(cache, command)))
+            lib = _open(cache, command)
         except (BuildError, OSError, subprocess.SubprocessError) as exc:
             log.warning(
                 "CPU kernels unavailable in %s, using torch's ops instead (attention, "
@@ -132,10 +135,24 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
                 exc,
             )
         _loaded[cache] = lib
-        global _first
-        if _first is None:
-            _first = lib
+        global _first, _tried
+        if not _tried:
+            _first, _tried = lib, True
         return lib
+
+
+def _open(cache: Path, command: Sequence[str]) -> ctypes.CDLL:
+    """The library in ``cache``, built if it is not there; one that is there and does
+    not load (cut short, copied in half by a cache sync) is built again, once."""
+    path = library_path(cache, command)
+    if not path.exists():
+        return ctypes.CDLL(str(build(cache, command)))
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("the CPU kernels in %s do not load (%s): compiling them again", path, exc)
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(build(cache, command)))
 
 
 def function(symbol: str, argtypes: list) -> Callable[..., int] | None:
@@ -146,7 +163,7 @@ def function(symbol: str, argtypes: list) -> Callable[..., int] | None:
         return _functions[symbol]
     with _loading:
         if symbol not in _functions:
-            lib = _first if _first is not None else load()
+            lib = _first if _tried else load()
             fn = None
             if lib is not None:
                 fn = getattr(lib, symbol)

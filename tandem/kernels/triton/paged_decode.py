@@ -80,7 +80,11 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     row_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask)
+    # Lanes past HEAD_DIM (a head_dim of 80 or 96 in tiles of 128) go into tl.dot: zero,
+    # not whatever a masked load leaves there (Triton does not define it).
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0
+    )
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)

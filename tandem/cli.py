@@ -22,7 +22,9 @@ EXIT_USAGE = 2
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate (default 256; through a router, unset: it stops "
+                   "at the context's end where that comes first)")  # fmt: skip
     g.add_argument(
         "--temperature",
         type=float,
@@ -297,9 +299,10 @@ def engine_config(args: argparse.Namespace):
 
 def sampling_params(args: argparse.Namespace):
     from tandem.engine.sampling_params import SamplingParams
+    from tandem.wire import DEFAULT_MAX_TOKENS
 
     return SamplingParams(
-        max_tokens=args.max_tokens,
+        max_tokens=DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -325,7 +328,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _refuse_flags_of_the_other_mode(args)
     if args.router:
         return _generate_remote(args.router, args.prompt, args.raw, params,
-                                connect=client_kwargs(args))  # fmt: skip
+                                connect=client_kwargs(args),
+                                max_tokens_given=args.max_tokens is not None)  # fmt: skip
     from tandem.engine.engine import LLMEngine
 
     engine = LLMEngine(engine_config(args))
@@ -363,15 +367,24 @@ def _refuse_flags_of_the_other_mode(args: argparse.Namespace) -> None:
 
 
 def _generate_remote(
-    address: str, prompt: str, raw: bool, params, timeout=None, connect: dict | None = None
+    address: str,
+    prompt: str,
+    raw: bool,
+    params,
+    timeout=None,
+    connect: dict | None = None,
+    max_tokens_given: bool = True,
 ) -> int:
-    """Stream one generation through a router (``connect``: client TLS and API key)."""
+    """Stream one generation through a router (``connect``: client TLS and API key;
+    ``max_tokens_given``: False sends it unset, for the router's default)."""
     import dataclasses
 
     from tandem.client import TandemClient
     from tandem.client._convert import CompletionBuilder
 
     sampling = {k: v for k, v in dataclasses.asdict(params).items() if k != "stop_token_ids"}
+    if not max_tokens_given:
+        del sampling["max_tokens"]
     text_input = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
     stats = _Stream()
     whole = CompletionBuilder()
@@ -434,7 +447,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             log.info("demo: router on %s; streaming an answer to: %s", cluster.address,
                      args.prompt)  # fmt: skip
             _generate_remote(cluster.address, args.prompt, False, params, timeout=300,
-                             connect=connect)  # fmt: skip
+                             connect=connect,
+                             max_tokens_given=args.max_tokens is not None)  # fmt: skip
             from tandem.bench.load.cli import demo_load
 
             demo_load(cluster.address, **connect)

@@ -21,6 +21,16 @@ def test_a_generation_streams_its_text_and_exits_0(fake, capsys):
     assert capsys.readouterr().out == "Hello\n"
 
 
+def test_max_tokens_goes_unset_unless_given_as_the_router_caps_its_default(fake, capsys):
+    # Always sent as 256: a prompt near the context's end was refused where the router
+    # stops an unset max_tokens at the context's end.
+    assert main(["generate", "--router", fake.address, "hi"]) == 0
+    assert main(["generate", "--router", fake.address, "--max-tokens", "7", "hi"]) == 0
+    first, second = fake.servicer.requests
+    assert not first.sampling.HasField("max_tokens")
+    assert second.sampling.max_tokens == 7
+
+
 def test_a_generation_a_worker_failed_exits_non_zero(fake, capsys):
     # A decode worker whose engine step failed ends the stream with finish_reason
     # "error" (status OK): the text so far is printed, but it is not a success.

@@ -36,7 +36,9 @@ def resolve_device(name: str, gpus: int = 1) -> torch.device:
     """The torch device that ``device: name`` stands for, checked: "auto", "cpu",
     "cuda" or "cuda:N", with ``gpus`` GPUs from N on (one per tensor-parallel rank)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        name = "cuda"  # and as many GPUs as the ranks need, checked below
     try:
         device = torch.device(name)
     except RuntimeError as exc:

@@ -78,3 +78,8 @@ def test_a_cuda_device_needs_a_gpu_for_each_tensor_parallel_rank(monkeypatch):
         resolve_device("cuda:1", gpus=2)
     with pytest.raises(ConfigError, match="'cuda:2' needs GPU 2"):
         resolve_device("cuda:2")
+    # auto (the default) is checked as cuda is: it took cuda:1 on a 1-GPU host, and
+    # rank 1 failed to start once rank 0 had loaded its shard.
+    assert resolve_device("auto", gpus=2) == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"'cuda' needs GPUs 0\.\.2 .* this host has 2"):
+        resolve_device("auto", gpus=3)

@@ -307,7 +307,8 @@ class TensorParallel:
         self.shared = shared
         self.on_lost = on_lost
         self.lost: str | None = None
-        self._closing = False
+        self._closing = False  # set once: by the one report of a loss, or by kill/close
+        self._report_lock = threading.Lock()
         self._store_dir = tempfile.mkdtemp(prefix="tandem-tp-")  # 0700: this user's
         self._store = os.path.join(self._store_dir, "store")
         self._device = device
@@ -315,8 +316,10 @@ class TensorParallel:
         self._procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, self.size):
+                # -P: not the working directory first on sys.path, where a file named
+                # as a module the rank imports (mmap.py, a tandem/) would replace it.
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "tandem.engine.parallel"],
+                    [sys.executable, "-P", "-m", "tandem.engine.parallel"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     pass_fds=() if shared is None else (shared.fd,),
@@ -355,7 +358,7 @@ class TensorParallel:
                         f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                         "while starting (its log is above)"
                     )
-            collective = Collective(self._store, 0, self.size, self._device)
+            collective = self._meet()
         except BaseException:
             self.close(timeout_s=1)  # a rank may be loading, or waiting to meet this one
             raise
@@ -365,13 +368,53 @@ class TensorParallel:
             ).start()
         return collective
 
+    def _meet(self) -> Collective:
+        """Rank 0's side of the ranks' meeting. A rank that exited after its "ready"
+        (while rank 0 still loaded: the OOM killer) is named first: gloo would wait for
+        it without limit in some runs (holding the GIL, so that no thread can watch),
+        or fail on a refused connection that names no rank."""
+        exited = self._exited()
+        if exited:
+            raise ConfigError(f"{exited} before the ranks met")
+        try:
+            return Collective(self._store, 0, self.size, self._device)
+        except Exception as exc:
+            exited = self._exited(wait_s=1.0)
+            if exited:
+                raise ConfigError(f"{exited} while the ranks met") from exc
+            raise
+
+    def _exited(self, wait_s: float = 0.0) -> str:
+        """'tensor-parallel rank N exited with code C' for a rank that has exited ('' if
+        none), a rank killed by a signal first: the others may have exited after it, for
+        the collective it broke. ``wait_s``: how long to give a dying one to end."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            codes = [(proc.poll(), rank) for rank, proc in enumerate(self._procs, start=1)]
+            gone = sorted((code >= 0, rank, code) for code, rank in codes if code is not None)
+            if gone:
+                _, rank, code = gone[0]
+                return f"tensor-parallel rank {rank} exited with code {code}"
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(0.02)
+
+    def _report(self, lost: str) -> bool:
+        """Records ``lost`` as the group's loss if none was: the one report."""
+        with self._report_lock:
+            if self._closing:
+                return False
+            self._closing = True
+            self.lost = lost
+            return True
+
     def fail(self, reason: str) -> None:
         """Rank 0 failed inside a step it had sent: stop every other rank and report the
-        worker lost (``on_lost``), as a rank's death is; every later ``step`` raises."""
-        if self.lost:
+        worker lost (``on_lost``), as a rank's death is; every later ``step`` raises.
+        A rank that exited (the likely cause) is named rather than the step's error."""
+        exited = self._exited(wait_s=0.5)
+        if not self._report(exited or f"tensor-parallel group broken: {reason}"):
             return
-        self.lost = f"tensor-parallel group broken: {reason}"
-        self._closing = True  # the watchers stay quiet: this is the one report
         log.error("%s: this worker cannot compute any more", self.lost)
         for proc in self._procs:
             proc.kill()
@@ -382,7 +425,8 @@ class TensorParallel:
     def kill(self) -> None:
         """End every other rank now, with no report from the watchers: SIGKILL, which a
         stopped or stuck rank cannot miss as it would the end of its stdin."""
-        self._closing = True
+        with self._report_lock:
+            self._closing = True
         for proc in self._procs:
             proc.kill()
         self._forget_store()
@@ -394,9 +438,9 @@ class TensorParallel:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self._closing:
-            return
-        self.lost = f"tensor-parallel rank {rank} exited with code {code}"  # before fail() can
+        lost = self._exited() or f"tensor-parallel rank {rank} exited with code {code}"
+        if not self._report(lost):
+            return  # reported already (a rank it took with it, fail()), or closing
         self._forget_store()
         log.error("%s: this worker cannot compute without it", self.lost)
         if self.on_lost is not None:

@@ -7,9 +7,11 @@ round differently from one matmul, but greedy tokens match.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -238,6 +240,71 @@ def test_a_rank_that_dies_fails_the_next_step_and_is_reported():
         with pytest.raises(RuntimeError, match="rank 1 exited"):
             engine.step()
         engine.abort_all()
+    finally:
+        engine.close()
+
+
+def test_a_rank_that_exits_after_ready_is_named_while_the_ranks_meet():
+    # Rank 0 met the others through gloo, which waited for a dead one without limit (or
+    # failed on a refused connection, naming no rank): a worker's start hung until its
+    # launcher gave up.
+    config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=2)
+    group = TensorParallel(config, num_blocks=8, host_blocks=0, device=torch.device("cpu"))
+    (rank,) = group._procs
+    select.select([rank.stdout], [], [], 120)  # its "ready" is waiting to be read
+    rank.kill()
+    rank.wait()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 1 exited with code -9 before the ranks met"):
+        group.connect(timeout_s=60)
+    assert time.monotonic() - started < 10
+
+
+def test_one_lost_rank_is_one_report_naming_it_not_the_ranks_it_took_along():
+    # A rank killed inside a step breaks the others' all-reduce, and they exit too: each
+    # watcher reported its own rank, and the last (a bystander) was the reason kept.
+    lost: list[str] = []
+    config = EngineConfig(model="tiny-random", dtype="float32", tensor_parallel_size=4)
+    engine = LLMEngine(config, on_rank_lost=lost.append)
+    try:
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+        ranks = [psutil.Process(pid) for pid in engine.tensor_parallel.pids]
+        ranks[1].suspend()  # rank 2 stops: the step waits for it
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        stepping = threading.Thread(target=lambda: _step_quietly(engine), daemon=True)
+        stepping.start()
+        time.sleep(1.0)
+        ranks[1].kill()
+        stepping.join(30)
+        assert survivors(ranks, within_s=15) == []
+        time.sleep(0.5)  # any late watcher's report
+        assert lost == ["tensor-parallel rank 2 exited with code -9"]
+        engine.abort_all()
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="rank 2 exited with code -9"):
+            engine.step()
+        engine.abort_all()
+    finally:
+        engine.close()
+
+
+def _step_quietly(engine) -> None:
+    try:
+        engine.step()
+    except Exception:  # the step the lost rank broke
+        pass
+
+
+def test_the_other_ranks_do_not_import_from_the_working_directory(tmp_path, monkeypatch):
+    # ``python -m`` puts it first on sys.path: a file there named as a module the ranks
+    # import replaced it in ranks 1..N-1 (rank 0, a console script, was unaffected).
+    (tmp_path / "mmap.py").write_text(
+        "raise ImportError('the working directory was on sys.path')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    engine = make_engine(tensor_parallel_size=2)
+    try:
+        assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
     finally:
         engine.close()
 

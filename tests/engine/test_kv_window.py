@@ -161,13 +161,8 @@ def test_the_window_bound_counts_a_short_prompts_chunk_not_the_whole_step_budget
     # with the default budget such a request was refused as needing 260 blocks.
     engine = _window_engine(num_blocks=16, max_num_batched_tokens=1024)
     prompt, params = [7] * 20, SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
-    engine.validate(prompt, params)
-    held = []
-    engine.add_request(prompt, params, "r")
-    while engine.has_unfinished():
-        engine.step()
-        held.append(engine.kv.pool.num_used)
-    assert max(held) <= engine.kv.max_blocks_per_sequence(620, 20) <= 16
+    assert _most_blocks_held(engine, prompt, params) <= engine.kv.max_blocks_per_sequence(620, 20)
+    assert engine.kv.max_blocks_per_sequence(620, 20) <= 16
 
 
 def test_the_window_bound_counts_a_prompts_last_segment_as_long_as_it_is():
@@ -177,13 +172,18 @@ def test_the_window_bound_counts_a_prompts_last_segment_as_long_as_it_is():
                          max_num_batched_tokens=16)  # fmt: skip
     prompt, params = list(range(3, 22)), SamplingParams(max_tokens=24, temperature=0,
                                                         ignore_eos=True)  # fmt: skip
+    assert _most_blocks_held(engine, prompt, params) <= 10 and engine.stats.preemptions == 0
+
+
+def _most_blocks_held(engine, prompt, params) -> int:
+    """Runs the request alone, once ``validate`` accepts it: the most blocks it held."""
     engine.validate(prompt, params)
     held = []
     engine.add_request(prompt, params, "r")
     while engine.has_unfinished():
         engine.step()
         held.append(engine.kv.pool.num_used)
-    assert max(held) <= 10 and engine.stats.preemptions == 0
+    return max(held)
 
 
 def test_what_a_windowed_prompt_sees_does_not_depend_on_its_batch_or_the_cache(tiny_engine):

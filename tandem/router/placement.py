@@ -68,6 +68,9 @@ class PlacementPolicy(abc.ABC):
     # Of the last pick's token_ids, how many the chosen worker is expected to have in
     # its prefix cache (0 for policies that do not track it); valid until the next pick.
     cached_tokens: int = 0
+    # What the last pick noted on its worker ahead of the worker's answer, for
+    # ``refused`` (None for policies that note nothing); valid until the next pick.
+    noted: object = None
 
     @abc.abstractmethod
     def pick(
@@ -86,8 +89,12 @@ class PlacementPolicy(abc.ABC):
     ) -> None:
         """The worker at ``address`` took a request whose tokens are ``token_ids`` (a
         prompt it prefills or reserved KV for; at the request's end, prompt and every
-        output token): what it holds now, for policies that track it. Not said of a
-        worker that refused: a pick is no placement."""
+        output token): what it holds now, for policies that track it."""
+        return None
+
+    def refused(self, noted: object) -> None:
+        """The worker of the pick that ``noted`` (``self.noted`` after it) turned the
+        request away at its door: it holds nothing of it."""
         return None
 
     def forget(self, pool: Pool, address: str) -> None:
@@ -158,23 +165,24 @@ class PrefixAware(PlacementPolicy):
     cache_threshold, 0.5 there too).
 
     What a worker holds is estimated from this router's own placements, as SGLang's
-    cache-aware router does, rather than from the workers' reports of blocks cached
-    and evicted: it needs no protocol, costs one hash per block of prompt tokens, and
-    is right exactly when it matters (a prefix placed recently is still cached). A
-    worker's history grows when it takes a request (``holds``: a decode worker's
-    reservation, a prefill worker's first token), not when it is picked: a worker
-    that refused holds nothing of the prompt. A decode worker also caches the tokens
-    it generated, and the router streamed them: a finished request's whole sequence
-    joins its worker's history, so that a conversation's next turn, which repeats the
-    reply, follows it there. A
-    worker's history is an LRU of chained block hashes (those of the engines' prefix
-    cache: ``hash_block`` over blocks of the worker's ``kv_block_size``, which its
-    Status reports) bounded by the worker's own KV pool size, so that what the worker
-    must have evicted is forgotten too. Blocks shared with another router's requests
-    are not seen; a worker that evicted early is found out at its next placement (the
-    hit is lower, nothing breaks). A worker taken down, removed, found restarted (its
-    counters since start went back) or with another block size is forgotten
-    (``forget``), so that no decision counts on a cache that is gone.
+    cache-aware router does, rather than from the workers' reports of blocks cached and
+    evicted: it needs no protocol, costs one hash per block of prompt tokens, and is
+    right exactly when it matters (a prefix placed recently is still cached). A pick
+    notes the prompt on its worker at once, so that a burst of prompts with one prefix
+    follows the first before its prefill is done; a worker that refuses at its door
+    holds nothing of it, and what its pick noted is taken back (``refused``), while a
+    worker that takes a request has it noted again (``holds``: a concurrent refusal of
+    the same prompt may have taken it back). A decode worker also caches the tokens it
+    generated, and the router streamed them: a finished request's whole sequence joins
+    its worker's history, so that a conversation's next turn, which repeats the reply,
+    follows it there. A worker's history is an LRU of chained block hashes (those of the
+    engines' prefix cache: ``hash_block`` over blocks of the worker's ``kv_block_size``,
+    which its Status reports) bounded by the worker's own KV pool size, so that what the
+    worker must have evicted is forgotten too. Blocks shared with another router's
+    requests are not seen; a worker that evicted early is found out at its next
+    placement (the hit is lower, nothing breaks). A worker taken down, removed, found
+    restarted (its counters since start went back) or with another block size is
+    forgotten (``forget``), so that no decision counts on a cache that is gone.
     """
 
     name = "prefix-aware"
@@ -245,6 +253,9 @@ class PrefixAware(PlacementPolicy):
             choice.kv_block_size,
             choice.prefix_cache_max_tokens,
         )
+        known = history.get(choice.address) or {}
+        self.noted = (pool, choice.address, [h for h in mine[choice.address] if h not in known])
+        self._remember(pool, choice.address, mine[choice.address])
         return choice
 
     def holds(
@@ -253,6 +264,14 @@ class PrefixAware(PlacementPolicy):
         if address in self._pool_size:
             _, block_size, most = self._pool_size[address]
             self._remember(pool, address, self._hashes(token_ids, cache_salt, block_size, most))
+
+    def refused(self, noted: object) -> None:
+        if noted is None:
+            return
+        pool, address, new = noted
+        held = self._history[pool].get(address)
+        for h in new if held is not None else ():
+            held.pop(h, None)
 
     def forget(self, pool: Pool, address: str) -> None:
         self._history[pool].pop(address, None)

@@ -485,12 +485,14 @@ class Relay:
             if tried:  # the last one failed at its door: given to another
                 self.metrics.retried(Pool.DECODE.value)
             worker = self._pick(Pool.DECODE, candidates, tokens, worker_req.cache_salt)
-            cached = self.policy.cached_tokens  # this pick's: others' may come while we wait
+            # This pick's: others' may come while we wait.
+            cached, noted = self.policy.cached_tokens, self.policy.noted
             tried.append(worker)
             moved = bool(worker_req.output_token_ids)
             if moved and not worker.kv_block_size:  # added since the last poll: its window
                 await self.registry.poll_now(worker)  # decides where a move is prefilled
                 if not worker.healthy or worker.removed:
+                    self.policy.refused(noted)
                     continue
             timeout = _remaining(deadline)
             prefill = [w.load() for w in self.registry.placeable(Pool.PREFILL)]
@@ -508,6 +510,7 @@ class Relay:
                 first = await stream.read()
             except grpc.aio.AioRpcError as exc:
                 self.registry.release(worker)
+                self.policy.refused(noted)  # it holds nothing of the request
                 error = self._failed(worker, exc)
                 if exc.code() in _RETRY_OPEN:
                     if exc.code() is Code.RESOURCE_EXHAUSTED:  # a line per worker at most
@@ -582,6 +585,7 @@ class Relay:
             if tried:  # the last one failed at its door: given to another
                 self.metrics.retried(Pool.PREFILL.value)
             worker = self._pick(Pool.PREFILL, candidates, tokens, request.request.cache_salt)
+            noted = self.policy.noted
             tried.append(worker)
             used.append(worker)
             timeout = _remaining(deadline)
@@ -601,6 +605,7 @@ class Relay:
                 ) from None
             except grpc.aio.AioRpcError as exc:
                 self.registry.release(worker)
+                self.policy.refused(noted)  # no first token: what it computed is not known
                 error = self._prefill_failed(worker, request, exc)
                 doubtful = doubtful or exc.code() is not Code.RESOURCE_EXHAUSTED
                 # Gone or busy: one other worker may serve the reservation (see above).

@@ -312,3 +312,25 @@ def test_prefix_aware_follows_a_conversation_to_the_worker_that_generated_its_re
     assert policy.cached_tokens == 16 * 6
     policy.holds(Pool.DECODE, "gone", turn2)  # a worker never placed on: ignored
     assert "gone" not in policy._history[Pool.DECODE]
+
+
+def test_a_burst_with_one_prefix_follows_the_first_pick_and_a_refusal_takes_it_back():
+    # Noted only once the worker took the request (a prefill's first token), a burst of
+    # prompts with one system prompt spread over every prefill worker, each computing
+    # it; noted at the pick and never taken back, a worker that refused was taken to
+    # hold the prompt.
+    policy = PrefixAware()
+    ws = [load("a", kv_blocks_total=100), load("b", kv_blocks_total=100)]
+    prompt = _prompt(1, 8, tail=3)
+    first = policy.pick(Pool.PREFILL, ws, prompt).address
+    noted = policy.noted
+    busier = [load(w.address, kv_blocks_total=100, queue_depth=int(w.address == first))
+              for w in ws]  # fmt: skip
+    assert policy.pick(Pool.PREFILL, busier, prompt).address == first
+    assert policy.cached_tokens == 8 * 16
+    policy.refused(policy.noted)  # the second pick noted nothing new: nothing goes
+    assert policy.pick(Pool.PREFILL, busier, prompt).address == first
+    policy.refused(noted)  # the first worker turned the prompt away at its door
+    policy.pick(Pool.PREFILL, ws, _prompt(2, 8, tail=3))  # a pick between: nothing held
+    assert policy.pick(Pool.PREFILL, busier, prompt).address != first
+    assert policy.cached_tokens == 0

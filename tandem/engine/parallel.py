@@ -412,6 +412,8 @@ class TensorParallel:
         """Rank 0 failed inside a step it had sent: stop every other rank and report the
         worker lost (``on_lost``), as a rank's death is; every later ``step`` raises.
         A rank that exited (the likely cause) is named rather than the step's error."""
+        if self._closing:  # reported already, or ending: no wait for a rank to exit
+            return
         exited = self._exited(wait_s=0.5)
         if not self._report(exited or f"tensor-parallel group broken: {reason}"):
             return

@@ -425,6 +425,8 @@ class Relay:
                     self.capacity.notify()  # room for us: maybe for the next one too
                 return opened
             if error is None or error.code is not Code.RESOURCE_EXHAUSTED:
+                if queued_at is not None:
+                    self.capacity.notify()  # the room it woke for: the next in line's
                 raise error or self._none_available(Pool.DECODE)
             # Every decode worker tried is full: wait for room, in order (a request
             # that was woken and still found none keeps its place at the front).

@@ -90,11 +90,12 @@ def from_rpc_error(exc: grpc.RpcError) -> TandemClientError:
     """The exception for a failed call (sync ``grpc.RpcError`` or ``grpc.aio.AioRpcError``)."""
     code = exc.code()  # type: ignore[attr-defined]
     details = exc.details() or ""  # type: ignore[attr-defined]
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and any(t in details for t in _TOO_LARGE):
-        return RequestTooLarge(code, details)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+    cls = _BY_CODE.get(code, TandemClientError)
+    if cls is Overloaded:
+        if any(t in details for t in _TOO_LARGE):
+            return RequestTooLarge(code, details)
         return Overloaded(code, details, _pushback_s(exc))
-    return _BY_CODE.get(code, TandemClientError)(code, details)
+    return cls(code, details)
 
 
 def _pushback_s(exc: grpc.RpcError) -> float | None:

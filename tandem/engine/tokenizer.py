@@ -10,8 +10,10 @@ ever sent to a client.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,13 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf_tokenizer)
         self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers so far
+        # split_special_tokens is a flag of the Rust tokenizer that each encode sets to
+        # the call's value, not an argument of that one call: set on the shared
+        # tokenizer, an encode on another thread (the router tokenizes on two) in the
+        # meantime splits its chat template's own control tokens. So that path has a
+        # copy of its own (made on its first use).
+        self._splitting: Any = None
+        self._splitting_lock = threading.Lock()
         # transformers builds added_tokens_decoder anew at each read: read once.
         self._added = dict(hf_tokenizer.added_tokens_decoder)
         # The text of any control token, as a message's content might hold it.
@@ -123,12 +132,18 @@ class Tokenizer:
             if self.special_name(token_id) is not None and any(
                 a <= start and end <= b for a, b in spans
             ):
-                ids += self._hf.encode(
+                ids += self._splitting_hf().encode(
                     text[start:end], add_special_tokens=False, split_special_tokens=True
                 )
             else:
                 ids.append(token_id)
         return ids
+
+    def _splitting_hf(self) -> Any:
+        with self._splitting_lock:
+            if self._splitting is None:
+                self._splitting = copy.deepcopy(self._hf)
+            return self._splitting
 
     def _content_spans(
         self, text: str, messages: list[dict[str, str]], written: list[int]

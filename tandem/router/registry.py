@@ -179,7 +179,9 @@ class WorkerRegistry:
         return True
 
     def workers(self, pool: Pool | None = None) -> list[Worker]:
-        return [w for w in self._workers.values() if pool is None or w.pool is pool]
+        # A copy first (one C call, whole under the GIL): the metrics endpoint's thread
+        # lists the workers while the event loop adds and removes them.
+        return [w for w in list(self._workers.values()) if pool is None or w.pool is pool]
 
     def placeable(self, pool: Pool, exclude: Iterable[Worker] = ()) -> list[Worker]:
         skip = set(map(id, exclude))

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from tandem.router import Pool
-from tandem.router.registry import Worker
+from tandem.router.registry import Worker, WorkerRegistry
 from tests.router.fakes import FakeDecode, FakePrefill, SlowStatus, cluster, serve, wait_until
 
 
@@ -323,3 +323,19 @@ def test_history_hashed_before_a_workers_block_size_was_known_is_forgotten(front
             assert worker.kv_block_size == 32
 
     run(scenario())
+
+
+def test_the_workers_can_be_listed_while_the_pool_changes():
+    """The metrics endpoint lists the workers on its own thread while the event loop adds
+    and removes them: a change between two steps of the listing must not break it (it
+    answered a scrape 500 "dictionary changed size during iteration")."""
+    registry = WorkerRegistry(status_interval_s=1.0, worker_timeout_s=10.0)
+
+    class Joins:  # a worker whose read lets another one join, as a thread switch would
+        @property
+        def pool(self):
+            registry._workers[(Pool.DECODE, f"late-{len(registry._workers)}")] = Joins()
+            return Pool.DECODE
+
+    registry._workers[(Pool.DECODE, "first")] = Joins()
+    assert len(registry.workers(Pool.DECODE)) == 1

@@ -9,7 +9,7 @@ message never echoes the offending text. The defaults (RouterConfig):
     max_chat_messages   2048
     max_stop_strings    16, each at most max_stop_chars (256)
     request_id          at most 200 characters (workers take 256, minus the API key's
-                        "<tenant>~" prefix and "/<n>" suffixes), ASCII letters, digits
+                        "<tenant>~" prefix and "/<call>.<attempt>" suffix), ASCII letters, digits
                         and ``._:@+=-``: no "~" or "/", which the router adds to the
                         id on the workers (frontend.PreparedRequest.worker_id), and
                         nothing that could break a log line (newlines, quotes)
@@ -29,7 +29,8 @@ from tandem.config import RouterConfig
 from tandem.errors import InvalidRequestError
 
 # Workers take ids of up to 256 characters; the router prefixes an API key's 12-hex
-# tenant and "~", and a migrated attempt appends "/<n>".
+# tenant and "~", and appends its call's "/<tag>-<count>" and a migration's ".<n>"
+# (relay.py): 13 + 1 + 6 + 1 + 15 + 2, with room to spare.
 MAX_REQUEST_ID_CHARS = 200
 REQUEST_ID_ALPHABET = "ASCII letters, digits and . _ : @ + = -"
 _REQUEST_ID_OUTSIDE = re.compile(r"[^A-Za-z0-9._:@+=-]")

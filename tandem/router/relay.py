@@ -55,9 +55,13 @@ step at a time, rounds differently, and greedy text can drift after the move (a
 near-tie tipped: 2 of 3 moves of one default-model stream diverged, with or without
 ``int4_max_rows``). At most
 ``max_migrations`` new attempts; then the client gets the last attempt's error
-(UNAVAILABLE; INTERNAL for an engine's failure). Each attempt has its
-own worker-side request id (``<id>/<attempt>``): a worker still cleaning up the
-lost attempt never sees the next one as a duplicate.
+(UNAVAILABLE; INTERNAL for an engine's failure). Each call and each of its
+attempts has its own worker-side request id (``<id>/<call>``, then ``<id>/<call>.<attempt>``;
+``<call>`` is the router's random tag and the count of its calls, ``3f9a2c-17``): a
+worker still cleaning up a lost attempt, or a call its client cancelled and sent
+again at once, never sees the next one as a duplicate, and no late KV frame of the
+first (an abort, a layer, its final message) lands in the second's reservation; nor
+do two routers' callers that chose the same id meet on a worker they share.
 
 **Prefilled on the decode worker.** Where the prompt is prefilled is decided per
 request once the decode worker is picked (disaggregation.py: always on the
@@ -82,7 +86,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -211,6 +217,9 @@ class Relay:
         self.migrations = 0  # attempts that took over a lost one on a new worker, since start
         # Worker ids (PreparedRequest.worker_id) in flight, each with its end.
         self._active: dict[str, asyncio.Event] = {}
+        # The <call> of the workers' request ids: this router's tag and a count.
+        self.call_tag = secrets.token_hex(3)
+        self._calls = itertools.count()
 
     async def generate(
         self, req: PreparedRequest, timeout: float | None, arrived: float | None = None
@@ -237,9 +246,10 @@ class Relay:
 
     async def _claim(self, req: PreparedRequest) -> None:
         """Wait (``REUSE_WAIT_S`` at most) for a call in flight with this request's id
-        to end, else ALREADY_EXISTS: workers key KV reservations and transfers by
-        request id. A client that cancels and sends the id again at once finds the
-        first call ending (its clean-up runs when the router gets to it), not in flight."""
+        to end, else ALREADY_EXISTS: a request id is unique among a key's requests in
+        flight (the workers' ids are unique per call anyway). A client that cancels
+        and sends the id again at once finds the first call ending (its clean-up runs
+        when the router gets to it), not in flight."""
         limit = asyncio.get_running_loop().time() + REUSE_WAIT_S
         while (holder := self._active.get(req.worker_id)) is not None:
             try:
@@ -259,8 +269,9 @@ class Relay:
         # whole): a move prefilled on a windowed decode worker computes it so too.
         shipped: list[bool] = []
         migrations, tries, fell_back, takeover = 0, 0, False, False
+        call = f"{req.worker_id}/{self.call_tag}-{next(self._calls)}"
         while True:
-            worker_id = req.worker_id if tries == 0 else f"{req.worker_id}/{tries}"
+            worker_id = call if tries == 0 else f"{call}.{tries}"
             worker_req = wire.worker_request(
                 worker_id, req.prompt_ids, req.params, streamed, self._cache_salt(req)
             )

@@ -383,7 +383,8 @@ def test_request_ids_are_each_keys_own(frontend, keys_file):
             on_workers = [call.request.request.request_id for call in decode.calls]
             keys = {k.name: k for k in ApiKeys.load(RouterConfig(api_keys_file=keys_file)).keys}
             tenants = [keys["alice"].tenant, keys["bob"].tenant]
-            assert on_workers == [f"{tenant}~job-1" for tenant in tenants]
+            tag = c.router.relay.call_tag
+            assert on_workers == [f"{t}~job-1/{tag}-{call}" for call, t in enumerate(tenants)]
             # ... and their own prefix cache on the workers.
             assert [call.request.request.cache_salt for call in decode.calls] == tenants
 

@@ -45,7 +45,7 @@ def test_first_token_then_decode_chunks_in_order_without_duplicates(frontend):
             (decode_call,) = c.decode[0].calls
             (prefill_call,) = c.prefill[0].calls
             sent = decode_call.request.request
-            assert sent.request_id == rid
+            assert sent.request_id == f"{rid}/{c.router.relay.call_tag}-0"  # its first call
             assert list(sent.prompt_token_ids) == frontend.tokenizer.encode("hello")
             assert sent.sampling.max_tokens == 5 and sent.sampling.HasField("temperature")
             assert prefill_call.request.request == sent
@@ -260,7 +260,8 @@ def test_a_request_moving_off_a_lost_worker_gets_room_before_newcomers(frontend)
             assert rest == [12, 13, 14]
             assert (await asyncio.wait_for(newcomer, 10)).token_ids == (10, 11, 12, 13, 14)
             served = [call.request.request.request_id for call in full.calls[-2:]]
-            assert served == ["A/1", "B"]
+            tag = c.router.relay.call_tag
+            assert served == [f"A/{tag}-0.1", f"B/{tag}-1"]  # A's second attempt, B's first
             assert c.router.relay.migrations == 1
 
     run(scenario())
@@ -309,7 +310,10 @@ def test_a_decode_worker_dying_mid_stream_is_migrated_without_a_gap(frontend):
             assert rest[-1].usage.completion_tokens == 5
             # The new attempt carried the tokens the client had, under its own worker id.
             moved = c.decode[1].calls[0].request.request
-            assert list(moved.output_token_ids) == [10, 11] and moved.request_id == "req-1/1"
+            assert (
+                list(moved.output_token_ids) == [10, 11]
+                and moved.request_id == f"req-1/{c.router.relay.call_tag}-0.1"
+            )
             assert list(c.prefill[0].calls[1].request.request.output_token_ids) == [10, 11]
             assert dying not in c.router.registry.placeable(Pool.DECODE)
             assert c.router.relay.migrations == 1
@@ -665,7 +669,10 @@ def test_a_kv_transfer_failing_after_the_first_token_is_migrated_without_a_gap(f
             assert [t for ch in chunks for t in ch.token_ids] == [10, 11, 12, 13, 14]
             assert chunks[-1].usage.completion_tokens == 5
             moved = c.decode[1].calls[0].request.request
-            assert list(moved.output_token_ids) == [10] and moved.request_id == "kv-1/1"
+            assert (
+                list(moved.output_token_ids) == [10]
+                and moved.request_id == f"kv-1/{c.router.relay.call_tag}-0.1"
+            )
             await wait_until(lambda: starved.calls[0].cancelled_at, what="reservation freed")
             assert c.router.relay.migrations == 1
             assert all(w.healthy for w in c.router.registry.workers())
@@ -688,7 +695,7 @@ def test_a_migrated_request_leaves_the_pair_whose_kv_transfer_failed(frontend):
             assert [t for ch in chunks for t in ch.token_ids] == [10, 11, 12, 13, 14]
             assert (len(bad_prefill.calls), len(starved.calls)) == (1, 1)
             (moved,) = decode.calls
-            assert moved.request.request.request_id == "m-1/1"
+            assert moved.request.request.request_id == f"m-1/{c.router.relay.call_tag}-0.1"
             assert list(prefill.calls[0].request.request.output_token_ids) == [10]
             assert c.router.relay.migrations == 1
             # Avoided for this request only (the KV path's memory is off here): the next
@@ -791,6 +798,25 @@ def test_a_request_id_in_flight_is_refused(frontend):
     run(scenario())
 
 
+def test_a_request_id_sent_again_reaches_the_workers_under_a_new_id(frontend):
+    # The workers key reservations and KV frames by their request id. A call cancelled
+    # during its prefill and sent again at once under the same id reached them under
+    # the same one, while the prefill worker still sent the first call's layers, final
+    # message and abort: they landed in the second call's reservation, which failed
+    # ("aborted by sender", "bad header") or, on the same blocks, was decoded from the
+    # first call's first token.
+    async def scenario():
+        async with cluster(frontend) as c:
+            for _ in range(2):
+                await c.client.complete("hello", request_id="again")
+            on_decode = [call.request.request.request_id for call in c.decode[0].calls]
+            on_prefill = [call.request.request.request_id for call in c.prefill[0].calls]
+            tag = c.router.relay.call_tag
+            assert on_decode == on_prefill == [f"again/{tag}-0", f"again/{tag}-1"]
+
+    run(scenario())
+
+
 def test_a_request_id_sent_again_as_its_cancelled_call_ends_is_served(frontend, monkeypatch):
     # The cancelled call's clean-up runs when the router's event loop gets to it, after
     # whatever it runs first; a retry sent at once under the same id was refused
@@ -855,7 +881,9 @@ def test_the_router_renews_the_decode_lease_while_prefill_is_slow(frontend, slow
             asyncio.get_running_loop().call_later(1.0, decode.gate.set)  # the KV is there
             done = await c.client.complete("hello", request_id="slow-1")
             assert done.token_ids == (10, 11, 12, 13, 14)
-            assert len(decode.renewals) >= 2 and set(decode.renewals) == {"slow-1"}
+            assert len(decode.renewals) >= 2 and set(decode.renewals) == {
+                f"slow-1/{c.router.relay.call_tag}-0"
+            }
             await wait_until(lambda: c.prefill[0].calls[0].finished, what="prefill call ended")
             await asyncio.sleep(0.2)  # a renewal already sent when the call ended lands
             count = len(decode.renewals)

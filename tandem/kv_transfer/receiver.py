@@ -231,11 +231,13 @@ class ReceiverCore:
         return True
 
     def sweep(self) -> list[str]:
-        """Expire every lease past its deadline; returns the ids it failed."""
+        """Expire every lease past its deadline; returns the ids it failed. It does not
+        wait for reads into their blocks: ``poll`` and ``release`` do that for their
+        owner, and a read from a sender that stopped answering (a frozen process: a
+        UCX read ends only when it lands or its endpoint fails) would hold the sweep,
+        and with it the expiry of every other lease."""
         with self._lock:
             expired = [r for r in self._table.values() if self._expire_locked(r)]
-        for res in expired:
-            self._drain(res)
         return [r.request_id for r in expired]
 
     def close(self) -> None:

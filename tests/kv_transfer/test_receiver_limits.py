@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 
@@ -89,3 +91,35 @@ def test_a_late_final_message_for_a_released_request_is_told_why_it_ended() -> N
     assert core.metrics.failures == {"lease expired": 1}
     core.expect("given-up", [3], lease_s=30)  # the id again: a new reservation
     assert core.poll("given-up").state is TransferState.WAITING
+
+
+def test_a_read_that_does_not_end_holds_up_no_other_leases_expiry() -> None:
+    # A UCX read from a sender that stopped answering (a frozen process) ends only when
+    # it lands or its endpoint fails. The sweep waited for it, and with it every other
+    # lease's expiry: reservations nobody polled kept their blocks.
+    now = [0.0]
+    core = ReceiverCore(make_side(32).kv, fingerprint(), "test", clock=lambda: now[0])
+    core.expect("stuck", [0], lease_s=1)
+    core.expect("idle", [1], lease_s=2)
+    reading, landed = threading.Event(), threading.Event()
+
+    def read() -> None:
+        reading.set()
+        landed.wait(30)
+
+    delivery = threading.Thread(
+        target=core.deliver, args=(_header("stuck", (0, 1), 1), "peer", read)
+    )
+    delivery.start()
+    try:
+        assert reading.wait(10)
+        now[0] = 3.0
+        started = time.monotonic()
+        assert sorted(core.sweep()) == ["idle", "stuck"]
+        assert time.monotonic() - started < 1
+        assert core.release("idle", wait=False)
+        assert not core.release("stuck", wait=False)  # its blocks wait for the read
+    finally:
+        landed.set()
+        delivery.join(10)
+    assert core.release("stuck", wait=False)

@@ -231,3 +231,57 @@ def test_a_stalled_read_holds_the_senders_frames_back_and_fails_no_request(monke
     finally:
         sender.close()
         receiver.close()
+
+
+# A sender that stops answering mid-read (a frozen process: SIGSTOP; over TCP, as
+# between hosts without RDMA, where the receiver's gets need the sender's process).
+FROZEN_SENDER = """
+import os, signal, threading, time
+os.environ["UCX_TLS"] = "tcp,self"  # before UCX starts, here and in the spawned sender
+from tandem.kv_transfer import TransferState, make_receiver
+from tandem.kv_transfer.ucx.rma import CacheMemory
+from tests.kv_transfer.conftest import fingerprint, make_side
+from tests.kv_transfer.ucx_peer import PeerProcess
+
+read, reading, go = CacheMemory.read, threading.Event(), threading.Event()
+
+def frozen_first(*args, **kwargs):
+    reading.set()
+    go.wait(30)  # until the sender is stopped
+    return read(*args, timeout_s=1.0)
+
+CacheMemory.read = frozen_first
+side = make_side(16)
+receiver = make_receiver("ucx", side.kv, fingerprint(), map_peers=False)
+peer = PeerProcess("sender")
+try:
+    peer("connect", receiver.address, timeout=60)
+    dest = receiver.expect("frozen", side.pool.allocate(2), lease_s=60)
+    peer("send", dest, peer("allocate", 2), 7)
+    assert reading.wait(30), "no read started"
+    os.kill(peer.process.pid, signal.SIGSTOP)
+    go.set()
+    end = time.monotonic() + 10
+    while receiver.poll("frozen", drain=False).state is not TransferState.FAILED:
+        assert time.monotonic() < end, "the read outlived its timeout by 9 s"
+        time.sleep(0.05)
+    status = receiver.poll("frozen", drain=False)
+    assert status.reason in ("timeout", "peer lost"), status
+    assert receiver.release("frozen", wait=False), "its blocks still wait for the read"
+finally:
+    os.kill(peer.process.pid, signal.SIGKILL)
+    receiver.close()
+"""
+
+
+def test_a_read_from_a_sender_that_stopped_answering_ends_at_its_timeout() -> None:
+    # UCX cancels tag receives only: a get ended only when it landed or its endpoint
+    # failed, so a frozen sender held the reservation's blocks and the connection's
+    # thread for as long as it stayed frozen (69 s of a 65 s freeze, with a 1 s
+    # timeout). Past the timeout the connection is now dropped, which ends the reads.
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", FROZEN_SENDER],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -277,9 +277,11 @@ class UcxReceiver(CoreReceiver):
         if self._closed or ep.closed:
             raise ConnectionError("the connection ended before the sender's cache was known")
         try:
+            stuck = TimeoutError("UCX reads outlived their timeout")
             conn.remote = self._cache.add_remote(
-                ep.ucp_endpoint, frame[1:], self.map_peers, conn.heads
-            )
+                ep.ucp_endpoint, frame[1:], self.map_peers, conn.heads,
+                functools.partial(self._drop, conn, asyncio.get_running_loop(), stuck),
+            )  # fmt: skip
             offer = json.loads(frame[1:]).get("mailbox")
             if offer is not None and self.map_peers:
                 attached = mailbox.attach(ep.ucp_endpoint, offer)

@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,7 +69,8 @@ from tandem.kv_transfer.ucx import ucp
 from tandem.kv_transfer.ucx.runtime import get_runtime
 
 log = logging.getLogger(__name__)
-# How long one message's reads may take before they are given up ("timeout").
+# How long one message's reads may take before they are given up ("timeout"); the
+# connection is dropped then, since only its endpoint's end stops the reads (ucp.get).
 READ_TIMEOUT_S = 30.0
 
 # Host caches that ``allocate_kv`` made: start address -> (end, Memory). Guarded by _lock.
@@ -168,6 +170,9 @@ class RemoteCache:
     rkey: ucp.RemoteKey
     view: torch.Tensor | None  # the peer's cache mapped here, when UCX can map it
     staging: _Staging = field(default_factory=_Staging)  # gets from a peer of another width
+    # Called when gets outlive their timeout (ucp.get): ends the connection, whose
+    # endpoint failing ends them.
+    on_stuck: Callable[[], None] | None = None
 
     @property
     def mapped(self) -> bool:
@@ -211,11 +216,13 @@ class CacheMemory:
         description: bytes,
         map_peer: bool = True,
         heads: HeadMap | None = None,
+        on_stuck: Callable[[], None] | None = None,
     ) -> RemoteCache:
         """A peer's cache from its ``describe()``, reached over ``endpoint`` (a ucp_ep_h);
         ValueError when the description is malformed. ``map_peer`` False: read with UCX
         gets even where the peer's cache could be mapped (tests, the benchmark).
-        ``heads``: the peer is of another tensor-parallel width (its cache's shape)."""
+        ``heads``: the peer is of another tensor-parallel width (its cache's shape).
+        ``on_stuck``: ends the connection when its gets outlive their timeout."""
         try:
             body = json.loads(description)
             base, blocks, packed = int(body["base"]), body["blocks"], bytes.fromhex(body["rkey"])
@@ -246,7 +253,7 @@ class CacheMemory:
         if pointer is not None:
             raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(pointer))
             view = torch.from_numpy(raw).view(self.kv.dtype).view(shape)
-        return RemoteCache(base, blocks, rkey, view)
+        return RemoteCache(base, blocks, rkey, view, on_stuck=on_stuck)
 
     def remove_remote(self, remote: RemoteCache) -> None:
         """The connection that added ``remote`` ended and its reads are over."""
@@ -338,7 +345,7 @@ class CacheMemory:
         timeout_s: float,
     ) -> None:
         try:
-            ucp.get(self._worker, remote.rkey, reads, local, timeout_s)
+            ucp.get(self._worker, remote.rkey, reads, local, timeout_s, remote.on_stuck)
         except ucp.UcpError as exc:
             raise TransferError("peer lost", f"UCX read: {exc}") from None
         except TimeoutError as exc:

@@ -25,7 +25,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _VP = ctypes.c_void_p
 # ucs_status_t values used here (ucs/type/status.h).
@@ -259,13 +259,18 @@ def get(
     reads: Sequence[tuple[int, int, int]],
     local: Memory | None,
     timeout_s: float,
+    on_timeout: Callable[[], None] | None = None,
 ) -> None:
     """Read each (local address, remote address, bytes) of ``reads`` from the peer;
     returns once every read landed, else UcpError (a read failed: peer lost) or
     TimeoutError. ``local``: the registration the local addresses lie in, if any.
 
-    On any failure the reads still in flight are cancelled and waited for before
-    this raises, so nothing more lands in local memory afterwards.
+    On any failure the reads still in flight are waited for before this raises, so
+    nothing more lands in local memory afterwards. UCX cancels tag receives only, not
+    gets: a get ends when it lands or its endpoint fails, so a peer that stopped
+    answering (a frozen process, over TCP) holds it past ``timeout_s``. Then
+    ``on_timeout`` is called, once: it should end the endpoint (the receiver drops
+    the connection), which fails the reads in flight.
     """
     param = _RequestParam()
     if local is not None:
@@ -294,6 +299,9 @@ def get(
             if failure is not None and not cancelled:
                 _ucp.ucp_request_cancel(worker, req)
                 cancelled = True
+                if isinstance(failure, TimeoutError) and on_timeout is not None:
+                    on_timeout()
+                    on_timeout = None
             # Progress here too: a waiting reader need not wait for the progress
             # thread's next wake-up. Spin briefly, then yield the core in short naps.
             _ucp.ucp_worker_progress(worker)

@@ -57,6 +57,12 @@ LEGACY_HOST_CHECKSUM = "xxh3_64"  # what host caches used before: one xxh3_64 pe
 # The reason a receiver's ack gives for a reservation that its owner gave up (the
 # request ended on the decode side): not a transfer failure at either end.
 GIVEN_UP = "aborted"
+# The trailing metadata key of a Prefill call that ended ABORTED: its transfer's reason.
+KV_FAILURE_KEY = "tandem-kv-failure"
+# Reasons that say nothing about the link between the two workers: the decode side
+# gave the request up or had released it, or another prefill worker feeds it (a retry
+# after the first went away). The router puts the pair in cooldown for the others.
+NOT_THE_LINK = frozenset({GIVEN_UP, "another sender", "unknown request"})
 
 
 class TransferState(str, enum.Enum):

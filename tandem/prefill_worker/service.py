@@ -39,6 +39,7 @@ from tandem._proto.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.errors import InvalidRequestError
 from tandem.kv_transfer import Destination, TransferError, TransferStatus
+from tandem.kv_transfer.base import KV_FAILURE_KEY
 from tandem.wire import finish_to_proto, logprob_to_proto
 from tandem.worker.request import WorkRequest, parse_request
 
@@ -153,6 +154,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 # A failed transfer (wait_for's cancel of its future reads, to the
                 # sender, as this call's give-up, which is not counted).
                 self.server.transfer_metrics.record_failure("timeout")
+                context.set_trailing_metadata(((KV_FAILURE_KEY, "timeout"),))
                 log.warning("KV transfer %s failed: no ack within %g s", rid,
                             self.server.config.kv_ack_timeout_s,
                             extra={"request_id": rid})  # fmt: skip
@@ -164,6 +166,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             except TransferError as exc:
                 # "closed": this worker's own sender shut down (it is stopping).
                 gone = exc.reason == "closed"
+                context.set_trailing_metadata(((KV_FAILURE_KEY, exc.reason),))
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE if gone else grpc.StatusCode.ABORTED,
                     f"KV transfer of {rid} to {dest.address} failed: {exc.reason} ({exc})",

@@ -42,7 +42,9 @@ worker: the lost attempt's workers are taken again only when their pool has no
 other placeable one (a failed KV transfer leaves both alive, and a fault in either
 or between the two would fail the same pair again; and for ``kv_path_cooldown_s``
 after a transfer failed, that decode worker's later requests go to other prefill
-workers where there are any). The prefill recomputes their
+workers where there are any; not where the decode worker refused it for its own
+reasons, kv_transfer.base.NOT_THE_LINK, which the prefill worker's call names in
+its trailing metadata). The prefill recomputes their
 KV and samples the next token, and the stream goes on with no token duplicated or
 missing. Workers replay those tokens through their detokenizer and
 stop-string matcher, and seeded sampling draws from (seed, position), so the text
@@ -98,6 +100,7 @@ import grpc
 from tandem import logs, wire
 from tandem._proto.tandem.v1 import tandem_pb2, worker_pb2
 from tandem.config import DisaggregationConfig
+from tandem.kv_transfer.base import KV_FAILURE_KEY, NOT_THE_LINK
 from tandem.metrics import RouterMetrics
 from tandem.router.disaggregation import PrefillRouting
 from tandem.router.errors import RouterError
@@ -686,7 +689,9 @@ class Relay:
         self, worker: Worker, request: worker_pb2.PrefillRequest, exc: grpc.aio.AioRpcError
     ) -> RouterError:
         if exc.code() is Code.ABORTED:  # the KV never reached the decode worker
-            self._path_failed(worker.address, request.destination.address)
+            reason = dict(exc.trailing_metadata() or ()).get(KV_FAILURE_KEY)
+            if reason not in NOT_THE_LINK:
+                self._path_failed(worker.address, request.destination.address)
             return RouterError.unavailable(
                 f"KV transfer from prefill worker {worker.address} to decode worker "
                 f"{request.destination.address} failed: {exc.details()}"

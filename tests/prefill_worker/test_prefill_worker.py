@@ -130,6 +130,8 @@ def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
         prefill(pair.prefill, req, dest)
     assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
     assert "aborted" in err.value.details()
+    # The reason, for the router: not the link's fault, so no cooldown for the pair.
+    assert ("tandem-kv-failure", "aborted") in tuple(err.value.trailing_metadata())
     wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
     # The decode side gave it up: no transfer failure at either end (it was one here).
     assert pair.prefill.server.sender.metrics.failures == failures

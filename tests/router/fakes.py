@@ -175,6 +175,7 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
     delay_s: float = 0.0  # queued behind other work this long
     kv_error: grpc.StatusCode | None = None
     kv_delay_s: float = 0.0
+    kv_reason: str = ""  # the transfer's reason the call's trailing metadata gives
     delivered: set[str] = field(default_factory=set)  # request ids whose KV "arrived"
 
     async def Prefill(self, request, context):
@@ -197,6 +198,8 @@ class FakePrefill(FakeWorker, worker_pb2_grpc.PrefillWorkerServicer):
                 return
             await asyncio.sleep(self.kv_delay_s)
             if self.kv_error is not None:
+                if self.kv_reason:
+                    context.set_trailing_metadata((("tandem-kv-failure", self.kv_reason),))
                 await context.abort(self.kv_error, "scripted KV transfer failure")
             self.delivered.add(request.destination.request_id)
             yield worker_pb2.PrefillResponse(kv_bytes=1000, kv_transfer_seconds=self.kv_delay_s)

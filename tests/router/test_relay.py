@@ -483,6 +483,9 @@ def test_a_prefill_retried_after_a_worker_went_away_is_relayed_only_once_its_kv_
     # before the router had that token; the decode worker holds that KV and refuses the
     # second worker's, whose first token the client has. The request moves on from the
     # client's token rather than mixing it with a stream that follows the other.
+    # Refused "another sender" is the decode worker's doing, not the link's: the pair
+    # is not put in cooldown (it was, and for kv_path_cooldown_s that decode worker's
+    # requests went to the worker that had just gone away, once it was back).
     class RefusedOnce(FakePrefill):
         async def Prefill(self, request, context):
             self.kv_error = grpc.StatusCode.ABORTED if not self.calls else None
@@ -491,7 +494,7 @@ def test_a_prefill_retried_after_a_worker_went_away_is_relayed_only_once_its_kv_
 
     async def scenario():
         gone = FakePrefill(error=grpc.StatusCode.UNAVAILABLE)
-        second = RefusedOnce(first_token=20, kv_delay_s=0.3)  # refused after decode began
+        second = RefusedOnce(first_token=20, kv_delay_s=0.3, kv_reason="another sender")
         async with cluster(frontend, [gone, second], placement="round-robin") as c:
             done = await c.client.complete("hello")
             # Not 20 then the first decode call's 11, 12, ...: the second attempt
@@ -500,6 +503,7 @@ def test_a_prefill_retried_after_a_worker_went_away_is_relayed_only_once_its_kv_
             _, moved = c.decode[0].calls
             assert list(moved.request.request.output_token_ids) == [20]
             assert c.router.relay.migrations == 1
+            assert not c.router.relay._failed_paths
 
     run(scenario())
 

@@ -35,9 +35,10 @@ An *attempt* is one decode reservation plus one prefill:
 **Migration.** The router owns the request until its last token. When an
 attempt is lost after its reservation was made (the decode worker dies or its
 link breaks mid-stream, its engine fails a step holding the request (a chunk with
-finish_reason ERROR), the prefill worker dies, or the KV transfer between them
-fails), a new attempt starts on another decode worker with the original prompt
-plus every token already streamed (``output_token_ids``), and on another prefill
+finish_reason ERROR), the prefill worker dies or its engine fails the step (INTERNAL
+before the first token), or the KV transfer between them fails), a new attempt
+starts on another decode worker with the original prompt plus every token already
+streamed (``output_token_ids``), and on another prefill
 worker: the lost attempt's workers are taken again only when their pool has no
 other placeable one (a failed KV transfer leaves both alive, and a fault in either
 or between the two would fail the same pair again; and for ``kv_path_cooldown_s``
@@ -353,6 +354,11 @@ class Relay:
                         )
                     ):
                         raise AttemptLost(exc, fallback=True) from None
+                    if exc.code is Code.INTERNAL:
+                        # A failed engine step on the prefill worker, which fails every
+                        # request of its batch: nothing was streamed, and the request
+                        # goes on elsewhere, as after a decode engine's failure.
+                        raise AttemptLost(exc) from None
                     raise await self._lost_or(exc, deadline) from None
                 # The rest of the call: the KV's way to the decode worker, then its end.
                 shipped = self._start_shipped(worker, call, prefill, renewing)

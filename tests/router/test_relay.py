@@ -411,6 +411,25 @@ def test_a_request_a_decode_workers_engine_failed_goes_on_elsewhere(frontend):
     run(scenario())
 
 
+def test_a_request_a_prefill_workers_engine_failed_goes_on_elsewhere(frontend):
+    # A failed prefill step fails every request of its batch: each client got INTERNAL,
+    # where the same failure on a decode worker is migrated. Nothing was streamed yet.
+    async def scenario():
+        failing = FakePrefill(error=grpc.StatusCode.INTERNAL)
+        async with cluster(frontend, [failing, FakePrefill()], placement="round-robin") as c:
+            done = await c.client.complete("hello")
+            assert done.token_ids == (10, 11, 12, 13, 14) and done.finish_reason == "length"
+            assert len(failing.calls) == 1 and c.router.relay.migrations == 1
+            # Its engine failed a step; the worker is not taken for dead.
+            assert failing.address in [w.address for w in c.router.registry.placeable(Pool.PREFILL)]
+        async with cluster(frontend, [failing], max_migrations=0) as c:
+            with pytest.raises(TandemClientError) as e:
+                await c.client.complete("hello")
+            assert e.value.code is grpc.StatusCode.INTERNAL
+
+    run(scenario())
+
+
 def test_without_migrations_a_dying_decode_worker_is_unavailable(frontend):
     async def scenario():
         dying = FakeDecode(hang=True, chunks=[([11], 0)], kv_blocks_free=5000)

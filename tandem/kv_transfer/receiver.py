@@ -357,12 +357,14 @@ class ReceiverCore:
         return None
 
     def sender_abort(self, request_id: str, source: object = None) -> None:
-        """The sender gave up on a request: fail it unless another sender is feeding it.
-        Its owner there gave it up (its call ended): not counted as a failure here
-        either."""
+        """The sender gave up on a request: fail it if this sender is feeding it. Its
+        owner there gave it up (its call ended): not counted as a failure here either.
+        A sender that fed nothing concerns no one here: its abort may be late (a prefill
+        retried on another worker shares the reservation), and the reservation's own
+        owner ends it otherwise."""
         with self._lock:
             res = self._table.get(request_id)
-            if res is None or res.source not in (None, source):
+            if res is None or res.source is not source:
                 return
             self._fail_locked(res, "aborted by sender", failure=False)
         self._drain(res)

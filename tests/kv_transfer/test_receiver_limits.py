@@ -123,3 +123,20 @@ def test_a_read_that_does_not_end_holds_up_no_other_leases_expiry() -> None:
         landed.set()
         delivery.join(10)
     assert core.release("stuck", wait=False)
+
+
+def test_only_the_sender_feeding_a_reservation_can_abort_it() -> None:
+    # A prefill retried on another worker shares the reservation; the first worker's
+    # abort, sent when its call ended, could arrive after the retry had begun, or before
+    # its first layer, and failed the reservation under the retry.
+    core = _core()
+    core.expect("r", [4], lease_s=30)
+    core.sender_abort("r", "first worker")  # fed nothing: not its reservation
+    assert core.poll("r").state is TransferState.WAITING
+    # Its first layer (the fill returns the checksum of what landed: the header's).
+    assert core.deliver(_header("r", (0, 1), 1, first=4), "retry", lambda: 0) is None
+    core.sender_abort("r", "first worker")
+    assert core.poll("r").state is TransferState.TRANSFERRING
+    core.sender_abort("r", "retry")  # the sender feeding it gave up: so does it
+    got = core.poll("r")
+    assert (got.state, got.reason) == (TransferState.FAILED, "aborted by sender")

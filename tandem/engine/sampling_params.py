@@ -22,7 +22,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable
     those filters; ``seed`` makes each draw depend only on the seed, the position and
-    the model's probabilities (which move slightly with how the prompt was computed:
+    the model's probabilities (which move slightly with how the prompt was computed
+    and with what shares its steps, and in bfloat16 enough to change the text:
     README, "How far a seed reproduces").
     """
 

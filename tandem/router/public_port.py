@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 # at its next call), and a client in a call is pinged this often, so that one that
 # froze or whose host went away is let go when a ping goes unanswered.
 IDLE_CONNECTION_S = 120.0
+# grpc.aio closes an idle connection only if it never made a call: one that made a
+# call and went quiet, or holds a Health.Watch, stayed for good, and enough of them
+# (no key needed) held every descriptor the port may use. So every connection is also
+# sent GOAWAY at an age (gRPC adds +-10%) and closed once its calls have ended, or
+# after the grace; clients reconnect by themselves, streams in flight go on.
+MAX_CONNECTION_AGE_S, CONNECTION_AGE_GRACE_S = 600.0, 3600.0
+# Streams one connection may hold open (unbounded, each costs the router memory).
+MAX_STREAMS_PER_CONNECTION = 1024
 CLIENT_PING_S, CLIENT_PING_TIMEOUT_S = 60.0, 20.0
 
 
@@ -65,6 +73,9 @@ def grpc_connection_options() -> list[tuple[str, int]]:
     """The public gRPC server's bounds on its connections."""
     return [
         ("grpc.max_connection_idle_ms", round(IDLE_CONNECTION_S * 1000)),
+        ("grpc.max_connection_age_ms", round(MAX_CONNECTION_AGE_S * 1000)),
+        ("grpc.max_connection_age_grace_ms", round(CONNECTION_AGE_GRACE_S * 1000)),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.max_allowed_incoming_connections", connection_cap(0.25)),
         ("grpc.keepalive_time_ms", round(CLIENT_PING_S * 1000)),
         ("grpc.keepalive_timeout_ms", round(CLIENT_PING_TIMEOUT_S * 1000)),

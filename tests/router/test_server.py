@@ -194,11 +194,35 @@ def test_a_connection_that_makes_no_call_is_closed(frontend, monkeypatch):
     run(scenario())
 
 
+def test_a_connection_that_made_a_call_is_closed_in_time(frontend, monkeypatch):
+    # grpc.aio closes an idle connection only if it never made a call: one Health.Check
+    # (no key needed) and a connection stayed for good, so that enough of them locked
+    # every client out of the port.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tandem.router import public_port
+
+    monkeypatch.setattr(public_port, "MAX_CONNECTION_AGE_S", 1.0)
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                assert channel.get_state() is grpc.ChannelConnectivity.READY
+                await asyncio.sleep(5)  # idle, past the age (and its jitter)
+                assert channel.get_state() is not grpc.ChannelConnectivity.READY
+
+    run(scenario())
+
+
 def test_the_public_grpc_port_bounds_its_connections():
     from tandem.router.public_port import grpc_connection_options
 
     options = dict(grpc_connection_options())
     assert options["grpc.max_connection_idle_ms"] == 120_000
+    assert options["grpc.max_connection_age_ms"] == 600_000
+    assert options["grpc.max_concurrent_streams"] == 1024
     assert 64 <= options["grpc.max_allowed_incoming_connections"] <= 8192
     assert options["grpc.keepalive_time_ms"] == 60_000  # a frozen client is let go
 

@@ -556,6 +556,40 @@ def test_a_streaming_client_that_stops_reading_is_let_go(frontend, caplog):
     assert "took nothing for 1 s (stream_stall_timeout_s)" in caplog.text
 
 
+def test_an_answers_tail_that_the_client_does_not_take_is_not_held_for_good():
+    # A client that stopped reading near the end of its answer: the tail waited in the
+    # router's buffer under the high-water mark, so pause_writing never armed the stall
+    # timer, and the keep-alive close() waited to send it for as long as the client
+    # kept its socket open (240 s and on, with stream_stall_timeout_s 5).
+    from tandem.router.http.server import _Protocol
+
+    class Transport:
+        left, aborted = 1000, False
+
+        def get_write_buffer_size(self) -> int:
+            return self.left
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def scenario():
+        protocol = _Protocol.__new__(_Protocol)
+        protocol.loop, protocol.stall_timeout_s = asyncio.get_running_loop(), 0.2
+        protocol.transport = stuck = Transport()
+        protocol._watch_tail(stuck.left)
+        await asyncio.sleep(0.5)
+        assert stuck.aborted
+        protocol.transport = slow = Transport()
+        protocol._watch_tail(slow.left)
+        for left in (600, 200, 0):  # it takes some in each period: watched, then done
+            await asyncio.sleep(0.15)
+            slow.left = left
+        await asyncio.sleep(0.5)
+        assert not slow.aborted and protocol._stall is None
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
 def test_a_client_that_hangs_up_mid_upload_is_a_499_not_a_500(frontend, path):
     # It was an internal error, with uvicorn's 46-line traceback in the router's log.

@@ -428,14 +428,36 @@ class _Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        # The answer's tail may wait here for a client that stopped reading, under the
+        # high-water mark, so that pause_writing never armed the stall timer; the
+        # keep-alive close() then waited for it for good, holding the connection.
+        left = self.transport.get_write_buffer_size()
+        if self._stall is None and left:
+            self._watch_tail(left)
         if not self.transport.is_closing():
             self._await_request()  # the next request on this connection
+
+    def _watch_tail(self, left: int) -> None:
+        """Drops the connection unless some of the ``left`` bytes still to send go out
+        within ``stall_timeout_s`` (and so on until none is left)."""
+
+        def check() -> None:
+            self._stall = None
+            now = self.transport.get_write_buffer_size()
+            if now and now >= left:
+                self._stalled()
+            elif now:
+                self._watch_tail(now)
+
+        self._stall = self.loop.call_later(self.stall_timeout_s, check)
 
     def pause_writing(self) -> None:
         """The client is not taking what is sent (the socket's buffer is full): if it
         takes nothing more for ``stall_timeout_s``, the connection is dropped, and the
         stream on it ends as on a disconnect (it held its place in max_queue)."""
         super().pause_writing()
+        if self._stall is not None:  # an earlier answer's tail, watched (above)
+            self._stall.cancel()
         self._stall = self.loop.call_later(self.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:

@@ -300,7 +300,10 @@ def get(
                 _ucp.ucp_request_cancel(worker, req)
                 cancelled = True
                 if isinstance(failure, TimeoutError) and on_timeout is not None:
-                    on_timeout()
+                    try:
+                        on_timeout()
+                    except Exception:  # its owner is closing (which ends the endpoint)
+                        pass  # the reads must still be waited for, below
                     on_timeout = None
             # Progress here too: a waiting reader need not wait for the progress
             # thread's next wake-up. Spin briefly, then yield the core in short naps.

@@ -143,8 +143,12 @@ class ReceiverCore:
         self.block_layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()
         self._lock = threading.Lock()  # guards _table and every reservation's fields
         self._table: dict[str, _Reservation] = {}
-        # Requests released after they failed -> why (oldest first, RELEASED_KEPT of them).
-        self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # Requests released after they failed -> why, and the id() of the sender that fed
+        # them, if one did (an id: a closed connection is not kept alive for it);
+        # oldest first, RELEASED_KEPT of them.
+        self._released: collections.OrderedDict[str, tuple[str, int | None]] = (
+            collections.OrderedDict()
+        )
         # Called (under _lock) whenever a reservation ends: KVReceiver.notify.
         self.on_end: Callable[[], None] | None = None
 
@@ -225,7 +229,8 @@ class ReceiverCore:
             if self._table.get(request_id) is res:
                 del self._table[request_id]
                 if res.state is TransferState.FAILED:
-                    self._released[request_id] = res.reason
+                    fed_by = None if res.source is None else id(res.source)
+                    self._released[request_id] = (res.reason, fed_by)
                     if len(self._released) > RELEASED_KEPT:
                         self._released.popitem(last=False)
         return True
@@ -315,7 +320,7 @@ class ReceiverCore:
             # retrying prefill elsewhere) must neither disturb it nor be told "done".
             return self._discard(header, None, "another sender", "fed by another sender")
         if not live:
-            return self._discard(header, res)
+            return self._discard(header, res, source=source)
 
         # The header fits (checked above): nothing to read, or another sender rank's
         # copy of these heads is read instead.
@@ -356,7 +361,7 @@ class ReceiverCore:
             return "checksum", f"layers [{layers[0]}, {layers[1]})"
         return None
 
-    def sender_abort(self, request_id: str, source: object = None) -> None:
+    def sender_abort(self, request_id: str, source: object) -> None:
         """The sender gave up on a request: fail it if this sender is feeding it. Its
         owner there gave it up (its call ended): not counted as a failure here either.
         A sender that fed nothing concerns no one here: its abort may be late (a prefill
@@ -466,11 +471,16 @@ class ReceiverCore:
         res: _Reservation | None,
         reason: str = "",  # the answer when res is None ("": why it was released, if known)
         detail: str = "",
+        source: object = None,  # the message's sender
     ) -> TransferStatus | None:
         with self._lock:
             self.metrics.messages_discarded += 1
             if res is None and not reason:
-                reason = self._released.get(header.request_id, UNKNOWN)
+                reason, fed_by = self._released.get(header.request_id, (UNKNOWN, None))
+                if fed_by not in (None, id(source)):
+                    # Another sender fed it, and its end (it went away, or gave up)
+                    # is no fault of this one's (a router's retry elsewhere).
+                    reason = "another sender"
         if not header.final:
             return None
         if res is None:

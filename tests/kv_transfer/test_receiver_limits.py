@@ -140,3 +140,23 @@ def test_only_the_sender_feeding_a_reservation_can_abort_it() -> None:
     core.sender_abort("r", "retry")  # the sender feeding it gave up: so does it
     got = core.poll("r")
     assert (got.state, got.reason) == (TransferState.FAILED, "aborted by sender")
+
+
+@pytest.mark.parametrize("end", ["peer lost", "aborted by sender"])
+def test_a_retry_told_of_a_reservation_another_sender_fed_and_lost_hears_another_sender(end):
+    # The first prefill worker fed some layers and went away (or its call ended); the
+    # decode worker released the failed reservation at once; the router's retry on a
+    # healthy worker then heard the first one's reason, and put that healthy pair in
+    # cooldown for kv_path_cooldown_s.
+    core = _core()
+    core.expect("r", [4], lease_s=30)
+    assert core.deliver(_header("r", (0, 1), 1, first=4), "first", lambda: 0) is None
+    if end == "peer lost":
+        core.source_lost("first")
+    else:
+        core.sender_abort("r", "first")
+    assert core.poll("r").reason == end
+    assert core.release("r", wait=False)
+    final = dataclasses.replace(_header("r", (1, 2), 1, first=4), final=True)
+    assert core.deliver(final, "retry", lambda: 0).reason == "another sender"
+    assert core.deliver(final, "first", lambda: 0).reason == end  # its own, it is told

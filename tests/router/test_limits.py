@@ -79,8 +79,8 @@ CASES = [
      "chat.messages[1].role must be one of system, user, assistant, got a 100000-character "
      "string"),
     (dict(request_id="r" * 201, prompt="hi"), "request_id must be at most 200 characters, got 201"),
-    # "/" is the router's, for a migrated attempt's id on the workers ("x/1" would be
-    # another client's "x" once that one moves); a newline would forge a log line.
+    # "/" is the router's, for a call's id on the workers ("x/3f9a2c-1" could be another
+    # client's "x" there); a newline would forge a log line.
     (dict(request_id="x/1", prompt="hi"), "request_id may hold only ASCII letters, digits and "
      ". _ : @ + = -, got U+002F at character 1"),
     (dict(request_id="ok\n[evil]", prompt="hi"), "request_id may hold only ASCII letters, "

@@ -24,7 +24,7 @@ ring itself and puts its acks in the other ring: no hop through UCX and the loop
                                  write lock, if still live, ``fill`` reads the header's
                                  blocks out of the sender's cache into the reserved ones,
                                  which are verified as they land -> ACK if final
-           frame  b"A"+id     -> the connection's thread: core.sender_abort(id)
+           frame  b"A"+id     -> the connection's thread: core.sender_abort(id, conn)
     connection lost (peer killed, closed, protocol error) -> the connection's thread
                                  stops (frames still queued are dropped) -> core.
                                  source_lost: every live request it fed is FAILED("peer

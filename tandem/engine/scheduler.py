@@ -7,9 +7,11 @@ order. Where the running decodes alone fill the budget (a decode worker takes in
 arrived KV up to ``max_num_seqs``, whatever the budget), every running sequence
 takes turns, least recently run first (a running prefill too), and a preempted
 sequence waiting to run again is kept a token of each step. A sequence that cannot get a KV
-block preempts the most recently admitted running sequence, which is swapped out to
+block preempts the running sequence that arrived last, which is swapped out to
 the host tier where there is one with room, else has its blocks freed and its
-tokens recomputed later.
+tokens recomputed later; back, it takes its place by arrival again (appended as
+the most recently admitted, it was the next victim, again and again, while requests
+that arrived after it ran on).
 
 On a decode worker a request may also hold a slot before it runs: reserved, its
 blocks waiting for the KV a prefill worker sends (``reserve``). Reserved sequences
@@ -20,6 +22,8 @@ no new reservation while a preempted sequence waits).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,11 +48,21 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.running: list[Sequence] = []  # in order of arrival (Sequence.arrival)
         self.reserved: dict[str, Sequence] = {}  # by request id: a slot each, KV to come
         self._step = 0  # steps scheduled so far (Sequence.turn)
+        self._arrivals = itertools.count()  # Sequence.arrival
+
+    def _arrived(self, seq: Sequence) -> None:
+        if seq.arrival < 0:
+            seq.arrival = next(self._arrivals)
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
 
     def add(self, seq: Sequence) -> None:
+        self._arrived(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -76,7 +90,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = self.kv.window_chunk(seq, min(seq.num_uncomputed, budget))
-            n = self._reserve(seq, n, batch)
+            n, freed = self._reserve(seq, n, batch)
+            budget += freed  # what its victims were given earlier in this step
             if n:
                 batch.work.append((seq, n))
                 budget -= n
@@ -99,34 +114,36 @@ class Scheduler:
                     break
             self.waiting.popleft()
             self.kv.count_admission(seq)
-            seq.status = Status.RUNNING
             seq.turn = self._step
-            self.running.append(seq)
+            self._run(seq)
             batch.work.append((seq, n))
             budget -= n
         # The model runner wants single-token work first (the batched decode path).
         batch.work.sort(key=lambda w: w[1] != 1)
         return batch
 
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
-        """Blocks for up to ``n`` more tokens of ``seq``; returns how many it got.
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> tuple[int, int]:
+        """Blocks for up to ``n`` more tokens of ``seq``; returns how many it got, and
+        the tokens that the sequences it preempted had been given in this step.
 
         A prefill chunk shrinks to the blocks that are free rather than throw away
         another sequence's work; only when not one token fits (always the case for a
         decode that needs a new block) are newer sequences preempted, newest first.
         """
+        freed = 0
         while True:
             room = (len(seq.block_table) + self.kv.pool.num_free) * self.kv.block_size
             fit = min(n, room - self.kv.table_index(seq, seq.num_computed))
             if fit > 0:
                 self.kv.ensure(seq, seq.num_computed + fit)
-                return fit
+                return fit, freed
             victim = self.running[-1]
             self._preempt(victim)
             batch.preempted.append(victim)
+            freed += sum(k for s, k in batch.work if s is victim)
             batch.work = [w for w in batch.work if w[0] is not victim]
             if victim is seq:
-                return 0
+                return 0, freed
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence out to the host tier where it has room (its KV is kept),
@@ -146,14 +163,15 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> None:
         """Hold a slot for a sequence whose KV is on its way (its blocks are reserved);
         ``add_running`` once it has arrived."""
+        self._arrived(seq)
         seq.status = Status.RESERVED
         self.reserved[seq.request_id] = seq
 
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose KV is already computed (it arrived from a prefill worker)."""
+        self._arrived(seq)
         self.reserved.pop(seq.request_id, None)
-        seq.status = Status.RUNNING
-        self.running.append(seq)
+        self._run(seq)
 
     def hold(self, seq: Sequence) -> None:
         """Stop scheduling a running sequence but keep its blocks (its KV awaits transfer)."""

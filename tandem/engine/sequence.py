@@ -68,6 +68,9 @@ class Sequence:
     prompt_whole: bool = False
     admitted: bool = False  # scheduled once (its prefix lookup counted; a recompute is not)
     turn: int = 0  # the scheduler step it last ran in (who goes first when not all fit)
+    # Its place in the scheduler's order of arrival (-1: not seen yet): the running
+    # sequences are kept in it, and the newest is preempted first.
+    arrival: int = -1
 
     def __len__(self) -> int:
         return len(self.token_ids)

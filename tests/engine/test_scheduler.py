@@ -93,8 +93,7 @@ class Harness:
         assert self.sched.kv.ensure(seq, num_computed)
         self._forward(seq, num_computed)
         seq.num_computed = num_computed
-        seq.status = Status.RUNNING
-        self.sched.running.append(seq)
+        self.sched.add_running(seq)
         self.check_state()
 
     def _forward(self, seq: Sequence, n: int) -> None:
@@ -360,6 +359,53 @@ def test_out_of_blocks_preempts_the_most_recently_admitted() -> None:
     assert c.output_ids == [OUT] * 3
     assert d.output_ids == [OUT, OUT]
     assert_drained(h)
+
+
+def test_a_preempted_sequence_keeps_its_place_by_arrival_when_it_comes_back() -> None:
+    # Back in, it was appended as the most recently admitted, after requests that
+    # arrived after it (a decode worker's reservations whose KV came meanwhile), and
+    # so was the next victim, again and again, while they ran on.
+    h = make_harness(num_blocks=9, prefix_caching=False)
+    s = h.sched
+    a, b, c = (make_seq(name, 4, 20) for name in "abc")
+    h.add(a, b, c)
+    h.step()
+    d = make_seq("d", 4, 20)  # arrives after c: reserved, its KV on its way
+    assert s.kv.ensure(d, 5)
+    s.reserve(d)
+    s._preempt(c)  # a shortage took c, the newest then
+    h._forward(d, 4)
+    d.num_computed = 4
+    d.token_ids.append(7)
+    s.add_running(d)  # d's KV arrived
+    h.step()  # c comes back
+    assert s.running == [a, b, c, d]
+    while not (batch := h.step()).preempted:
+        pass
+    assert batch.preempted == [d]
+
+
+def test_a_victims_tokens_in_the_step_go_back_to_its_budget() -> None:
+    # A decode that preempts a sequence scheduled earlier in the same step (streams
+    # take turns) drops it from the batch, but its tokens stayed spent: the step ran
+    # one token of eight while other streams that fit got none.
+    h = make_harness(num_blocks=10, max_num_seqs=16, max_num_batched_tokens=8)
+    decodes = []
+    for i in range(8):  # 8 decodes for a budget of 8: they take turns
+        d = make_seq(f"d{i}", 4)
+        d.token_ids.append(7)  # a full block computed; its new token needs a second
+        h.make_running(d, 4)
+        decodes.append(d)
+    p = make_seq("p", 8)  # the newest: a prefill, its blocks held, its turn due first
+    h.make_running(p, 1)
+    assert h.sched.kv.ensure(p, 8) and h.pool.num_free == 0
+    for seq in h.sched.running:
+        seq.turn = 0 if seq is p else 1
+    batch = h.sched.schedule()
+    # p's blocks go to d0 and d1; d2..d4 take the newest decodes' blocks, as any decode
+    # that needs one does: 5 tokens of the budget's 8 (5 + 3 victims).
+    assert batch.preempted == [p, *decodes[:4:-1]]
+    assert batch.work == [(d, 1) for d in decodes[:5]]
 
 
 def test_newest_sequence_preempts_itself_and_resumes_from_its_cached_prefix() -> None:

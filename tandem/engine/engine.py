@@ -427,7 +427,10 @@ class LLMEngine:
             # next segment of a prompt longer than one. (A full window before a prompt
             # held whole overcounted, and an idle worker refused it for ever.)
             one_segment = seq.num_prompt_tokens <= self.kv.window_step
-            later = 1 if prompt_whole or one_segment else chunk
+            # The next segment is what is left of the prompt, if less than a whole one.
+            rest = seq.num_prompt_tokens - (arrived + chunk)
+            whole = prompt_whole or one_segment or rest <= 0
+            later = 1 if whole else min(rest, self.kv.window_step)
             held = self.kv.max_blocks_per_sequence(total, later) * self.kv.block_size
             evicted = seq.num_evicted_blocks * self.kv.block_size
             total = min(total, max(arrived + chunk, evicted + held))

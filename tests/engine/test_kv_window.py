@@ -255,3 +255,23 @@ def test_a_prompt_computed_whole_is_reserved_as_the_window_holds_it(moved_after)
     tokens, peak = _run(small)
     assert tokens == expected[moved_after:]
     assert peak <= 12 and small.kv.pool.num_used == 0
+
+
+def test_a_prompt_of_several_segments_is_reserved_for_its_next_segment_not_a_whole_one():
+    # A decode worker's own prefill (prefill_here) of a 70-token prompt in segments of
+    # 64 reserved for a second segment of 64 after the first, where the prompt has 6
+    # left: 5 blocks of a pool of 4, refused on an idle engine for ever, though
+    # add_request serves the same request in the same pool.
+    prompt = [5 + i % 200 for i in range(70)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    options = dict(block_size=16, kv_sink_tokens=4, kv_window_tokens=16, num_blocks=4,
+                   max_num_batched_tokens=64)  # fmt: skip
+    colocated = make_engine(**options)
+    colocated.validate(prompt, params)
+    colocated.add_request(prompt, params, "r")
+    expected = _run(colocated)[0]
+    engine = make_engine(**options)
+    engine.prefill_here(prompt, params, "r")
+    tokens, peak = _run(engine)
+    assert tokens == expected and len(tokens) == 8
+    assert peak <= 4 and engine.kv.pool.num_used == 0

@@ -69,15 +69,20 @@ class BlockPool:
         """Take ``n`` fresh blocks (ref count 1), all or nothing."""
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None and self.on_evict is not None:
-                self.on_evict(block, h)
-            self._forget_hash(block)
-            self.ref_counts[block] = 1
-            out.append(block)
+        out: list[int] = []
+        try:
+            for _ in range(n):
+                block = next(iter(self._free))
+                h = self.block_hash[block]
+                if h is not None and self.on_evict is not None:
+                    self.on_evict(block, h)  # may raise: the block is still free and cached
+                del self._free[block]
+                self._forget_hash(block)
+                self.ref_counts[block] = 1
+                out.append(block)
+        except BaseException:
+            self.free(out[::-1])  # all or nothing
+            raise
         return out
 
     def share(self, block: int) -> None:

@@ -71,7 +71,11 @@ class HostTier:
         host = self._take(1)
         if host is None:
             return
-        self.copy_out(cache, [block], host)
+        try:
+            self.copy_out(cache, [block], host)
+        except BaseException:  # nothing kept: the block is free again
+            self._free.extend(host)
+            raise
         self._prefix[block_hash] = host[0]
 
     def has_prefix(self, block_hash: int) -> bool:

@@ -209,8 +209,15 @@ class KVCache:
         """A device block holding the host tier's copy of a prefix block, hashed."""
         assert self.host is not None
         host = self.host.take_prefix(block_hash)  # before allocate may spill into the tier
-        (block,) = self.pool.allocate(1)
-        self.host.restore(host, self.tensor, block)
+        block = None
+        try:
+            (block,) = self.pool.allocate(1)
+            self.host.restore(host, self.tensor, block)
+        except BaseException:  # a failed copy: nothing kept on either side (recomputed)
+            if block is not None:
+                self.pool.free([block])
+            self.host.release([host])
+            raise
         self.pool.set_hash(block, block_hash)
         return block
 

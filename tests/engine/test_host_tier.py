@@ -276,3 +276,43 @@ def test_a_swap_whose_copy_fails_fails_the_step_and_leaves_nothing_behind(tiny_e
         loop.submit(_no_leaks).result(10)
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("copy", ["copy_out", "copy_in"])
+def test_a_prefix_copy_to_or_from_the_tier_that_fails_changes_nothing(tiny_engine, copy):
+    # The swap path changes nothing when its copy raises; the prefix path did not. A
+    # failed copy of an evicted prefix block lost it and the blocks allocated with it
+    # (free 1 + used 2 of 4), and its hash still named it: the next request with that
+    # prefix failed on it every time, and one needing every block waited for ever. A
+    # failed copy back in kept a device and a host block.
+    engine = _tiered(tiny_engine, num_blocks=4, host_blocks=8)
+    first, second = list(range(10, 19)), list(range(100, 115))
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def run(prompt: list[int]) -> None:
+        engine.add_request(prompt, one)
+        for _ in range(100):
+            if not engine.has_unfinished():
+                return
+            try:
+                engine.step()
+            except RuntimeError:
+                engine.abort_failed_step()  # what the engine loop does after a failed step
+        raise AssertionError("a request waited for ever")
+
+    run(first)
+    if copy == "copy_in":
+        run(second)  # the first prompt's cached blocks go to the tier
+    host = engine.kv.host
+    real = getattr(host, copy)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(f"injected: {copy} failed")
+
+    setattr(host, copy, fails)
+    run(second if copy == "copy_out" else first)  # evicts, or brings back: fails
+    setattr(host, copy, real)
+    _no_leaks(engine)
+    run(first)  # the same prefix again, and a request that needs every block
+    run(second)
+    _no_leaks(engine)

@@ -185,17 +185,21 @@ class KVCache:
             return
         bs = self.block_size
         parent = seq.cache_root
-        for i in range((len(seq.token_ids) - 1) // bs):
-            h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            block = self.pool.lookup(h)
-            if block is not None:
-                self.pool.share(block)
-            elif self.host is not None and self.pool.num_free and self.host.has_prefix(h):
-                block = self._load_from_host(h)
-            else:
-                break
-            seq.block_table.append(block)
-            parent = h
+        try:
+            for i in range((len(seq.token_ids) - 1) // bs):
+                h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+                block = self.pool.lookup(h)
+                if block is not None:
+                    self.pool.share(block)
+                elif self.host is not None and self.pool.num_free and self.host.has_prefix(h):
+                    block = self._load_from_host(h)
+                else:
+                    break
+                seq.block_table.append(block)
+                parent = h
+        except BaseException:  # a failed copy from the host tier: the blocks shared go back
+            self.free(seq)  # (a sequence not registered yet has no other owner to free them)
+            raise
         n = len(seq.block_table)
         seq.num_hashed_blocks = n
         seq.num_computed = n * bs

@@ -316,3 +316,30 @@ def test_a_prefix_copy_to_or_from_the_tier_that_fails_changes_nothing(tiny_engin
     run(first)  # the same prefix again, and a request that needs every block
     run(second)
     _no_leaks(engine)
+
+
+@pytest.mark.parametrize("method", ["prefill_here", "reserve_for_transfer"])
+def test_a_prefix_copy_back_that_fails_in_a_decode_workers_reservation_keeps_nothing(
+    tiny_engine, method
+):
+    # The lookup shared a cached device block, then brought the next block back from
+    # the tier, and that copy failed: the shared block stayed referenced by a sequence
+    # no one had registered, so nothing ever freed it.
+    engine = _tiered(tiny_engine, num_blocks=4, host_blocks=8)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    first = list(range(10, 19))  # two full blocks and a token
+    for prompt in (first, list(range(100, 109))):  # the second evicts first's tail
+        engine.add_request(prompt, one)
+        while engine.has_unfinished():
+            engine.step()
+    host = engine.kv.host
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected: copy_in failed")
+
+    real, host.copy_in = host.copy_in, fails
+    with pytest.raises(RuntimeError, match="injected"):
+        getattr(engine, method)(first + [1, 2], one, "r")
+    host.copy_in = real
+    assert not engine.has_unfinished()
+    _no_leaks(engine)

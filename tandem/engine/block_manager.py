@@ -80,8 +80,11 @@ class BlockPool:
                 self._forget_hash(block)
                 self.ref_counts[block] = 1
                 out.append(block)
-        except BaseException:
-            self.free(out[::-1])  # all or nothing
+        except BaseException:  # all or nothing: those taken go back to the front, unhashed
+            for block in reversed(out):
+                self.ref_counts[block] = 0
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
             raise
         return out
 

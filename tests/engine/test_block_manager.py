@@ -27,6 +27,28 @@ def full_pool(num_blocks: int = 4) -> BlockPool:
 # --- hash_block ---
 
 
+def test_an_allocation_whose_eviction_fails_leaves_the_free_list_as_it_was() -> None:
+    # The blocks it had taken went back at the end, unhashed, so the next allocation
+    # evicted another cached block while they sat unused.
+    pool = BlockPool(3, 4)
+    blocks = pool.allocate(3)
+    for block, block_hash in zip(blocks, (100, 101, 102), strict=True):
+        pool.set_hash(block, block_hash)
+    pool.free(blocks)
+    before = list(pool._free)
+
+    def evict(block: int, block_hash: int) -> None:
+        if block_hash == 101:
+            raise RuntimeError("injected: the copy to the host tier failed")
+
+    pool.on_evict = evict
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.allocate(2)
+    assert list(pool._free) == before and pool.num_used == 0
+    assert pool.lookup(101) == blocks[1] and pool.lookup(100) is None  # 100 was evicted
+    pool.check_integrity()
+
+
 def test_hash_block_is_pinned_so_processes_and_the_router_agree() -> None:
     # blake2b, not hash(): these values must not change between runs or versions.
     first = hash_block(None, [1, 2, 3, 4])

@@ -44,6 +44,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -111,6 +112,16 @@ class _Reservation:
 
 
 UNKNOWN = "unknown request"
+
+
+def _reference(source: object) -> Callable[[], object]:
+    """A weak reference to ``source`` where it takes one, else a strong one."""
+    try:
+        return weakref.ref(source)
+    except TypeError:  # plain values (a test's names)
+        return lambda: source
+
+
 # How many released requests' reasons a receiver remembers (for their late messages).
 RELEASED_KEPT = 4096
 
@@ -143,10 +154,10 @@ class ReceiverCore:
         self.block_layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()
         self._lock = threading.Lock()  # guards _table and every reservation's fields
         self._table: dict[str, _Reservation] = {}
-        # Requests released after they failed -> why, and the id() of the sender that fed
-        # them, if one did (an id: a closed connection is not kept alive for it);
-        # oldest first, RELEASED_KEPT of them.
-        self._released: collections.OrderedDict[str, tuple[str, int | None]] = (
+        # Requests released after they failed -> why, and a reference to the sender that
+        # fed them, if one did (weak where it can be: a closed connection is not kept
+        # alive for it); oldest first, RELEASED_KEPT of them.
+        self._released: collections.OrderedDict[str, tuple[str, Callable[[], object] | None]] = (
             collections.OrderedDict()
         )
         # Called (under _lock) whenever a reservation ends: KVReceiver.notify.
@@ -229,7 +240,7 @@ class ReceiverCore:
             if self._table.get(request_id) is res:
                 del self._table[request_id]
                 if res.state is TransferState.FAILED:
-                    fed_by = None if res.source is None else id(res.source)
+                    fed_by = None if res.source is None else _reference(res.source)
                     self._released[request_id] = (res.reason, fed_by)
                     if len(self._released) > RELEASED_KEPT:
                         self._released.popitem(last=False)
@@ -477,7 +488,7 @@ class ReceiverCore:
             self.metrics.messages_discarded += 1
             if res is None and not reason:
                 reason, fed_by = self._released.get(header.request_id, (UNKNOWN, None))
-                if fed_by not in (None, id(source)):
+                if fed_by is not None and fed_by() is not source:  # (gone: another one)
                     # Another sender fed it, and its end (it went away, or gave up)
                     # is no fault of this one's (a router's retry elsewhere).
                     reason = "another sender"

@@ -160,3 +160,22 @@ def test_a_retry_told_of_a_reservation_another_sender_fed_and_lost_hears_another
     final = dataclasses.replace(_header("r", (1, 2), 1, first=4), final=True)
     assert core.deliver(final, "retry", lambda: 0).reason == "another sender"
     assert core.deliver(final, "first", lambda: 0).reason == end  # its own, it is told
+
+
+def test_a_retry_is_told_another_sender_once_the_sender_that_fed_it_is_gone() -> None:
+    # The feeding sender was remembered by its id(): once its connection was gone, a
+    # new one (the router's retry) could get the same address and be told the first
+    # one's "peer lost", putting its healthy pair in cooldown after all.
+    class Connection:
+        pass
+
+    core = _core()
+    core.expect("r", [4], lease_s=30)
+    first = Connection()
+    assert core.deliver(_header("r", (0, 1), 1, first=4), first, lambda: 0) is None
+    core.source_lost(first)
+    assert core.release("r", wait=False)
+    del first  # its connection closed: nothing here keeps it
+    retry = Connection()  # made at once, it often takes the first one's address
+    final = dataclasses.replace(_header("r", (1, 2), 1, first=4), final=True)
+    assert core.deliver(final, retry, lambda: 0).reason == "another sender"

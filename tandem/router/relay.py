@@ -432,9 +432,12 @@ class Relay:
             queued_at = time.monotonic()
             await self._wait_for_room(queued_at, deadline, False, "requests queued ahead")
         while True:
-            if not await self._any_placeable(Pool.DECODE, deadline):
-                raise self._none_available(Pool.DECODE)
             try:
+                # Inside: a woken request that finds no decode worker left (or whose
+                # client leaves while it waits for a poll round) wakes the next in line,
+                # which must not wait out queue_timeout_s to hear the same.
+                if not await self._any_placeable(Pool.DECODE, deadline):
+                    raise self._none_available(Pool.DECODE)
                 opened, error = await self._try_decode(worker_req, deadline, avoid, prompt_whole)
             except BaseException:  # its client left, or it failed, with the room it woke for
                 if queued_at is not None:

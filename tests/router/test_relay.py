@@ -596,6 +596,32 @@ def test_a_woken_waiter_whose_client_leaves_passes_the_room_on(frontend):
     run(scenario())
 
 
+def test_a_woken_waiter_that_finds_no_decode_worker_passes_the_wake_up_on(frontend):
+    # Woken for room, B found the decode pool empty (its worker removed meanwhile) and
+    # failed UNAVAILABLE, keeping the wake-up: C sat in line until a poll round, or
+    # with polls far apart until queue_timeout_s, and was then told "overloaded".
+    async def scenario():
+        worker = _OneSlot(gate=asyncio.Event())
+        async with cluster(frontend, decode=[worker], status_interval_s=3600,
+                           queue_timeout_s=4) as c:  # fmt: skip
+            capacity = c.router.relay.capacity
+            a = asyncio.ensure_future(c.client.complete("hello", request_id="A"))
+            await wait_until(lambda: worker.active == 1, what="A holds the slot")
+            b = asyncio.ensure_future(c.client.complete("hello", request_id="B"))
+            await wait_until(lambda: capacity.waiting == 1, what="B waits")
+            later = asyncio.ensure_future(c.client.complete("hello", request_id="C"))
+            await wait_until(lambda: capacity.waiting == 2, what="C waits")
+            assert c.router.remove_worker("decode", worker.address)  # A's stream goes on
+            worker.gate.set()
+            assert (await a).finish_reason == "length"  # room: B is woken
+            for waiter in (b, later):
+                with pytest.raises(Unavailable, match="no decode worker is available"):
+                    await waiter
+            assert capacity.waiting == 0
+
+    run(scenario())
+
+
 def test_a_prefill_worker_that_gives_no_first_token_in_time_is_overload(frontend):
     async def scenario():
         hung = FakePrefill(hang=True)  # its engine stuck (or its queue long): Status answers

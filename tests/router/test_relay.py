@@ -549,13 +549,14 @@ def test_every_decode_worker_is_tried_before_a_request_waits_for_room(frontend):
 
 @dataclass
 class _OneSlot(FakeDecode):
-    """Room for one stream; the Decode call of request ``slow`` takes a second."""
+    """Room for one stream; the Decode call of request ``slow`` (the client's id, before
+    the router's ``/<call>``) takes a second."""
 
     active: int = 0
     slow: str = ""
 
     async def Decode(self, request, context):
-        if request.request.request_id == self.slow:
+        if request.request.request_id.split("/")[0] == self.slow:
             await asyncio.sleep(1.0)
         if self.active >= 1:
             self._record(request, context)

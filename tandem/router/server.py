@@ -5,7 +5,9 @@ and behind API keys when configured (public_port.py: the port's rules; auth.py:
 keys, checked for every call but health). Health:
 the server ("") is SERVING while it accepts requests; ``tandem.v1.Tandem`` is
 SERVING only while the pools it needs have a placeable worker (updated after
-each Status poll). ``stop()`` turns health to NOT_SERVING, stops
+each Status poll); the HTTP ``/health`` is 200 exactly while the latter is
+SERVING, else 503. ``stop()`` turns health to NOT_SERVING for good (and
+``/health`` to 503, until the HTTP port has closed its connections), stops
 accepting, lets in-flight streams finish for up to ``grace`` seconds, cancels
 the rest (which cancels their worker calls), then closes the worker channels.
 """
@@ -210,7 +212,9 @@ class Router:
         the decode pool, and the prefill pool unless decode workers may prefill."""
         pools = [Pool.DECODE] + [Pool.PREFILL] * self.relay.routing.needs_prefill_pool
         ready = all(self.registry.placeable(pool) for pool in pools)
-        self._ready = ready and self._server is not None
+        # Not ready again once a drain has begun, whatever a poll round during it finds:
+        # /health stays 503 as gRPC's health stays NOT_SERVING (it ignores set() then).
+        self._ready = ready and self._server is not None and not self.gateway.stopping
         status = health_pb2.HealthCheckResponse
         if self._health is not None and self._server is not None:
             await self._health.set(SERVICE_NAME, status.SERVING if ready else status.NOT_SERVING)
@@ -224,15 +228,16 @@ class Router:
     async def stop(self, grace: float | None = None) -> None:
         """Drains in-flight requests for up to ``grace`` seconds (None: the configured drain)."""
         if self._server is not None:
+            # No new requests from here (gRPC: UNAVAILABLE "stopping"; HTTP: no new
+            # connections, below), and not ready for good (_update_health); those in
+            # flight, gRPC's and HTTP's at once, get the grace.
+            self.gateway.stopping = True
             self._ready = False
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
             grace = self.config.drain_timeout_s if grace is None else grace
             clock = asyncio.get_running_loop().time
             deadline = clock() + grace
-            # No new requests from here (gRPC: UNAVAILABLE "stopping"; HTTP: no new
-            # connections); those in flight, gRPC's and HTTP's at once, get the grace.
-            self.gateway.stopping = True
             http = self._http.stop(grace) if self._http is not None else asyncio.sleep(0)
             http = asyncio.ensure_future(http)
             while self.admission.in_flight and clock() < deadline:

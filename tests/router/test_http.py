@@ -16,11 +16,12 @@ import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.load.openai_api import OpenAIClient
 from tandem.metrics.scrape import scrape, total
 from tandem.router.http import protocol
-from tests.router.fakes import LENGTH, FakeDecode, FakePrefill, cluster, wait_until
+from tests.router.fakes import LENGTH, FakeDecode, FakePrefill, SlowStatus, cluster, wait_until
 
 MODEL = "tiny-random"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -252,6 +253,40 @@ def test_statuses_map_overload_to_429_with_retry_after_and_no_worker_to_503(fron
             assert info.value.status_code == 503 and "no decode worker" in info.value.message
             async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
                 assert (await http.get("/health")).status_code == 503  # a pool is empty
+
+    run(scenario())
+
+
+def test_health_is_503_from_the_start_of_a_drain_as_grpc_health_is_not_serving(frontend):
+    # A poll round during the drain set the router ready again: /health answered 200
+    # (until uvicorn closed the connection it came on) while gRPC said NOT_SERVING.
+    async def scenario():
+        decode = SlowStatus(gate=asyncio.Event(), status_delay_s=0)  # counts the polls
+        async with cluster(frontend, decode=[decode], http_port=0,
+                           status_interval_s=0.02) as c:  # fmt: skip
+            url = f"http://{c.router.http_address}/health"
+            # What /health answers, with or without a connection to ask it on.
+            app = httpx.AsyncClient(transport=httpx.ASGITransport(app=c.router._http.app))
+            assert (await app.get(url)).status_code == 200
+            held = asyncio.ensure_future(c.client.complete("hello"))
+            await wait_until(lambda: decode.calls, what="a stream in flight")
+            polls = decode.asked
+            stopping = asyncio.ensure_future(c.router.stop(grace=10))
+            await wait_until(lambda: decode.asked >= polls + 2, what="a poll round in the drain")
+            health = await app.get(url)
+            assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for service in ("", "tandem.v1.Tandem"):
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+                    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(httpx.TransportError):  # and the port takes no new connection
+                async with httpx.AsyncClient() as http:
+                    await http.get(url)
+            decode.gate.set()
+            assert (await held).finish_reason == "length"  # the stream in flight finishes
+            await stopping
+            await app.aclose()
 
     run(scenario())
 

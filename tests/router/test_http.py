@@ -464,7 +464,9 @@ def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(front
     logprobs = [tandem_pb2.TokenLogprob(token_id=i, logprob=-1.0) for i in ids]
     parsed = protocol.parse({"model": MODEL, "prompt": "x", "logprobs": 0}, False, MODEL)
     shaper = protocol.Shaper(parsed, MODEL, tok)
-    first, rest = shaper.logprobs(logprobs[:2]), shaper.logprobs(logprobs[2:])  # two chunks
+    # Two chunks, as the engine streams them: é's first byte is held back with its text.
+    first = shaper.logprobs(logprobs[:2], "a", final=False)
+    rest = shaper.logprobs(logprobs[2:], "é€b")
     tokens = first["tokens"] + rest["tokens"]
     assert tokens == ["a", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2", "bytes:\\x82",
                       "bytes:\\xac", "b"]  # fmt: skip
@@ -473,6 +475,54 @@ def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(front
     chat = protocol.Shaper(protocol.parse({"model": MODEL, "messages": CHAT}, True, MODEL),
                            MODEL, tok).logprobs(logprobs)  # fmt: skip
     assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == "aé€b".encode()
+
+
+def test_text_offsets_stay_in_the_text_a_stop_string_cut(frontend):
+    # Every token sampled is listed, those of the stop string too, but the offsets
+    # went on counting their characters: past the end of the text the client got.
+    from tandem._proto.tandem.v1 import tandem_pb2
+    from tandem.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+    from tandem.router.http.server import _events
+
+    tok = frontend.tokenizer
+    ids = tok.encode("xyABC")  # tiny-random's tokens are single bytes
+    detok, stops = IncrementalDetokenizer(tok), StopStringMatcher(["ABC"])
+    responses = [  # as the engine streams them: A and B held back, C ends the stop
+        tandem_pb2.GenerateResponse(
+            text=stops.push(detok.add(i))[0],
+            logprobs=[tandem_pb2.TokenLogprob(token_id=i, logprob=-1.0 - i)],
+        )
+        for i in ids
+    ]
+    responses[-1].finish_reason = tandem_pb2.FINISH_REASON_STOP
+    assert [r.text for r in responses] == ["x", "y", "", "", ""]
+
+    def shaper():
+        parsed = protocol.parse({"model": MODEL, "prompt": "p", "logprobs": 0}, False, MODEL)
+        return protocol.Shaper(parsed, MODEL, tok)
+
+    whole = shaper().complete("xy", tandem_pb2.FINISH_REASON_STOP, tandem_pb2.Usage(),
+                              [lp for r in responses for lp in r.logprobs])  # fmt: skip
+    logprobs = whole["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["x", "y", "A", "B", "C"]
+    assert logprobs["token_logprobs"] == [-1.0 - i for i in ids]
+    assert logprobs["text_offset"] == [0, 1, 2, 2, 2]  # A, B and C start where "xy" ends
+
+    async def stream():
+        async def rest():
+            for r in responses[1:]:
+                yield r
+
+        return [e async for e in _events(responses[0], rest(), shaper(), False)]
+
+    events = [json.loads(e.removeprefix("data: ")) for e in run(stream())[:-1]]
+    choices = [e["choices"][0] for e in events]
+    assert "".join(c["text"] for c in choices) == "xy"
+    # A's offset (2) is inside what was sent by then; B's (3) was not: it waited, and
+    # came with C at the end, where the stop string cut them both.
+    assert [c["logprobs"]["text_offset"] for c in choices] == [[0], [1], [2], [2, 2]]
+    assert [t for c in choices for t in c["logprobs"]["tokens"]] == ["x", "y", "A", "B", "C"]
+    assert choices[-1]["finish_reason"] == "stop"
 
 
 def test_special_tokens_in_logprobs_are_named_apart(frontend):

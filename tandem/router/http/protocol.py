@@ -321,6 +321,10 @@ class Shaper:
         self.tokenizer = tokenizer
         self.offset = 0  # completions' text_offset: characters before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")("replace")  # counts them
+        self._sent = 0  # characters of text sent to the client so far
+        # Completions' logprobs held back, with their offsets: tokens whose text is held
+        # back too (it may be the start of a stop string; see ``_completion_logprobs``).
+        self._held: list[tuple[Any, int]] = []
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         self.id = prefix + parsed.request.request_id
         self.created = int(time.time())
@@ -329,26 +333,41 @@ class Shaper:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def logprobs(self, logprobs) -> dict[str, Any] | None:
-        """OpenAI's ``logprobs`` object for these ``tandem.v1.TokenLogprob``s."""
-        if not logprobs:
-            return None
+    def logprobs(self, logprobs, text: str = "", final: bool = True) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for these ``tandem.v1.TokenLogprob``s, which came
+        with ``text`` (completions: the text sent with them; ``final``: nothing follows)."""
         if self.chat:
+            if not logprobs:
+                return None
             return {"content": [
                 {**self._token(lp), "top_logprobs": [self._token(t) for t in lp.top]}
                 for lp in logprobs
             ], "refusal": None}  # fmt: skip
-        offsets = []
+        return self._completion_logprobs(logprobs, text, final)
+
+    def _completion_logprobs(self, logprobs, text: str, final: bool) -> dict[str, Any] | None:
+        """``text_offset`` is where each token starts in the text the client gets: the
+        characters of the tokens before it, at most the text's length. A stop string
+        cuts the text, not the tokens: every token sampled is listed (``usage`` counts
+        them), and those that start in the cut-off text are placed at its end. While
+        streamed, a token that starts past the text sent so far (its text is held back,
+        as the possible start of a stop string) waits with it: for the text that
+        places it, or for the end of the stream, where the stop string may cut it."""
         for lp in logprobs:
-            offsets.append(self.offset)  # a character's last token moves past it
+            self._held.append((lp, self.offset))  # a character's last token moves past it
             self.offset += len(self._chars.decode(self.tokenizer.token_bytes(lp.token_id)))
+        self._sent += len(text)
+        ready = len(self._held)
+        if not final:
+            ready = next((i for i, (_, at) in enumerate(self._held) if at > self._sent), ready)
+        out, self._held = self._held[:ready], self._held[ready:]
+        if not out:
+            return None
         return {
-            "tokens": [self._name(lp.token_id) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [
-                {self._name(t.token_id): t.logprob for t in lp.top} for lp in logprobs
-            ],
-            "text_offset": offsets,
+            "tokens": [self._name(lp.token_id) for lp, _ in out],
+            "token_logprobs": [lp.logprob for lp, _ in out],
+            "top_logprobs": [{self._name(t.token_id): t.logprob for t in lp.top} for lp, _ in out],
+            "text_offset": [min(at, self._sent) for _, at in out],
         }
 
     def _name(self, token_id: int) -> str:
@@ -367,7 +386,7 @@ class Shaper:
     def complete(
         self, text: str, finish: int, usage: tandem_pb2.Usage, logprobs=()
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs),
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs, text),
                                   "finish_reason": FINISH.get(finish)}  # fmt: skip
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -375,10 +394,16 @@ class Shaper:
             choice["text"] = text
         return {**self._base(self.object), "choices": [choice], "usage": usage_json(usage)}
 
-    def chunk(self, text: str, finish: int = 0, role: bool = False, logprobs=()) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish: int = 0, role: bool = False, logprobs=()
+    ) -> dict[str, Any] | None:
         """One streamed choice delta (chat: the first has ``role`` and empty content;
-        the last has finish_reason, and content only if it brings text)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs),
+        the last has finish_reason, and content only if it brings text); None when
+        there is nothing to send (a token whose logprobs wait for its text)."""
+        shaped = self.logprobs(logprobs, text, final=bool(finish))
+        if not (text or finish or role or shaped):
+            return None
+        choice: dict[str, Any] = {"index": 0, "logprobs": shaped,
                                   "finish_reason": FINISH.get(finish)}  # fmt: skip
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}

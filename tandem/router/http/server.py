@@ -539,9 +539,10 @@ async def _events(first, responses, shaper: Shaper, include_usage: bool) -> Asyn
             yield _sse(shaper.chunk("", role=True))
         response = first
         while True:
-            if response.text or response.finish_reason or response.logprobs:
-                yield _sse(shaper.chunk(response.text, response.finish_reason,
-                                        logprobs=response.logprobs))  # fmt: skip
+            chunk = shaper.chunk(response.text, response.finish_reason,
+                                 logprobs=response.logprobs)  # fmt: skip
+            if chunk is not None:
+                yield _sse(chunk)
             if response.finish_reason:
                 if include_usage:
                     yield _sse(shaper.usage_chunk(response.usage))

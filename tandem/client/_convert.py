@@ -20,6 +20,8 @@ from tandem.client.types import (
     TokenLogprob,
     Usage,
 )
+from tandem.engine.sampling_params import to_float32
+from tandem.errors import InvalidRequestError
 
 _FINISH: dict[int, FinishReason] = {
     tandem_pb2.FINISH_REASON_STOP: "stop",
@@ -83,6 +85,11 @@ def generate_request(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{name} must be within float32's range, got {value!r}",
                 )
+            if getattr(s, name) == 0 and value != 0:  # under float32's range: not 0
+                try:
+                    setattr(s, name, to_float32(name, value))
+                except InvalidRequestError as exc:
+                    raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     stops = [stop] if isinstance(stop, str) else list(stop or ())  # one string, not its letters
     if not all(isinstance(x, str) for x in stops):
         raise InvalidRequest(

@@ -88,6 +88,26 @@ def _bad(field: str, message: str) -> None:
     raise InvalidRequestError(field, message)
 
 
+# float32's smallest positive value (a subnormal): a smaller magnitude is 0 in float32.
+FLOAT32_TINY = 1.401298464324817e-45
+
+
+def to_float32(name: str, value: float) -> float:
+    """``value`` of the float sampling field ``name`` as its float32 field is to carry it.
+
+    float32 flushes a magnitude under ``FLOAT32_TINY`` to 0, and the checks then
+    judged and quoted that 0 rather than the value sent (top_p 1e-50, in (0, 1], was
+    refused as "got 0.0"; temperature 1e-50 became 0, greedy). Such a value is checked
+    here as sent (InvalidRequestError naming it), and carried as ``FLOAT32_TINY`` of its
+    sign where valid, which only top_p and min_p can be: it means what the value did
+    (any top_p under the sampler's 1e-7 slack keeps the most likely token alone; a
+    min_p that small drops nothing the softmax gives a probability above 0)."""
+    if value == 0 or _float32(value) != 0:
+        return value
+    SamplingParams(**{name: value})
+    return math.copysign(FLOAT32_TINY, value)
+
+
 def _float32(bound: float) -> float:
     """``bound`` as a float32 field carries it (the wire's sampling fields are float32:
     1e-5 arrives as 9.9999997e-06), so that the documented bound itself is accepted."""

@@ -90,6 +90,9 @@ def test_chat_and_completions_have_openai_shapes_streamed_or_not(frontend):
         # a huge JSON integer was a 500 (OverflowError), 1e40 was refused as "got inf"
         ({"temperature": 10**400}, 400, "temperature", "must be within float32's range"),
         ({"top_p": 1e40}, 400, "top_p", "must be within float32's range, got 1e+40"),
+        # float32 made it 0: refused as "got 0.0", or (temperature) taken as greedy
+        ({"top_p": -1e-50}, 400, "top_p", "top_p must be in (0, 1], got -1e-50"),
+        ({"temperature": 1e-50}, 400, "temperature", "or at least 1e-05, got 1e-50"),
         ({"top_k": -5}, 400, "top_k", "top_k must be -1 or 0 (off) or at least 1, got -5"),
         ({"n": 2}, 400, "n", "n must be 1"),
         ({"stop": [1]}, 400, "stop", "array of strings"),
@@ -475,6 +478,21 @@ def test_logprobs_of_tokens_inside_a_character_carry_its_bytes_and_offsets(front
     chat = protocol.Shaper(protocol.parse({"model": MODEL, "messages": CHAT}, True, MODEL),
                            MODEL, tok).logprobs(logprobs)  # fmt: skip
     assert b"".join(bytes(e["bytes"]) for e in chat["content"]) == "aé€b".encode()
+
+
+def test_a_top_p_under_float32s_range_is_served_not_refused_as_zero(frontend):
+    # top_p=1e-50 is in (0, 1], but float32 made it 0: "top_p must be in (0, 1], got 0.0".
+    from tandem.engine.sampling_params import FLOAT32_TINY
+
+    async def scenario():
+        async with cluster(frontend, http_port=0) as c:
+            async with httpx.AsyncClient(base_url=f"http://{c.router.http_address}") as http:
+                body = {"model": MODEL, "prompt": "hi", "top_p": 1e-50, "max_tokens": 5}
+                r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert c.decode[0].calls[-1].request.request.sampling.top_p == FLOAT32_TINY
+
+    run(scenario())
 
 
 def test_text_offsets_stay_in_the_text_a_stop_string_cut(frontend):

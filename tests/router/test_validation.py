@@ -125,6 +125,25 @@ def test_a_decode_pool_smaller_than_the_context_bounds_what_is_served(frontend):
     asyncio.run(scenario())
 
 
+def test_a_value_under_float32s_range_is_judged_as_sent_not_as_zero(frontend):
+    # The wire's float32 made top_p=1e-50, in (0, 1], a 0: refused as "got 0.0".
+    # Carried as float32's smallest, it keeps the most likely token, as asked.
+    from tandem.engine.sampling_params import FLOAT32_TINY
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            done = await c.client.complete("hi", top_p=1e-50, min_p=1e-50)
+            assert done.finish_reason == "length"
+            sampling = c.decode[0].calls[-1].request.request.sampling
+            assert (sampling.top_p, sampling.min_p) == (FLOAT32_TINY, FLOAT32_TINY)
+            # It was a silent 0 (greedy): refused, with the limit and the value sent.
+            with pytest.raises(InvalidRequest, match=r"^INVALID_ARGUMENT: temperature must be 0 "
+                               r"\(greedy\) or at least 1e-05, got 1e-50$"):  # fmt: skip
+                await c.client.complete("hi", temperature=1e-50)
+
+    asyncio.run(scenario())
+
+
 def test_client_raises_invalid_request_naming_the_field(frontend):
     async def scenario():
         async with cluster(frontend) as c:

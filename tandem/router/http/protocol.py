@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem._proto.tandem.v1 import tandem_pb2
+from tandem.engine.sampling_params import to_float32
+from tandem.errors import InvalidRequestError
 from tandem.router.limits import InputLimits
 
 MAX_LOGPROBS = 20
@@ -245,7 +247,10 @@ def _sampling(body: dict, s: tandem_pb2.SamplingParams, chat: bool) -> str:
         if value is not None:
             if not abs(value) <= FLOAT32_MAX:  # a float field: past it, inf (a huge int: a 500)
                 raise bad(name, f"{name} must be within float32's range, got {_short(value)}")
-            setattr(s, name, value)
+            try:
+                setattr(s, name, to_float32(name, value))  # under float32's range: not 0
+            except InvalidRequestError as exc:
+                raise bad(name, str(exc)) from None
     top_k = _field(body, "top_k", int)
     if top_k is not None:
         if top_k < -1:

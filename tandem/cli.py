@@ -454,7 +454,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             demo_load(cluster.address, **connect)
             log.info("demo: stopping the cluster")
     except BaseException:
-        log.error("demo: the processes' logs are in %s", cluster.run_dir)
+        if cluster.run_dir.exists():  # gone if the start failed before any process logged
+            log.error("demo: the processes' logs are in %s", cluster.run_dir)
         raise
     return 0
 

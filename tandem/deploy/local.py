@@ -222,7 +222,8 @@ class LocalCluster:
     def __init__(self, config: ClusterConfig, run_dir: str | Path | None = None) -> None:
         """``run_dir``: where the processes' configs and logs go (default: the config's
         ``log_dir``, else a fresh temporary directory, ``owns_run_dir``, which a ``with``
-        block that ends without an error removes; after an error it is kept)."""
+        block that ends without an error removes; after an error it is kept, unless
+        the start failed before any process had a log in it)."""
         self.config = config
         run_dir = run_dir or (config.log_dir and Path(config.log_dir).expanduser())
         self.owns_run_dir = not run_dir
@@ -309,6 +310,7 @@ class LocalCluster:
             self._forget_credentials()
         except BaseException:
             self.stop()
+            self._drop_unused_run_dir()
             raise
         self.address = router.ready["grpc"]
         http = router.ready.get("http", "-")
@@ -432,6 +434,15 @@ class LocalCluster:
             if self._run_dir_lock is not None:
                 os.close(self._run_dir_lock)  # and with it the lock
                 self._run_dir_lock = None
+
+    def _drop_unused_run_dir(self) -> None:
+        """A start that failed before it started any process (a cluster file it cannot
+        read, a Ctrl-C while the model was looked up) has nothing to show in a run dir
+        of its own making: removed, or each such failure left an empty tandem-run-* in
+        the temporary directory. Once a process has a log there, the dir is kept: the
+        failure's explanation is in it."""
+        if self.owns_run_dir and not any(self.run_dir.glob("*.log")):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _lock_run_dir(self) -> None:
         """Makes the run dir and takes it for this launcher: two clusters writing the same

@@ -380,3 +380,25 @@ def test_a_with_block_removes_its_temporary_run_dir_unless_it_ends_in_an_error(
     with FakeCluster(_config(), tmp_path / "given") as given:  # one given is the caller's
         pass
     assert (given.run_dir / "router.log").exists()
+
+
+def test_a_start_that_fails_before_any_process_leaves_no_empty_run_dir(tmp_path, monkeypatch):
+    # A cluster file it could not read failed `tandem serve` with a tandem-run-* dir
+    # left behind holding nothing but the lock. One whose processes logged is kept.
+    from tandem.config import ClusterSecurityConfig
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    missing = ClusterSecurityConfig(*(str(tmp_path / name) for name in ("ca", "cert", "key", "kv")))
+    early = FakeCluster(_config(cluster=missing))
+    with pytest.raises(ConfigError, match="cannot read"):
+        early.start()
+    assert early.started == [] and list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("FAKE_MODE_DECODE", "crash")
+    late = FakeCluster(_config())
+    with pytest.raises(StartError, match=r"decode-0 exited .* last lines of .*decode-0\.log"):
+        late.start()
+    assert "boom: cannot load the model" in (late.run_dir / "decode-0.log").read_text()
+    given = FakeCluster(_config(cluster=missing), tmp_path / "given")  # the caller's: kept
+    with pytest.raises(ConfigError, match="cannot read"):
+        given.start()
+    assert given.run_dir.is_dir()

@@ -456,6 +456,11 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
     key = f"{_CACHE_FORMAT}|{torch.__version__}|{cpu_flags()}|amx={amx}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     cached = model_dir / f"int4-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
+    from tandem.engine.loader import owned_name, remove_abandoned
+
+    # A build killed beside one that completed left its partial file: found here, not
+    # only when this start builds again (a start that finds the file never would).
+    remove_abandoned(cached.parent, cached.name)
     if cached.is_file():
         try:
             packed = _fitting(model, _load_checked(cached), amx, f32)
@@ -481,9 +486,6 @@ def load_packed(model: LlamaModel, gguf: Path, model_dir: Path, dtype: torch.dty
         for part, t in forms._asdict().items()
         if t is not None
     }
-    from tandem.engine.loader import owned_name, remove_abandoned
-
-    remove_abandoned(cached.parent, cached.name)
     partial = cached.with_name(f"{owned_name(cached.name)}.partial")
     try:
         save_file(tensors, str(partial), metadata={"xxh3_128": _digest(tensors)})

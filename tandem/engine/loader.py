@@ -91,6 +91,9 @@ def _atomic_dir(target: Path, build) -> Path:
     """Build into a temporary sibling and rename, so a crash never leaves half a model
     where it is looked for; what an interrupted build left beside it goes next time."""
     if (target / "config.json").is_file():
+        # Another start's build may have won while one killed beside it left its copy:
+        # only a build looked for such copies, and none would build again.
+        remove_abandoned(target.parent, target.name)
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

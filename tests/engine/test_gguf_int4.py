@@ -6,6 +6,8 @@ computes with exactly the dense weights."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -524,7 +526,19 @@ def test_a_cache_file_that_does_not_fit_is_rebuilt_and_one_that_cannot_be_kept_i
         rebuilt = gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16)
     assert f"rebuilding {cached}, which does not fit the model" in caplog.text
     assert rebuilt.keys() == built.keys()
+    # A build killed beside one that completed left its partial file, and only a build
+    # looked for it: a start that finds the cache file removes it (a live one's stays).
+    from tandem.engine import loader
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dead = cached.with_name(f"{cached.name}.{loader._owner()}.{ended}.partial")
+    live = cached.with_name(f"{loader.owned_name(cached.name)}.partial")
+    for partial in (dead, live):
+        partial.write_bytes(b"half the codes")
     assert gguf_int4.load_packed(model, gguf, tmp_path, torch.bfloat16).keys() == built.keys()
+    assert not dead.exists() and live.exists()
+    live.unlink()
     # A file whose bytes changed after it was written (a bit flipped on disk) is
     # rebuilt too: the torch-packed form has no other check, and decoded wrong tokens.
     from safetensors import safe_open

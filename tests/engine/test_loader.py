@@ -162,6 +162,26 @@ def test_a_start_removes_what_an_interrupted_one_left(tmp_path):
     assert not dead.exists() and live.exists() and all(o.exists() for o in others)
 
 
+def test_a_start_that_finds_the_model_built_removes_what_a_killed_build_left(tmp_path):
+    # Two starts built at once and one was killed: the other's copy was found from
+    # then on, and the killed one's (up to the model's size) was never looked for again.
+    built = resolve_model("tiny-random", tmp_path / "cache")
+    dead = built.with_name(f"{built.name}.{loader._owner()}.{_ended_pid()}.abcd1234")
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"half a model")
+    live = built.with_name(f"{loader.owned_name(built.name)}.efgh5678")  # at work still
+    live.mkdir()
+    assert resolve_model("tiny-random", tmp_path / "cache") == built
+    assert not dead.exists() and live.exists()
+
+
+def _ended_pid() -> str:
+    """The pid of a process that has ended."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    return ended.stdout.strip()
+
+
 def test_whether_a_model_needs_building_is_read_without_building_it(tmp_path):
     cache = tmp_path / "cache"
     assert loader.needs_building("tiny-random", cache)

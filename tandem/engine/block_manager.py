@@ -80,13 +80,19 @@ class BlockPool:
                 self._forget_hash(block)
                 self.ref_counts[block] = 1
                 out.append(block)
-        except BaseException:  # all or nothing: those taken go back to the front, unhashed
-            for block in reversed(out):
-                self.ref_counts[block] = 0
-                self._free[block] = None
-                self._free.move_to_end(block, last=False)
+        except BaseException:  # all or nothing: those taken go back, unhashed
+            self.give_back(out)
             raise
         return out
+
+    def give_back(self, blocks: Sequence[int]) -> None:
+        """Undo the ``allocate`` that returned ``blocks``, before anything used them: free
+        again, at the front of the free list where they were, so that the next
+        allocation takes them rather than evicting another cached block."""
+        for block in reversed(blocks):
+            self.ref_counts[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
 
     def share(self, block: int) -> None:
         """Take another reference to a block (a prefix-cache hit or a fork)."""

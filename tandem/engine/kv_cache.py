@@ -283,12 +283,16 @@ class KVCache:
         if need > self.pool.num_free:
             return False
         blocks = self.pool.allocate(need)
-        # Attention reads a block's unwritten slots (masked); a freed block's old values
-        # there could be NaN/inf, and masking cannot hide those. Zero them once here
-        # rather than masking on every read.
-        self.tensor.index_fill_(2, torch.tensor(blocks, device=self.tensor.device), 0)
-        if self.on_kv_op is not None:
-            self.on_kv_op(("zero", blocks))
+        try:
+            # Attention reads a block's unwritten slots (masked); a freed block's old
+            # values there could be NaN/inf, and masking cannot hide those. Zero them
+            # once here rather than masking on every read.
+            self.tensor.index_fill_(2, torch.tensor(blocks, device=self.tensor.device), 0)
+            if self.on_kv_op is not None:
+                self.on_kv_op(("zero", blocks))
+        except BaseException:  # no block table holds them yet: nothing else would free them
+            self.pool.give_back(blocks)
+            raise
         seq.block_table.extend(blocks)
         return True
 

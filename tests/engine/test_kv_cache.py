@@ -115,6 +115,39 @@ def test_ensure_is_all_or_nothing() -> None:
     kv.pool.check_integrity()
 
 
+@pytest.mark.parametrize("where", ["tensor", "ranks"])
+def test_ensure_gives_the_blocks_back_when_zeroing_them_fails(where, monkeypatch) -> None:
+    # The blocks were taken from the pool before they were zeroed (here, and with tensor
+    # parallelism queued for the other ranks): a failure there left them in no block
+    # table and off the free list, for good.
+    kv = make_kv(num_blocks=6)
+    holder = prefilled(kv, TOKENS, "cached")  # three cached blocks, then freed
+    kv.free(holder)
+    seq = make_seq(list(range(8)))
+    assert kv.ensure(seq, 4) and seq.block_table == [3]
+    before = (kv.pool.num_free, list(kv.pool._free), dict(kv.pool.hash_to_block))
+
+    def fails(*args) -> None:
+        raise RuntimeError("the zeroing failed")
+
+    with monkeypatch.context() as patch:
+        if where == "tensor":
+            patch.setattr(torch.Tensor, "index_fill_", fails)
+        else:
+            patch.setattr(kv, "on_kv_op", fails)
+        with pytest.raises(RuntimeError, match="the zeroing failed"):
+            kv.ensure(seq, 8)
+    # Back where they were: at the front of the free list, so that the next allocation
+    # takes them rather than evicting cached blocks.
+    assert (kv.pool.num_free, list(kv.pool._free), kv.pool.hash_to_block) == before
+    assert seq.block_table == [3]
+    kv.pool.check_integrity()
+    assert kv.ensure(seq, 8) and kv.pool.num_free == before[0] - 1
+    kv.free(seq)
+    assert kv.pool.num_free == 6
+    kv.pool.check_integrity()
+
+
 # --- commit ---
 
 

@@ -235,7 +235,9 @@ class PromptComposer:
 
 def load_jsonl(path: str | Path, default_output_len: int) -> list[RequestSpec]:
     specs = []
-    for lineno, line in enumerate(_read(path).splitlines(), 1):
+    # Lines end at LF (CRLF too: JSON ignores the CR), not at what str.splitlines()
+    # also splits at (U+2028, U+0085...), which JSON may hold unescaped inside a string.
+    for lineno, line in enumerate(_read(path).split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"

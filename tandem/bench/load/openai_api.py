@@ -156,7 +156,7 @@ class OpenAIClient:
                 if r.status_code != 200:
                     await r.aread()
                     _raise_for(r)
-                async for line in r.aiter_lines():
+                async for line in _sse_lines(r):
                     if time.monotonic() > deadline:
                         raise TandemClientError(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -186,6 +186,20 @@ class OpenAIClient:
             raise TandemClientError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
         except httpx.HTTPError as exc:
             raise TandemClientError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+
+
+async def _sse_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, split at LF (a CR before it dropped), as SSE splits them (but
+    at a lone CR, which no server sends). httpx's ``aiter_lines`` also splits at U+2028,
+    U+2029 and U+0085 (``str.splitlines``), which may stand unescaped inside an event's
+    JSON (valid SSE and JSON): an answer with one of them was counted as a failure."""
+    rest = ""
+    async for text in r.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if rest:
+        yield rest.removesuffix("\r")
 
 
 def _raise_for(r: httpx.Response) -> None:

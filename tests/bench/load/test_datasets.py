@@ -103,6 +103,15 @@ def test_jsonl_prompts_chats_and_output_lengths(tmp_path):
     assert [s.input_len for s in counted] == [5, 3]
 
 
+def test_jsonl_strings_may_hold_the_line_separators_json_leaves_unescaped(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 as they are; the
+    # file was split at them too (str.splitlines), and the record refused as "not JSON".
+    path = tmp_path / "prompts.jsonl"
+    prompt = "one\u2028two\u2029three\x85four"
+    path.write_bytes((json.dumps({"prompt": prompt}, ensure_ascii=False) + "\r\n").encode())
+    assert datasets.load_jsonl(path, 5) == [RequestSpec(prompt=prompt, output_len=5)]
+
+
 @pytest.mark.parametrize(
     "line, message",
     [("not json", "prompts.jsonl:1: not JSON"),

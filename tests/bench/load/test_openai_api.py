@@ -42,6 +42,35 @@ def test_timeout_is_the_whole_requests_deadline_as_over_grpc():
     assert 3 <= len(texts) < 20
 
 
+def test_an_answer_with_unicode_line_separators_is_one_event_not_a_failure():
+    # Valid SSE and JSON carry U+2028, U+2029 and U+0085 unescaped inside an event; the
+    # client split lines at them too (httpx's aiter_lines) and failed on half an event.
+    text = "a\u2028b\u2029c\x85d"
+    chunk = {"choices": [{"text": text, "finish_reason": "stop"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in (chunk, usage))
+    pieces = [p.encode() for p in (body[:9], body[9:40], body[40:]) + ("data: [DONE]\n\n",)]
+
+    async def events():
+        for piece in pieces:  # an event cut anywhere across reads
+            yield piece
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=events())
+
+    async def scenario():
+        client = OpenAIClient("http://fake", timeout=5)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                         base_url="http://fake")  # fmt: skip
+        chunks = [c async for c in client.generate("hi", max_tokens=4)]
+        await client._http.aclose()
+        return chunks
+
+    chunks = asyncio.run(scenario())
+    assert "".join(c.text for c in chunks) == text
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].finish_reason == "stop"
+
+
 def test_connection_flags_are_those_of_the_tandem_client():
     # They were dropped: --tls still spoke http://, and the key went in clear.
     from tandem.errors import ConfigError

@@ -495,6 +495,18 @@ def test_a_top_p_under_float32s_range_is_served_not_refused_as_zero(frontend):
     run(scenario())
 
 
+def test_an_event_is_one_line_to_a_client_that_splits_at_unicode_line_breaks():
+    # JSON leaves U+2028, U+2029 and U+0085 unescaped in a string: an answer holding one
+    # cut the event in two for a client reading lines with str.splitlines() (httpx's
+    # aiter_lines), which then failed on half a JSON object.
+    from tandem.router.http.server import _sse
+
+    event = {"choices": [{"text": "a\u2028b\u2029c\x85d é"}]}
+    line, *rest = _sse(event).splitlines()
+    assert rest == [""] and json.loads(line.removeprefix("data: ")) == event
+    assert "é" in line  # the rest stays as it is
+
+
 def test_text_offsets_stay_in_the_text_a_stop_string_cut(frontend):
     # Every token sampled is listed, those of the stop string too, but the offsets
     # went on counting their characters: past the end of the text the client got.

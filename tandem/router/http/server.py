@@ -606,8 +606,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(ApiError(500, f"internal error: {type(exc).__name__}", None, "server_error"))
 
 
+# Line breaks to str.splitlines() (and httpx's aiter_lines) that JSON leaves unescaped in
+# a string: escaped, so that a client splitting lines that way reads whole events.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def _api_error(exc: Exception, parsed: Parsed | None) -> ApiError:

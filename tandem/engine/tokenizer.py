@@ -261,6 +261,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Returns the text that ``token_id`` completes, possibly ""."""
+        if self._tokenizer.special_name(token_id) is not None:
+            # Skipped by every decode (removed before the decoder runs), so it is left
+            # out of the window, which a run of them (an answer under ignore_eos) grew
+            # without end, each token decoding the whole run again.
+            return ""
         self._ids.append(token_id)
         prefix_text, new_text = self._decode_window()
         start = len(prefix_text) + self._ahead
@@ -269,7 +274,7 @@ class IncrementalDetokenizer:
             delta = complete[start:]
             self._ahead += len(delta)
             return delta
-        # Equal lengths: a skipped special token. It stays in the window and decodes to "".
+        # Equal lengths: a token that adds no character yet; it stays in the window.
         if len(new_text) <= start:
             return ""
         self._advance()

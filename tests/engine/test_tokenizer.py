@@ -279,6 +279,20 @@ def test_special_tokens_are_skipped(smol):
     ]
 
 
+def test_a_run_of_special_tokens_does_not_grow_what_each_token_decodes(smol, monkeypatch):
+    # They stayed in the window: under ignore_eos a model that repeats <|im_end|>
+    # made every token decode the whole run again (quadratic in the answer).
+    start = next(i for i in range(smol.vocab_size) if smol.token_bytes(i) == b" \xe2\x80")
+    end = next(i for i in range(smol.vocab_size) if smol.token_bytes(i) == b"\x9c")
+    ids = [*smol.encode("Hello"), start, *[EOS, BOS] * 500, end, *smol.encode(" world")]
+    decoded: list[int] = []
+    decode = smol.decode
+    monkeypatch.setattr(smol, "decode", lambda ids: decoded.append(len(ids)) or decode(ids))
+    deltas = stream(smol, ids)
+    assert "".join(deltas) == decode(ids) == "Hello \u201c world"  # the quote's bytes joined
+    assert max(decoded) < 10
+
+
 def test_every_character_split_into_bytes(byte_tok):
     text = "héllo 你好 🎉"
     ids = byte_tok.encode(text)

@@ -47,6 +47,10 @@ MAX_CONNECTION_AGE_S, CONNECTION_AGE_GRACE_S = 600.0, 3600.0
 # Streams one connection may hold open (unbounded, each costs the router memory).
 MAX_STREAMS_PER_CONNECTION = 1024
 CLIENT_PING_S, CLIENT_PING_TIMEOUT_S = 60.0, 20.0
+# Health.Watch streams open at once across the port (server.py): no key is needed for
+# one, and each holds a call and a task for up to a connection's age and grace, so
+# that connections times streams per connection of them would hold the router's memory.
+MAX_HEALTH_WATCHES = 1024
 
 
 def raise_descriptor_limit() -> int:

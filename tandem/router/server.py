@@ -26,6 +26,7 @@ from tandem.config import RouterConfig, host_port
 from tandem.errors import ConfigError
 from tandem.keepalive import LAST_REPLIES_S, SERVER_OPTIONS, channel_options
 from tandem.metrics import MetricsEndpoint, RouterMetrics
+from tandem.router import public_port
 from tandem.router.admission import Admission
 from tandem.router.auth import CERTIFICATE_CALLERS, AuthInterceptor
 from tandem.router.disaggregation import PrefillRouting
@@ -47,6 +48,31 @@ from tandem.security.tls import is_loopback
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+
+
+class _BoundedHealth(health.aio.HealthServicer):
+    """gRPC's health service, its Watch streams bounded across the server (``limit``):
+    past it a Watch is refused RESOURCE_EXHAUSTED, naming the limit, while Check and
+    the Watch streams already open go on. No key is needed for health, and without a
+    bound every connection the port admits could hold 1,024 Watch streams."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+        self._watches = 0
+
+    async def Watch(self, request, context) -> None:
+        if self._watches >= self._limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._limit} Health.Watch streams are open, the most this router "
+                "serves at once: use Health.Check, or watch again later",
+            )
+        self._watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watches -= 1
 
 
 class Router:
@@ -143,7 +169,7 @@ class Router:
         )
         service = TandemService(self.gateway, self.config.stream_stall_timeout_s)
         tandem_pb2_grpc.add_TandemServicer_to_server(service, server)
-        self._health = health.aio.HealthServicer()
+        self._health = _BoundedHealth(public_port.MAX_HEALTH_WATCHES)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

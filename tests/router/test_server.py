@@ -167,6 +167,38 @@ def test_a_client_that_stops_reading_its_stream_is_let_go(frontend):
 
 # A client's HTTP/2 connection preface, an empty SETTINGS frame and the ACK of the
 # server's: a connection ready for calls, which makes none.
+def test_health_watch_streams_are_bounded_across_the_server(frontend, monkeypatch):
+    # No key is needed for health, and each Watch stays open for up to a connection's
+    # age and grace: without a bound, connections times 1,024 streams each.
+    from tandem.router import public_port
+
+    monkeypatch.setattr(public_port, "MAX_HEALTH_WATCHES", 2)
+
+    async def scenario():
+        async with cluster(frontend) as c:
+            channels = [grpc.aio.insecure_channel(c.router.address) for _ in range(2)]
+            stubs = [health_pb2_grpc.HealthStub(ch) for ch in channels]
+            request = health_pb2.HealthCheckRequest(service="")
+            watches = [stubs[0].Watch(request), stubs[1].Watch(request)]
+            for watch in watches:
+                await watch.read()
+            refused = stubs[1].Watch(request)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await refused.read()
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "2 Health.Watch streams are open" in info.value.details()
+            assert (await stubs[1].Check(request)).status == health_pb2.HealthCheckResponse.SERVING
+            watches[0].cancel()  # its room goes to the next
+            await wait_until(lambda: c.router._health._watches == 1, what="watch ended")
+            again = stubs[1].Watch(request)
+            assert (await again.read()).status == health_pb2.HealthCheckResponse.SERVING
+            again.cancel()
+            for channel in channels:
+                await channel.close()
+
+    run(scenario())
+
+
 _IDLE_CLIENT = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
                 + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00")  # fmt: skip
 

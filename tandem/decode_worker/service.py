@@ -82,6 +82,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     block_ids=dest.block_ids,
                     lease_seconds=admission.lease_s,
                     skip_blocks=dest.skip_blocks,
+                    block_size=self.server.engine.kv.block_size,
                 )
             )
             try:

@@ -114,6 +114,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 f"prefill worker {self.server.worker_id} has {len(self._active)} requests, "
                 f"its limit (max_queue={limit}); try another worker",
             )
+        theirs, mine = request.destination.block_size, engine.kv.block_size
+        if theirs and theirs != mine:  # the destination's blocks, counted in its size
+            await self._refuse_destination(
+                context, request, f"handshake (block_size: prefill {mine}, decode {theirs})"
+            )
         await loop.ended(request.request.request_id)  # an earlier call's, cancelled
         try:
             req = parse_request(request.request, engine, prefill_only=True)
@@ -186,6 +191,20 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 await asyncio.shield(ended)
             except Exception:  # the call's own outcome stands
                 log.exception("freeing the blocks of %s failed", rid)
+
+    async def _refuse_destination(self, context, request: worker_pb2.PrefillRequest, why: str):
+        """Ends the call as a KV handshake that failed ends it (ABORTED, the reason in the
+        trailing metadata, counted): a decode worker configured otherwise, which the
+        router takes out of this worker's placement for a while, not a bad request.
+        Before this, a decode worker of larger blocks was refused INVALID_ARGUMENT
+        ("destination.block_ids must hold ..."), which blamed the client."""
+        self.server.transfer_metrics.record_failure("handshake")
+        context.set_trailing_metadata(((KV_FAILURE_KEY, "handshake"),))
+        await context.abort(
+            grpc.StatusCode.ABORTED,
+            f"KV transfer of {request.request.request_id} to {request.destination.address} "
+            f"failed: {why}",
+        )
 
     async def Status(self, request, context) -> worker_pb2.WorkerStatus:
         if self.server.draining:  # out of placement until it has gone (router: down)

@@ -137,16 +137,22 @@ def test_reservation_gone_before_the_kv_arrives_is_aborted(pair):
     assert pair.prefill.server.sender.metrics.failures == failures
 
 
-def test_mismatched_decode_worker_is_named_at_once(bg, pair):
+@pytest.mark.parametrize("prompt", [10, 20], ids=["one-block-either-side", "two-blocks-here"])
+def test_mismatched_decode_worker_is_named_at_once(bg, pair, prompt):
+    # With more blocks here than there, the destination's blocks were counted in this
+    # worker's size and refused INVALID_ARGUMENT, blaming the client's request.
     other = start_worker(bg, DecodeConfig(engine=engine_config(block_size=32, num_blocks=8)))
     try:
-        req = request([5] * 10, PARAMS)  # one block on either side
+        req = request([5] * prompt, PARAMS)
         stream = other.stub.Decode(worker_pb2.DecodeRequest(request=req), timeout=TIMEOUT)
         dest = next(stream).destination
         with pytest.raises(grpc.RpcError) as err:
             prefill(pair.prefill, req, dest)
         assert err.value.code() == grpc.StatusCode.ABORTED  # the decode side failed, not us
         assert "block_size: prefill 16, decode 32" in err.value.details()
+        # The reason, for the router: the pair cannot work, so it is put in cooldown.
+        assert ("tandem-kv-failure", "handshake") in tuple(err.value.trailing_metadata())
+        wait_until(lambda: pair.prefill.used_blocks() == 0, what="prefill blocks freed")
         stream.cancel()
         other.check_clean()
     finally:

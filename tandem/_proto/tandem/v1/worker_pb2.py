@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from tandem._proto.tandem.v1 import tandem_pb2 as tandem_dot_v1_dot_tandem__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/tandem.proto\"\'\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\"\x98\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"s\n\rKvDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\"j\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12-\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x18.tandem.v1.KvDestination\"\xc6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x05 \x01(\x01\x12.\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\"f\n\rDecodeRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12\x14\n\x0cprefill_here\x18\x02 \x01(\x08\x12\x14\n\x0cprompt_whole\x18\x03 \x01(\x08\"q\n\x0e\x44\x65\x63odeResponse\x12/\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x18.tandem.v1.KvDestinationH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x42\x06\n\x04kind\"\xa3\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x0f\n\rStatusRequest\"\x82\x06\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nkv_address\x18\x08 \x01(\t\x12\x0e\n\x06served\x18\t \x01(\x04\x12\x1a\n\x12kv_transfers_total\x18\n \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x0b \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\x0c \x01(\x01\x12\x1b\n\x13prefix_query_tokens\x18\r \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0e \x01(\x04\x12\x16\n\x0eprefilled_here\x18\x0f \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x10 \x01(\t\x12\x18\n\x10host_blocks_used\x18\x11 \x01(\r\x12\x1c\n\x14host_swaps_out_total\x18\x12 \x01(\x04\x12\x1b\n\x13host_swaps_in_total\x18\x13 \x01(\x04\x12$\n\x1chost_prefix_hit_blocks_total\x18\x14 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\r\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\x16 \x01(\x01\x12\x1d\n\x15prefill_token_seconds\x18\x17 \x01(\x01\x12#\n\x1bshipped_prefix_query_tokens\x18\x18 \x01(\x04\x12!\n\x19shipped_prefix_hit_tokens\x18\x19 \x01(\x04\x12\x15\n\rkv_block_size\x18\x1a \x01(\r\x12\x18\n\x10kv_window_tokens\x18\x1b \x01(\r\x12\x1f\n\x17prefix_cache_max_tokens\x18\x1c \x01(\r*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\x90\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse0\x01\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus2\xd7\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12I\n\nRenewLease\x12\x1c.tandem.v1.RenewLeaseRequest\x1a\x1d.tandem.v1.RenewLeaseResponse\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/tandem.proto\"\'\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\"\x98\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x87\x01\n\rKvDestination\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"j\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12-\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x18.tandem.v1.KvDestination\"\xc6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x05 \x01(\x01\x12.\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\"f\n\rDecodeRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12\x14\n\x0cprefill_here\x18\x02 \x01(\x08\x12\x14\n\x0cprompt_whole\x18\x03 \x01(\x08\"q\n\x0e\x44\x65\x63odeResponse\x12/\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x18.tandem.v1.KvDestinationH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x42\x06\n\x04kind\"\xa3\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x0f\n\rStatusRequest\"\x82\x06\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nkv_address\x18\x08 \x01(\t\x12\x0e\n\x06served\x18\t \x01(\x04\x12\x1a\n\x12kv_transfers_total\x18\n \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x0b \x01(\x04\x12!\n\x19kv_transfer_seconds_total\x18\x0c \x01(\x01\x12\x1b\n\x13prefix_query_tokens\x18\r \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0e \x01(\x04\x12\x16\n\x0eprefilled_here\x18\x0f \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x10 \x01(\t\x12\x18\n\x10host_blocks_used\x18\x11 \x01(\r\x12\x1c\n\x14host_swaps_out_total\x18\x12 \x01(\x04\x12\x1b\n\x13host_swaps_in_total\x18\x13 \x01(\x04\x12$\n\x1chost_prefix_hit_blocks_total\x18\x14 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\r\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\x16 \x01(\x01\x12\x1d\n\x15prefill_token_seconds\x18\x17 \x01(\x01\x12#\n\x1bshipped_prefix_query_tokens\x18\x18 \x01(\x04\x12!\n\x19shipped_prefix_hit_tokens\x18\x19 \x01(\x04\x12\x15\n\rkv_block_size\x18\x1a \x01(\r\x12\x18\n\x10kv_window_tokens\x18\x1b \x01(\r\x12\x1f\n\x17prefix_cache_max_tokens\x18\x1c \x01(\r*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\x90\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse0\x01\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatus2\xd7\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12I\n\nRenewLease\x12\x1c.tandem.v1.RenewLeaseRequest\x1a\x1d.tandem.v1.RenewLeaseResponse\x12;\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x17.tandem.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1897
-  _globals['_ROLE']._serialized_end=1960
+  _globals['_ROLE']._serialized_start=1918
+  _globals['_ROLE']._serialized_end=1981
   _globals['_RENEWLEASEREQUEST']._serialized_start=61
   _globals['_RENEWLEASEREQUEST']._serialized_end=100
   _globals['_RENEWLEASERESPONSE']._serialized_start=102
   _globals['_RENEWLEASERESPONSE']._serialized_end=139
   _globals['_WORKERREQUEST']._serialized_start=142
   _globals['_WORKERREQUEST']._serialized_end=294
-  _globals['_KVDESTINATION']._serialized_start=296
-  _globals['_KVDESTINATION']._serialized_end=411
-  _globals['_PREFILLREQUEST']._serialized_start=413
-  _globals['_PREFILLREQUEST']._serialized_end=519
-  _globals['_PREFILLRESPONSE']._serialized_start=522
-  _globals['_PREFILLRESPONSE']._serialized_end=720
-  _globals['_DECODEREQUEST']._serialized_start=722
-  _globals['_DECODEREQUEST']._serialized_end=824
-  _globals['_DECODERESPONSE']._serialized_start=826
-  _globals['_DECODERESPONSE']._serialized_end=939
-  _globals['_TOKENCHUNK']._serialized_start=942
-  _globals['_TOKENCHUNK']._serialized_end=1105
-  _globals['_STATUSREQUEST']._serialized_start=1107
-  _globals['_STATUSREQUEST']._serialized_end=1122
-  _globals['_WORKERSTATUS']._serialized_start=1125
-  _globals['_WORKERSTATUS']._serialized_end=1895
-  _globals['_PREFILLWORKER']._serialized_start=1963
-  _globals['_PREFILLWORKER']._serialized_end=2107
-  _globals['_DECODEWORKER']._serialized_start=2110
-  _globals['_DECODEWORKER']._serialized_end=2325
+  _globals['_KVDESTINATION']._serialized_start=297
+  _globals['_KVDESTINATION']._serialized_end=432
+  _globals['_PREFILLREQUEST']._serialized_start=434
+  _globals['_PREFILLREQUEST']._serialized_end=540
+  _globals['_PREFILLRESPONSE']._serialized_start=543
+  _globals['_PREFILLRESPONSE']._serialized_end=741
+  _globals['_DECODEREQUEST']._serialized_start=743
+  _globals['_DECODEREQUEST']._serialized_end=845
+  _globals['_DECODERESPONSE']._serialized_start=847
+  _globals['_DECODERESPONSE']._serialized_end=960
+  _globals['_TOKENCHUNK']._serialized_start=963
+  _globals['_TOKENCHUNK']._serialized_end=1126
+  _globals['_STATUSREQUEST']._serialized_start=1128
+  _globals['_STATUSREQUEST']._serialized_end=1143
+  _globals['_WORKERSTATUS']._serialized_start=1146
+  _globals['_WORKERSTATUS']._serialized_end=1916
+  _globals['_PREFILLWORKER']._serialized_start=1984
+  _globals['_PREFILLWORKER']._serialized_end=2128
+  _globals['_DECODEWORKER']._serialized_start=2131
+  _globals['_DECODEWORKER']._serialized_end=2346
 # @@protoc_insertion_point(module_scope)

@@ -44,18 +44,20 @@ class WorkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("address", "request_id", "block_ids", "lease_seconds", "skip_blocks")
+    __slots__ = ("address", "request_id", "block_ids", "lease_seconds", "skip_blocks", "block_size")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     address: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_seconds: float
     skip_blocks: int
-    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ..., skip_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "destination")

@@ -214,14 +214,40 @@ def _kind(value: Any) -> str:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's settings (an empty file: none). Stricter than YAML itself, which
+    keeps the last of a key given twice: a second ``router:`` section dropped the first,
+    and with it ``api_keys_file``, so the router served anyone. Names are strings: YAML
+    reads ``on:`` as true and ``1:`` as a number."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # <<: keys it sets may be
+                    continue  # set again here, which is what merging is for
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, str):
+                    raise ConfigError(f"config {path}:{line}: a setting's name must be a "
+                                      f"string, got {_kind(key)}; quote it")  # fmt: skip
+                if key in seen:
+                    raise ConfigError(
+                        f"config {path}:{line}: {key} is set twice (first on line {seen[key]})"
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep)
+
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=Loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a mapping at the top level")
+        raise ConfigError(
+            f"config {path} must be a mapping at the top level, got {type(data).__name__}"
+        )
     return data
 
 

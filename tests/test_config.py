@@ -79,6 +79,37 @@ def test_load_yaml(tmp_path):
         load_yaml(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [  # YAML keeps the last of a key given twice: the first section's keys file was gone
+        ("router:\n  api_keys_file: keys.txt\nnum_decode: 2\nrouter:\n  max_queue: 64\n",
+         r":4: router is set twice \(first on line 1\)$"),
+        ("engine:\n  block_size: 16\n  block_size: 32\n", r":3: block_size is set twice"),
+        ("router:\n  on: 1\n", r":2: a setting's name must be a string, got True \(bool\)"),
+        ("1: 2\n", r":1: a setting's name must be a string, got 1 \(int\)"),
+        ("[]\n", r"must be a mapping at the top level, got list$"),
+        ("false\n", r"must be a mapping at the top level, got bool$"),
+        ("# r\xe9glages\n".encode("latin-1"), r"^cannot read config .*'utf-8' codec"),
+    ],
+    ids=["section-twice", "key-twice", "yaml-on", "number", "list", "false", "latin-1"],
+)  # fmt: skip
+def test_load_yaml_refuses_what_yaml_would_read_otherwise(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=message):
+        load_yaml(path)
+
+
+def test_load_yaml_lets_a_merged_mapping_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "base: &b {block_size: 16, num_blocks: 8}\nengine:\n  <<: *b\n  block_size: 32\n"
+    )
+    assert load_yaml(path)["engine"] == {"block_size": 32, "num_blocks": 8}
+    (tmp_path / "empty.yaml").write_text("# nothing set\n")
+    assert load_yaml(tmp_path / "empty.yaml") == {}
+
+
 def test_role_configs_round_trip_through_yaml(tmp_path):
     from tandem.config import DecodeConfig, RouterConfig, role_config, save_yaml
 

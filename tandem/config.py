@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tandem.errors import ConfigError
+from tandem.keepalive import MAX_KEEPALIVE_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -577,11 +578,12 @@ class RouterConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.worker_keepalive_s <= 0 or self.worker_keepalive_timeout_s <= 0:
-            raise ConfigError(
-                "worker_keepalive_s and worker_keepalive_timeout_s must be > 0, got "
-                f"{self.worker_keepalive_s} and {self.worker_keepalive_timeout_s}"
-            )
+        for name in ("worker_keepalive_s", "worker_keepalive_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_KEEPALIVE_S:  # gRPC's int32 milliseconds (inf too)
+                raise ConfigError(
+                    f"{name} must be seconds in (0, {MAX_KEEPALIVE_S:,}], got {value}"
+                )
         self._check_public_port()
 
     def _check_public_port(self) -> None:
@@ -607,8 +609,10 @@ class RouterConfig:
                 f"key_requests_per_s must be finite and >= 0 (0: no limit), "
                 f"got {self.key_requests_per_s}"
             )
-        if self.max_request_bytes < 1024:
-            raise ConfigError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not 1024 <= self.max_request_bytes < 2**31:  # gRPC's limit is an int32
+            raise ConfigError(
+                f"max_request_bytes must be in [1024, {2**31 - 1:,}], got {self.max_request_bytes}"
+            )
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ConfigError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         for name in ("max_stop_strings", "max_stop_chars", "max_chat_messages"):

@@ -16,6 +16,9 @@ from __future__ import annotations
 # watches, which never end by themselves; a last reply on its way) gets before it is
 # cut. gRPC's own graceful stop waited the whole grace for a watch.
 LAST_REPLIES_S = 0.5
+# The longest ping interval or timeout: gRPC takes them in int32 milliseconds (a longer
+# one, or inf, fails the channel's creation with OverflowError).
+MAX_KEEPALIVE_S = 2**31 // 1000
 
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it

@@ -110,6 +110,19 @@ def test_load_yaml_lets_a_merged_mapping_be_overridden(tmp_path):
     assert load_yaml(tmp_path / "empty.yaml") == {}
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("worker_keepalive_s", float("inf")), ("worker_keepalive_s", 3e6),
+     ("worker_keepalive_timeout_s", float("nan")), ("max_request_bytes", 2**31)],
+)  # fmt: skip
+def test_router_values_that_grpc_cannot_take_are_refused_by_name(field, value):
+    # They passed, and the router died at start with OverflowError, its workers loaded.
+    from tandem.config import RouterConfig
+
+    with pytest.raises(ConfigError, match=rf"^{field} must be .*, got {value}"):
+        RouterConfig(**{field: value})
+
+
 def test_role_configs_round_trip_through_yaml(tmp_path):
     from tandem.config import DecodeConfig, RouterConfig, role_config, save_yaml
 

@@ -28,7 +28,7 @@ API_KEY_ENV = "TANDEM_API_KEY"
 # between may not: ``keepalive_s=None`` turns the pings off.)
 KEEPALIVE_S = 30.0
 KEEPALIVE_TIMEOUT_S = 20.0
-MAX_KEEPALIVE_S = 2**31 // 1000  # gRPC takes the interval in int32 milliseconds
+MAX_KEEPALIVE_S = keepalive.MAX_KEEPALIVE_S
 
 
 @dataclass(frozen=True)

@@ -267,7 +267,7 @@ def test_past_its_bound_of_kinds_a_throttle_still_throttles(caplog):
      ({"max_stop_strings": 0}, "max_stop_strings must be >= 1, got 0"),
      ({"max_stop_chars": 0}, "max_stop_chars must be >= 1, got 0"),
      ({"max_chat_messages": 0}, "max_chat_messages must be >= 1, got 0"),
-     ({"max_request_bytes": 100}, "max_request_bytes must be >= 1024, got 100"),
+     ({"max_request_bytes": 100}, "max_request_bytes must be in [1024, 2,147,483,647], got 100"),
      ({"key_max_streams": -1}, "key_max_streams must be >= 0 (0: no limit), got -1"),
      ({"key_requests_per_s": float("inf")},
       "key_requests_per_s must be finite and >= 0 (0: no limit), got inf")],

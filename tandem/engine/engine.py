@@ -139,7 +139,13 @@ class LLMEngine:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # Per rank: each holds the KV of its own heads (the same blocks on each).
         per_block = bytes_per_block(shard.config(cfg), config.block_size, self.kv_dtype)
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        num_blocks = config.num_blocks or config.kv_cache_bytes // per_block
+        if not num_blocks:  # rounding up to one block would take more than was allowed
+            raise ConfigError(
+                f"kv_cache_bytes {config.kv_cache_bytes} holds no KV block of {per_block} "
+                f"bytes (block_size {config.block_size}, kv_cache_dtype "
+                f"{config.kv_cache_dtype})"
+            )
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | set(cfg.eos_token_ids)
         host_blocks = config.host_kv_cache_bytes // per_block

@@ -171,6 +171,15 @@ def test_request_larger_than_the_pool_is_refused():
         engine.add_request([7] * 60, SamplingParams(max_tokens=10))
 
 
+def test_a_kv_budget_that_holds_no_block_is_refused_not_rounded_up():
+    # It was rounded up to one block: block_size 2**20 took 48 GB for 512 MiB allowed.
+    from tandem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^kv_cache_bytes 1000 holds no KV block of \d+ bytes "
+                                          r"\(block_size 16, kv_cache_dtype auto\)"):  # fmt: skip
+        make_engine(kv_cache_bytes=1000)
+
+
 def test_an_int8_kv_cache_holds_its_scales_and_more_blocks_in_the_same_bytes():
     import torch
 

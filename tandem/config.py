@@ -182,8 +182,10 @@ def _is(value: Any, hint: Any) -> bool:
         return isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:  # YAML's .nan is a float, and passes every "< 0" check
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if hint is float:  # YAML's .nan passes every "< 0" check, .inf every "> 0" one
+        if isinstance(value, float):  # (a lease or timeout of .inf never ends)
+            return math.isfinite(value)
+        return isinstance(value, int) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
     if typing.get_origin(hint) is tuple:  # tuple[X, ...] from a YAML list
@@ -200,7 +202,7 @@ def _expected(hint: Any) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_expected(arm) for arm in typing.get_args(hint))
     names = {type(None): "null", bool: "true or false", int: "a whole number",
-             float: "a number", str: "a string"}  # fmt: skip
+             float: "a finite number", str: "a string"}  # fmt: skip
     if hint in names:
         return names[hint]
     if typing.get_origin(hint) is tuple:

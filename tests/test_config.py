@@ -180,9 +180,11 @@ def test_a_workers_engine_stall_timeout_must_not_be_negative(role):
         ({"insecure": "false"}, "insecure must be true or false, got 'false' (str)"),
         ({"port": 50051.9}, "port must be a whole number, got 50051.9 (float)"),
         ({"max_queue": True}, "max_queue must be a whole number, got True (bool)"),
-        ({"queue_timeout_s": "5"}, "queue_timeout_s must be a number, got '5' (str)"),
-        # YAML's .nan passed every "< 0" check: a wait of nan seconds never ends.
-        ({"drain_timeout_s": float("nan")}, "drain_timeout_s must be a number, got nan"),
+        ({"queue_timeout_s": "5"}, "queue_timeout_s must be a finite number, got '5' (str)"),
+        # YAML's .nan passed every "< 0" check: a wait of nan seconds never ends; and
+        # .inf every "> 0" one.
+        ({"drain_timeout_s": float("nan")}, "drain_timeout_s must be a finite number, got nan"),
+        ({"status_interval_s": float("inf")}, "status_interval_s must be a finite number, got inf"),
         ({"max_model_len": "4k"}, "max_model_len must be a whole number or null, got '4k'"),
         ({"decode_workers": "10.0.0.1:5000"}, "decode_workers must be a list of strings"),
         ({"decode_workers": ["a:1", 2]}, "decode_workers must be a list of strings"),
@@ -264,7 +266,7 @@ def test_a_ray_deployment_names_what_is_wrong_with_its_sections(values, message)
 @pytest.mark.parametrize(
     "values, message",
     [({"startup_timeout_s": 0}, "startup_timeout_s must be finite and > 0, got 0 (in c.yaml)"),
-     ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be finite and > 0"),
+     ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be a finite number, got inf"),
      ({"drain_timeout_s": -1}, "drain_timeout_s must be finite and >= 0, got -1 (in c.yaml)"),
      ({"num_prefill": 2, "prefill": {"metrics_port": 9400}},
       "prefill.metrics_port would be every prefill worker's")],

@@ -76,9 +76,12 @@ def test_yaml_sections_map_onto_the_deploy_config():
             },
             r"ray.prefill.replicas 0 is outside .* \(ray.autoscale.prefill.min_replicas",
         ),
-        ({"ray": {"monitor_interval_s": float("nan")}}, "monitor_interval_s must be a number"),
+        (
+            {"ray": {"monitor_interval_s": float("nan")}},
+            "monitor_interval_s must be a finite number",
+        ),
         # These started a head and failed in a worker's start, naming no setting.
-        ({"ray": {"decode": {"num_cpus": float("inf")}}}, "num_cpus and num_gpus must be finite"),
+        ({"ray": {"decode": {"num_cpus": float("inf")}}}, "num_cpus must be a finite number"),
         ({"ray": {"decode": {"resources": {"d": float("nan")}}}}, "finite and >= 0, got d: nan"),
         (
             {"ray": {"autoscale": {"prefill": {"bogus": 1}}}},

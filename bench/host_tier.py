@@ -30,6 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reserve_capacity
 
 
+def prompt_of(encode, blocks: int) -> list[int]:
+    """``blocks`` x 16 tokens of text to recompute: as many as the blocks timed (a text
+    of fixed length made each block look cheaper past its end, the time divided by
+    blocks it never computed)."""
+    sentence = encode("The history of the lighthouse keeper. ")
+    return (sentence * (blocks * 16 // len(sentence) + 1))[: blocks * 16]
+
+
 def cost_per_block(args: argparse.Namespace) -> dict:
     from tandem.config import EngineConfig
     from tandem.engine.engine import LLMEngine
@@ -55,8 +63,7 @@ def cost_per_block(args: argparse.Namespace) -> dict:
         moved = host.swap_out(kv.tensor, blocks)
         host.swap_in(moved, kv.tensor, blocks)
 
-    ids = engine.tokenizer.encode("The history of the lighthouse keeper. " * 200)
-    tokens = ids[: args.blocks * 16]
+    tokens = prompt_of(engine.tokenizer.encode, args.blocks)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def timed(fn) -> float:

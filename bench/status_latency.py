@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import threading
 import time
@@ -30,8 +31,10 @@ def _times(stub, request, calls: int) -> list[float]:
 
 
 def _pct(samples: list[float], q: float) -> float:
+    """The nearest-rank percentile, in ms: the smallest sample with at least ``q`` of
+    them at or below it (it took the next one up: p99 of 100 samples was the largest)."""
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

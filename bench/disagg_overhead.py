@@ -22,9 +22,10 @@ between the router and the workers, authenticated KV connections, the KV
 shipped layer by layer as the prefill computes it), one with ``cluster:
 {insecure: true}`` (plaintext inside) and one with ``prefill: {kv_layerwise:
 false}`` (the KV shipped whole after the prompt). Requests alternate between
-them, one at a time (an idle cluster takes no CPU to speak of), so that all see
-the same machine; the TLS column is what security inside costs (secure /
-plaintext), the last line what layer-wise shipping hides.
+them and the colocated engine, one at a time (an idle cluster or engine takes no
+CPU to speak of), so that all see the same machine; the TLS column is what
+security inside costs (secure / plaintext), the last line what layer-wise
+shipping hides.
 """
 
 from __future__ import annotations
@@ -37,16 +38,14 @@ import sys
 import time
 
 
-def _colocated(engine, prompt_ids, output_len, runs):
+def _colocated(engine, prompt_ids, output_len) -> tuple[float, float, float, float]:
+    """One request through the colocated engine (see ``_timed``)."""
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    samples = []
-    for _ in range(runs + 1):  # the first is warm-up
-        start = time.perf_counter()
-        outputs = engine.stream(prompt_ids, params)
-        samples.append(_timed(start, (time.perf_counter() for _ in outputs)))
-    return samples[1:]
+    start = time.perf_counter()
+    outputs = engine.stream(prompt_ids, params)
+    return _timed(start, (time.perf_counter() for _ in outputs))
 
 
 def _timed(start: float, arrivals) -> tuple[float, float, float, float]:
@@ -99,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = engine.tokenizer.decode(ids)
     prompt_ids = engine.tokenizer.encode(prompt)
     print(f"colocated: {len(prompt_ids)} prompt tokens ...", file=sys.stderr)
-    colocated = _colocated(engine, prompt_ids, args.output_len, args.runs)
-    del engine
+    _colocated(engine, prompt_ids, args.output_len)  # warm-up
 
     import contextlib
 
@@ -125,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             _one(clients[name], prompt, args.output_len)  # warm-up
             before[name] = _prefill_transfer_totals(clusters[name])
             samples[name] = []
-        for _ in range(args.runs):
+        colocated = []
+        for _ in range(args.runs):  # the colocated engine's turn too, idle in between
+            colocated.append(_colocated(engine, prompt_ids, args.output_len))
             for name, client in clients.items():
                 samples[name].append(_one(client, prompt, args.output_len))
         transfer = {}

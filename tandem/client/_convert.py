@@ -20,8 +20,8 @@ from tandem.client.types import (
     TokenLogprob,
     Usage,
 )
-from tandem.engine.sampling_params import to_float32
-from tandem.errors import InvalidRequestError
+
+FLOAT32_TINY = 1.401298464324817e-45  # float32's smallest positive value (a subnormal)
 
 _FINISH: dict[int, FinishReason] = {
     tandem_pb2.FINISH_REASON_STOP: "stop",
@@ -85,11 +85,12 @@ def generate_request(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{name} must be within float32's range, got {value!r}",
                 )
-            if getattr(s, name) == 0 and value != 0:  # under float32's range: not 0
-                try:
-                    setattr(s, name, to_float32(name, value))
-                except InvalidRequestError as exc:
-                    raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if getattr(s, name) == 0 and value != 0:
+                # Under float32's range: float32's smallest of its sign, not the 0 the
+                # router would judge (top_p 1e-50, in (0, 1], was refused as "got 0.0";
+                # temperature 1e-50 became greedy). What the field takes is the router's
+                # to say, naming the value it got.
+                setattr(s, name, math.copysign(FLOAT32_TINY, value))
     stops = [stop] if isinstance(stop, str) else list(stop or ())  # one string, not its letters
     if not all(isinstance(x, str) for x in stops):
         raise InvalidRequest(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import grpc
@@ -44,11 +45,14 @@ def test_set_sampling_is_sent_including_zeroes():
     assert (s.max_tokens, s.seed, list(s.stop), request.request_id) == (7, 3, ["\n"], "id-1")
 
 
-def test_a_top_p_under_float32s_range_goes_as_its_smallest_not_as_zero():
-    from tandem.engine.sampling_params import FLOAT32_TINY
+@pytest.mark.parametrize(("name", "value"), [("top_p", 1e-50), ("temperature", -1e-50)])
+def test_a_value_under_float32s_range_goes_as_its_smallest_not_as_zero(name, value):
+    # As 0, the router refused top_p 1e-50 (in (0, 1]) as "got 0.0" and served a
+    # temperature of 1e-50 greedy; now it judges float32's smallest of the same sign.
+    from tandem.client._convert import FLOAT32_TINY
 
-    request = _convert.generate_request("hi", None, "", **{**NO_SAMPLING, "top_p": 1e-50})
-    assert request.sampling.top_p == FLOAT32_TINY  # in (0, 1], as 1e-50 is
+    request = _convert.generate_request("hi", None, "", **{**NO_SAMPLING, name: value})
+    assert getattr(request.sampling, name) == math.copysign(FLOAT32_TINY, value)
 
 
 def test_one_stop_string_is_one_stop_string_not_its_letters():
@@ -65,9 +69,6 @@ def test_one_stop_string_is_one_stop_string_not_its_letters():
         ("temperature", "hot", "temperature must be a number, got 'hot'"),
         # It went out as inf, and the router's error named a value nobody had sent.
         ("temperature", 1e39, "temperature must be within float32's range, got 1e+39"),
-        # Under it, a 0: the router named a value nobody had sent, or took it as greedy.
-        ("temperature", 1e-50, "temperature must be 0 (greedy) or at least 1e-05, got 1e-50"),
-        ("top_p", -1e-50, "top_p must be in (0, 1], got -1e-50"),
         ("temperature", 10**400, f"temperature must be a number, got {10**400!r}"),
         ("stop", [1], "stop must be strings, got [1]"),
         # A bool went out as 1.0; a non-bool ignore_eos was a raw TypeError.

@@ -751,7 +751,7 @@ class LLMEngine:
 def model_source(config: EngineConfig) -> tuple[Path, ModelConfig]:
     """The model's Hugging Face directory (converted or built once) and its architecture."""
     model_dir = resolve_model(config.model, config.cache_dir)
-    return model_dir, ModelConfig.from_hf(read_config(model_dir))
+    return model_dir, ModelConfig.from_hf(read_config(model_dir), str(model_dir / "config.json"))
 
 
 def max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:

@@ -339,7 +339,16 @@ def _tiny_random(cache: Path) -> Path:
 
 
 def read_config(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())
+    """A directory's ``config.json``; one that is not a JSON object is a ConfigError
+    naming the file, so a damaged model fails at start-up with its path, not a traceback."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object, got {type(config).__name__}")
+    return config
 
 
 # name -> (the index of the part to load, None for all of it; whether to zero it)

@@ -56,8 +56,11 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", "default") if self.rope_scaling else "default"
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a ``config.json`` dict (transformers 4.x or 5.x spelling)."""
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a ``config.json`` dict (transformers 4.x or 5.x spelling); ``source``
+        (the file's path) names it when a size is missing or not a positive integer."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{source} is not a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -80,6 +83,7 @@ class ModelConfig:
         if rope.get("rope_type", "default") == "default":
             rope = {}
 
+        _check_sizes(cfg, source)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -103,3 +107,29 @@ class ModelConfig:
             mlp_bias=False if qwen else cfg.get("mlp_bias", False),
             eos_token_ids=eos_ids,
         )
+
+
+# The sizes the decoder is built from: a missing one is a KeyError, a zero one a division
+# by zero deep in the build, so each is checked here and named with the file.
+_REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")  # absent, null or 0: derived
+
+
+def _check_sizes(cfg: dict[str, Any], source: str) -> None:
+    for key in _REQUIRED_SIZES + _OPTIONAL_SIZES:
+        if key not in cfg:
+            if key in _REQUIRED_SIZES:
+                raise ConfigError(f"{source} has no {key}")
+            continue
+        value = cfg[key]
+        if key in _OPTIONAL_SIZES and value in (None, 0):
+            continue
+        if type(value) is not int or value < 1:  # bool is an int, and not a size
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")

@@ -105,7 +105,7 @@ class Frontend:
             tokenizer = Tokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         else:
             model_dir = resolve_model(config.model, config.cache_dir)
-            model = ModelConfig.from_hf(read_config(model_dir))
+            model = ModelConfig.from_hf(read_config(model_dir), str(model_dir / "config.json"))
             tokenizer = Tokenizer.from_pretrained(model_dir)
         context = model.max_position_embeddings
         if config.max_model_len is not None:

@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tandem.config import EngineConfig
 from tandem.engine import loader, tiny_random
+from tandem.engine.engine import model_source
 from tandem.engine.loader import resolve_model
 from tandem.errors import ConfigError
 
@@ -106,6 +108,23 @@ def test_directory_without_config_json_is_refused_by_name(tmp_path):
     assert str(err.value) == (
         f"model {str(tmp_path)!r} is neither a .gguf file nor a directory with config.json"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "cannot read {path}: Expecting property name enclosed in double quotes"),
+        ("[]", "{path} is not a JSON object, got list"),
+        ('{"model_type": "llama"}', "{path} has no vocab_size"),
+    ],
+    ids=["corrupt", "not-an-object", "no-sizes"],
+)
+def test_a_damaged_config_json_is_refused_naming_the_file(tmp_path, text, message):
+    """It was a JSONDecodeError, AttributeError or KeyError traceback at start-up."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        model_source(EngineConfig(model=str(tmp_path), cache_dir=str(tmp_path / "cache")))
+    assert str(err.value).startswith(message.format(path=tmp_path / "config.json"))
 
 
 def test_file_that_is_not_gguf_is_refused_by_name(tmp_path):

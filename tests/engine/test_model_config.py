@@ -349,3 +349,43 @@ def test_transformers_qwen2_config_dict() -> None:
 def test_refused_settings_name_the_setting(hf: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    ("hf", "message"),
+    [
+        pytest.param(
+            {k: v for k, v in SMOLLM2_135M.items() if k != "num_attention_heads"},
+            "m/config.json has no num_attention_heads",
+            id="heads-missing",
+        ),
+        pytest.param(
+            _with(SMOLLM2_135M, num_attention_heads=0, head_dim=None),
+            "m/config.json: num_attention_heads must be a positive integer, got 0",
+            id="heads-zero",
+        ),
+        pytest.param(
+            _with(LLAMA_31_8B, hidden_size="4096"),
+            "m/config.json: hidden_size must be a positive integer, got '4096'",
+            id="hidden_size-string",
+        ),
+        pytest.param(
+            _with(SMOLLM2_135M, head_dim=-64),
+            "m/config.json: head_dim must be a positive integer, got -64",
+            id="head_dim-negative",
+        ),
+        pytest.param(
+            [SMOLLM2_135M], "m/config.json is not a JSON object, got list", id="not-an-object"
+        ),
+    ],
+)
+def test_missing_or_bad_sizes_name_the_file_and_the_key(hf: Any, message: str) -> None:
+    """A damaged config.json was a KeyError or ZeroDivisionError traceback at start-up."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        ModelConfig.from_hf(hf, "m/config.json")
+
+
+def test_absent_kv_heads_and_head_dim_are_still_derived() -> None:
+    hf = _with(LLAMA_31_8B, num_key_value_heads=None, head_dim=0)
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (32, 128)

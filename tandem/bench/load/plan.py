@@ -322,9 +322,10 @@ def model_config(model: str) -> ModelConfig:
     path = Path(model).expanduser()
     if path.is_file() and path.name.endswith(".json"):
         try:
-            return ModelConfig.from_hf(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            return ModelConfig.from_hf(json.loads(path.read_text()), str(path))
+        except (OSError, json.JSONDecodeError) as exc:
             raise InvalidRequestError("model", f"cannot read {path}: {exc}") from None
     from tandem.engine.loader import read_model_config
 
-    return ModelConfig.from_hf(read_model_config(model))
+    source = str(path / "config.json") if path.is_dir() else model
+    return ModelConfig.from_hf(read_model_config(model), source)

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.bench.load import plan
 from tandem.bench.load.plan import Hardware
-from tandem.errors import InvalidRequestError
+from tandem.errors import ConfigError, InvalidRequestError
 
 GiB = 2**30
 
@@ -292,3 +292,13 @@ def test_a_sweep_of_another_model_is_named_beside_the_plan(tmp_path, caplog):
                      "--target-rate", "8"]) == 0  # fmt: skip
     assert "the sweep measured model 'smollm2-135m-instruct'; the memory below is for " \
            "--model 'tiny-random'" in caplog.text  # fmt: skip
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["directory", "config.json"])
+def test_a_config_without_a_size_is_refused_naming_the_file_and_the_key(tmp_path, as_file):
+    """`tandem plan --model DIR` was a KeyError traceback, the file's path a ZeroDivisionError."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA_70B, "num_attention_heads": 0}))
+    with pytest.raises(ConfigError) as err:
+        plan.model_config(str(path if as_file else tmp_path))
+    assert str(err.value) == f"{path}: num_attention_heads must be a positive integer, got 0"

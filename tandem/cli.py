@@ -327,6 +327,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate flags before any model or connection
     _refuse_flags_of_the_other_mode(args)
     if args.router:
+        from tandem.config import check_address
+
+        check_address(args.router, "--router", port_required=False)  # the client's, by flag
         return _generate_remote(args.router, args.prompt, args.raw, params,
                                 connect=client_kwargs(args),
                                 max_tokens_given=args.max_tokens is not None)  # fmt: skip

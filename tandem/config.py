@@ -353,6 +353,28 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def check_address(address: str, setting: str, port_required: bool = True) -> None:
+    """Refuse a "host:port" or "[v6]:port" whose port is not a number in [1, 65535]:
+    gRPC reads port 99999 as 99999 mod 65536 and dials 34463, which may be another
+    server. ``port_required`` False: a bare host (gRPC's default port) is allowed."""
+    if address.startswith("["):
+        end = address.find("]")
+        rest = address[end + 1 :] if end > 0 else "?"
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{setting} {address!r} is not host:port or [v6]:port")
+        port = rest[1:] if rest else None
+    else:  # two or more colons and no brackets: a bare IPv6 host, as gRPC reads it
+        port = address.rpartition(":")[2] if address.count(":") == 1 else None
+    if port is None:
+        if port_required:
+            raise ConfigError(f"{setting} {address!r} has no port (host:port or [v6]:port)")
+        return
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(
+            f"{setting} {address!r}: the port must be a number in [1, 65535], got {port!r}"
+        )
+
+
 def check_metrics_port(port: int | None) -> None:
     if port is not None and not 0 <= port < 65536:
         raise ConfigError(f"metrics_port must be in [0, 65535] (0: any free port), got {port}")
@@ -550,6 +572,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))
         object.__setattr__(self, "decode_workers", tuple(self.decode_workers))
+        for name in ("prefill_workers", "decode_workers"):
+            for address in getattr(self, name):
+                check_address(address, name)
         if self.placement not in PLACEMENT_POLICIES:
             raise ConfigError(
                 f"placement must be one of {', '.join(PLACEMENT_POLICIES)}, got {self.placement!r}"

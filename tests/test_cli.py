@@ -282,3 +282,17 @@ def test_the_temperature_help_names_the_least_that_samples(capsys):
         main(["generate", "--help"])
     assert "from 1e-5 up samples" in " ".join(capsys.readouterr().out.split())
     assert MIN_TEMPERATURE == 1e-5
+
+
+def test_a_router_port_grpc_would_wrap_is_refused(capsys):
+    # gRPC dialled 99999 mod 65536 = 34463: another router, if one listened there.
+    from tandem.cli import main
+
+    assert main(["generate", "--router", "127.0.0.1:99999", "hi"]) == 2
+    assert (
+        capsys.readouterr().err
+        == _error(
+            "--router '127.0.0.1:99999': the port must be a number in [1, 65535], got '99999'"
+        )
+        + "\n"
+    )

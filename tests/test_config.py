@@ -202,6 +202,25 @@ def test_settings_of_the_wrong_type_are_refused_by_name(values, message):
         role_config(RouterConfig, values, "router.yaml")
 
 
+@pytest.mark.parametrize(
+    "address, message",
+    [("127.0.0.1:99999", "the port must be a number in [1, 65535], got '99999'"),
+     ("[::1]:0", "the port must be a number in [1, 65535], got '0'"),
+     ("10.0.0.1:", "the port must be a number in [1, 65535], got ''"),
+     ("10.0.0.1", "has no port (host:port or [v6]:port)"),
+     ("[::1]5", "is not host:port or [v6]:port")],
+)  # fmt: skip
+@pytest.mark.parametrize("field", ["prefill_workers", "decode_workers"])
+def test_a_worker_address_whose_port_grpc_would_wrap_is_refused(field, address, message):
+    """The router dialled 99999 mod 65536 = 34463 and reported ready."""
+    from tandem.config import RouterConfig
+
+    with pytest.raises(ConfigError) as err:
+        RouterConfig(**{field: (address,)})
+    assert str(err.value) == f"{field} {address!r} {message}".replace("' the", "': the")
+    assert RouterConfig(**{field: ("[::1]:65535", "h:1")})
+
+
 def test_numbers_and_empty_sections_take_their_natural_yaml_forms():
     from tandem.config import RouterConfig, role_config
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem import keepalive
+from tandem.config import check_address
 from tandem.errors import ConfigError
 from tandem.security import tls
 
@@ -67,6 +68,8 @@ class Connection:
                 cert_pem, key_pem = tls.read_cert_and_key(cert_file, key_file, "cert_file",
                                                           "key_file")  # fmt: skip
             credentials = tls.channel_credentials(ca, cert_pem, key_pem)
+        for target in _targets(address):
+            check_address(target, "router address", port_required=False)
         key = checked_api_key(address, api_key, credentials is not None, environ)
         metadata = (("authorization", f"Bearer {key}"),) if key else ()
         options = ()
@@ -129,12 +132,19 @@ def _hosts(address: str) -> tuple[str, ...]:
     "ipv4:" or "ipv6:" and a comma-separated list, "unix:" (this machine)."""
     if address.startswith(("unix:", "unix-abstract:")):
         return ("localhost",)  # a socket file: this machine only
+    return tuple(_host(target) for target in _targets(address))
+
+
+def _targets(address: str) -> tuple[str, ...]:
+    """The "host[:port]" parts of an address (none for a socket file)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return ()
     scheme, sep, rest = address.partition(":")
     if sep and scheme in ("ipv4", "ipv6"):
-        return tuple(_host(target) for target in rest.split(","))
+        return tuple(rest.split(","))
     if sep and scheme == "dns":
-        return (_host(rest.split("/")[-1]),)  # past "//authority/" when there is one
-    return (_host(address),)
+        return (rest.split("/")[-1],)  # past "//authority/" when there is one
+    return (address,)
 
 
 def _host(target: str) -> str:

@@ -82,6 +82,24 @@ def test_a_key_is_never_sent_in_clear_off_this_machine(certs):
     assert KEY not in repr(Connection.make("localhost:1", api_key=KEY))
 
 
+@pytest.mark.parametrize(
+    "address, port",
+    [("127.0.0.1:99999", "99999"), ("[::1]:65536", "65536"), ("localhost:0", "0"),
+     ("127.0.0.1:http", "http"), ("ipv4:127.0.0.1:1,127.0.0.2:70000", "70000"),
+     ("dns:///example.com:-1", "-1")],
+)  # fmt: skip
+def test_a_port_gRPC_would_dial_another_is_refused(address, port):
+    """gRPC read port 99999 as 99999 mod 65536: the client reached a router on 34463."""
+    target = address.rpartition(",")[2].removeprefix("ipv4:").removeprefix("dns:///")
+    with pytest.raises(ConfigError) as err:
+        Connection.make(address)
+    assert str(err.value) == (
+        f"router address {target!r}: the port must be a number in [1, 65535], got {port!r}"
+    )
+    for fine in ("localhost", "::1", "[::1]", "[::1]:65535", "unix:/tmp/s", "dns:///h:1"):
+        assert Connection.make(fine).address == fine  # no port: gRPC's default
+
+
 @pytest.mark.parametrize("keepalive_s", [0, "5", float("inf"), float("nan"), 1e12, True])
 def test_a_keepalive_that_is_no_number_of_seconds_gRPC_takes_is_named(keepalive_s):
     # "5" was a raw TypeError, inf and 1e12 an OverflowError from gRPC's options.

@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -40,6 +41,7 @@ from tandem.bench.load.datasets import LengthDist, RequestSpec
 from tandem.bench.load.metrics import SLO, RequestRecord, Summary, summarize
 from tandem.client import AsyncTandemClient, ModelInfo
 from tandem.client.errors import InvalidRequest, TandemClientError
+from tandem.config import check_address
 from tandem.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,13 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if self.api not in ("grpc", "openai"):
             raise InvalidRequestError("api", f"--api must be grpc or openai, got {self.api!r}")
+        # A port past 65535 was dialled mod 65536 by gRPC (another server, perhaps), and
+        # was an OverflowError traceback over HTTP.
+        if self.api == "grpc":
+            check_address(self.target, "--target", port_required=False)
+        else:  # a base URL: [http[s]://]host[:port][/path]
+            url = urlsplit(self.target if "://" in self.target else f"//{self.target}")
+            check_address(url.netloc.rpartition("@")[2], "--target", port_required=False)
         arrivals.validate(self.request_rate, self.burstiness)
         if (self.num_requests is None) == (self.duration_s is None):
             raise InvalidRequestError("num_requests", "give one of --num-requests or --duration")

@@ -53,7 +53,13 @@ def test_argparse_errors_exit_2_with_the_argument_named(capsys, argv, message):
      (["plan", "--kv-dtype", "int3"], "--kv-dtype must be one of"),
      (["plan", "--block-size", "3"], "--block-size must be a power of two >= 1"),
      (["top", "--target", "127.0.0.1:1", "--interval", "nan"], "--interval must be a number > 0"),
-     (["plan", "--model", "no-such-model"], "unknown model 'no-such-model'")],
+     (["plan", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+     # gRPC dialled 99999 mod 65536 = 34463; over HTTP it was an OverflowError traceback.
+     (["bench", "load", "--target", "127.0.0.1:99999"],
+      "--target '127.0.0.1:99999': the port must be a number in [1, 65535], got '99999'"),
+     (["bench", "load", "--target", "[::1]:x"], "--target '[::1]:x': the port must be"),
+     (["bench", "load", "--api", "openai", "--target", "http://127.0.0.1:99999/v1"],
+      "--target '127.0.0.1:99999': the port must be a number in [1, 65535]")],
 )  # fmt: skip
 def test_bad_values_end_with_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2

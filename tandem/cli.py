@@ -276,6 +276,7 @@ def engine_config(args: argparse.Namespace):
     values = {}
     if args.config:  # its engine: section (a serve, Ray or worker file alike)
         data = load_yaml(args.config)
+        _refuse_unknown_sections(data, args.config)
         values = dict(section(data, "engine", args.config))
     for flag, field in (
         ("model", "model"),
@@ -295,6 +296,27 @@ def engine_config(args: argparse.Namespace):
         raise TandemError("--kv-sinks is used only with a KV window (--kv-window, or "
                           "kv_window_tokens in the config)")  # fmt: skip
     return config
+
+
+def _refuse_unknown_sections(data: dict, where: str) -> None:
+    """Only engine: is read, but a key that no Tandem config has (serve, Ray deploy,
+    worker or router file) is a typo: ``enigne:`` ran the default model without a word."""
+    import dataclasses
+
+    from tandem.config import DecodeConfig, PrefillConfig, RouterConfig
+    from tandem.deploy.local import ClusterConfig
+    from tandem.deploy.ray_cluster.config import SECTIONS
+
+    known = set(SECTIONS)
+    for cls in (ClusterConfig, PrefillConfig, DecodeConfig, RouterConfig):
+        known.update(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(str(key) for key in data if key not in known)
+    if unknown:
+        raise ConfigError(
+            f"unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
+            f"{where}: no serve, Ray, worker or router config has "
+            f"{'them' if len(unknown) > 1 else 'it'} (generate reads the engine: section)"
+        )
 
 
 def sampling_params(args: argparse.Namespace):

@@ -296,3 +296,27 @@ def test_a_router_port_grpc_would_wrap_is_refused(capsys):
         )
         + "\n"
     )
+
+
+def test_a_config_section_no_tandem_config_has_is_refused(tmp_path, capsys):
+    # Only engine: is read: "enigne:" ran the default model without a word.
+    from tandem.cli import build_parser, engine_config, main
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("enigne:\n  model: tiny-random\n")
+    assert main(["generate", "--colocated", "--config", str(typo), "hi"]) == 2
+    assert (
+        capsys.readouterr().err
+        == _error(
+            f"unknown section enigne in {typo}: no serve, Ray, worker or router config has it "
+            "(generate reads the engine: section)"
+        )
+        + "\n"
+    )
+    # A serve, Ray deploy or worker file is read for its engine: section, as before.
+    for text in ("num_prefill: 1\nrouter: {port: 0}\n", "ray: {namespace: t}\n",
+                 "kv_port: 0\nport: 0\n"):  # fmt: skip
+        path = tmp_path / "ok.yaml"
+        path.write_text(f"engine: {{model: tiny-random}}\n{text}")
+        args = build_parser().parse_args(["generate", "--colocated", "--config", str(path), "x"])
+        assert engine_config(args).model == "tiny-random"

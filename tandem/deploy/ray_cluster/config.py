@@ -248,15 +248,17 @@ class RayDeployConfig:
         )
 
 
+SECTIONS = ("engine", "router", "prefill", "decode", "cluster", "ray")  # a deploy file's
+
+
 def deploy_config(values: dict[str, Any], where: str = "") -> RayDeployConfig:
     """A RayDeployConfig from YAML-shaped values (see the module docstring)."""
     values = dict(values)
-    sections = ("engine", "router", "prefill", "decode", "cluster", "ray")
-    unknown = sorted(set(values) - set(sections))
+    unknown = sorted(set(values) - set(SECTIONS))
     if unknown:
         raise ConfigError(
             f"unknown section{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
-            f"{' in ' + where if where else ''} (known: {', '.join(sections)})"
+            f"{' in ' + where if where else ''} (known: {', '.join(SECTIONS)})"
         )
     on_nodes = {"host": "each worker listens on its node's address"}
     drain = {"drain_timeout_s": "set ray.drain_timeout_s (scale-down) or `tandem ray down --grace`"}

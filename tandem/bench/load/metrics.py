@@ -46,6 +46,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None  # gRPC status name when the call failed
+    error_detail: str = ""  # the server's message with it (or the exception's)
     end_time: float | None = None  # s after send when the call ended (failed ones too)
 
     @property
@@ -140,6 +141,9 @@ class Summary:
     # span): the rate the server kept up, without the run's ramp-up and drain that
     # request_throughput counts; nan below 2 completions.
     completion_rate: float = math.nan
+    # The first message each status in ``errors`` came with: a count alone did not say
+    # why every request failed (a refused setting, say).
+    error_details: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,10 @@ def failure_bursts(records: list[RequestRecord]) -> list[Burst]:
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summary:
     done = [r for r in records if r.ok]
     errors = Counter(r.error or "INCOMPLETE" for r in records if not r.ok)
+    details: dict[str, str] = {}
+    for r in records:
+        if not r.ok and r.error_detail:
+            details.setdefault(r.error or "INCOMPLETE", r.error_detail)
     good = sum(slo.met(r) for r in records)
     inputs = sum(r.prompt_tokens for r in done)
     outputs = sum(r.output_tokens for r in done)
@@ -207,6 +215,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> Summ
         completed=len(done),
         failed=len(records) - len(done),
         errors=dict(sorted(errors.items())),
+        error_details=dict(sorted(details.items())),
         duration_s=duration_s,
         input_tokens=inputs,
         output_tokens=outputs,

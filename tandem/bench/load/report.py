@@ -29,6 +29,7 @@ def table(result: LoadResult) -> str:
     ]
     if s.errors:
         lines.append("errors       " + ", ".join(f"{k} {v}" for k, v in s.errors.items()))
+        lines += [f"             {k} (first): {v}" for k, v in s.error_details.items()]
     lines += [f"WARNING      {b.describe()}" for b in s.bursts]
     lines += ["", f"{'latency (ms)':<14}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}"]
     for name, st in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms),

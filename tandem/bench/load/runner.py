@@ -42,6 +42,7 @@ from tandem.bench.load.metrics import SLO, RequestRecord, Summary, summarize
 from tandem.client import AsyncTandemClient, ModelInfo
 from tandem.client.errors import InvalidRequest, TandemClientError
 from tandem.config import check_address
+from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ class LoadConfig:
         if self.duration_s is not None and not 0 < self.duration_s < math.inf:
             raise InvalidRequestError("duration", f"--duration must be > 0 and finite, got "
                                       f"{self.duration_s}")  # fmt: skip
+        try:  # SamplingParams' own check: the router's, so that no request is sent to fail
+            SamplingParams(temperature=self.temperature)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(
+                "temperature", str(exc).replace("temperature", "--temperature", 1)
+            ) from None
         if self.num_warmup < 0:
             raise InvalidRequestError("num_warmup", f"--num-warmup must be >= 0, got "
                                       f"{self.num_warmup}")  # fmt: skip
@@ -495,9 +502,9 @@ async def _send(
         elif rec.finish_reason in ("error", "cancelled"):
             rec.error = f"FINISH_{rec.finish_reason.upper()}"
     except TandemClientError as exc:
-        rec.error = exc.code.name
+        rec.error, rec.error_detail = exc.code.name, exc.details
     except Exception as exc:  # noqa: BLE001 - a load test counts failures, it does not stop
-        rec.error = type(exc).__name__
+        rec.error, rec.error_detail = type(exc).__name__, str(exc)
     finally:
         rec.end_time = time.perf_counter() - t0
         # A reply with no text (all special tokens, say) is not one a user would send

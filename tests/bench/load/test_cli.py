@@ -54,6 +54,11 @@ def test_argparse_errors_exit_2_with_the_argument_named(capsys, argv, message):
      (["plan", "--block-size", "3"], "--block-size must be a power of two >= 1"),
      (["top", "--target", "127.0.0.1:1", "--interval", "nan"], "--interval must be a number > 0"),
      (["plan", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+     # Sent as given, every request failed with a bare "errors INVALID_ARGUMENT 3".
+     ([*LOAD, "--temperature", "-1"], "--temperature must be finite and >= 0, got -1.0"),
+     ([*LOAD, "--temperature", "nan"], "--temperature must be finite and >= 0, got nan"),
+     ([*LOAD, "--temperature", "1e-6"],
+      "--temperature must be 0 (greedy) or at least 1e-05, got 1e-06"),
      # gRPC dialled 99999 mod 65536 = 34463; over HTTP it was an OverflowError traceback.
      (["bench", "load", "--target", "127.0.0.1:99999"],
       "--target '127.0.0.1:99999': the port must be a number in [1, 65535], got '99999'"),

@@ -179,3 +179,51 @@ def test_a_worker_that_does_not_answer_is_left_out_of_the_servers_view(monkeypat
     lines = server_metrics.compare(before, after, summary).splitlines()
     assert lines[-1] == ("workers scraped only before or only after the run (left out): "
                          "decode-0, decode-1")  # fmt: skip
+
+
+class _Refusing:
+    """A client whose router refuses every request, as one refuses a bad setting."""
+
+    def __call__(self, *args, **kwargs):  # stands in for the client class
+        return self
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def model_info(self, timeout=None):
+        from tandem.client.types import ModelInfo
+
+        return ModelInfo("fake", 4096, 100)
+
+    async def tokenize(self, **kwargs):
+        return [1] * 10
+
+    async def generate(self, **kwargs):
+        import grpc
+
+        from tandem.client.errors import InvalidRequest
+
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "top_k must be >= 0, got -1")
+        yield  # an async generator, as the client's
+
+
+def test_the_report_says_what_the_server_said_for_each_kind_of_failure(monkeypatch, tmp_path):
+    # It said only "errors INVALID_ARGUMENT 3": why every request failed was not in it.
+    import asyncio
+
+    from tandem.bench.load import report, runner
+
+    monkeypatch.setattr(runner, "AsyncTandemClient", _Refusing())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi", "output_len": 1}\n' * 3)
+    dataset = runner.DatasetConfig(kind="jsonl", path=str(prompts))
+    config = runner.LoadConfig(
+        target="fake", num_requests=3, num_warmup=0, dataset=dataset, progress=False
+    )
+    result = asyncio.run(runner.run_async(config))
+    assert result.summary.errors == {"INVALID_ARGUMENT": 3}
+    assert result.summary.error_details == {"INVALID_ARGUMENT": "top_k must be >= 0, got -1"}
+    assert "INVALID_ARGUMENT (first): top_k must be >= 0, got -1" in report.table(result)

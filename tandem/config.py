@@ -587,6 +587,15 @@ class RouterConfig:
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ConfigError(f"http_port must be in [0, 65535] (0: any free port), got "
                               f"{self.http_port}")  # fmt: skip
+        # One port for two listeners fails only once the workers have loaded.
+        ports = {"port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port}
+        taken: dict[int, str] = {}
+        for name, number in ports.items():
+            if number:  # None or 0 (any free port) cannot clash
+                if number in taken:
+                    raise ConfigError(f"{name} and {taken[number]} are both {number}: one "
+                                      "listener each")  # fmt: skip
+                taken[number] = name
         if self.status_interval_s <= 0 or self.worker_timeout_s <= 0:
             raise ConfigError("status_interval_s and worker_timeout_s must be > 0")
         if self.queue_timeout_s < 0:

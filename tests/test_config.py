@@ -123,6 +123,21 @@ def test_router_values_that_grpc_cannot_take_are_refused_by_name(field, value):
         RouterConfig(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("ports", "message"),
+    [({"port": 8000, "http_port": 8000}, "http_port and port are both 8000"),
+     ({"port": 8000, "metrics_port": 8000}, "metrics_port and port are both 8000"),
+     ({"http_port": 9400, "metrics_port": 9400}, "metrics_port and http_port are both 9400")],
+)  # fmt: skip
+def test_the_routers_listeners_need_ports_of_their_own(ports, message):
+    # The clash showed only once the workers had loaded, as the router failed to bind.
+    from tandem.config import RouterConfig
+
+    with pytest.raises(ConfigError, match=f"^{message}: one listener each$"):
+        RouterConfig(**ports)
+    RouterConfig(port=0, http_port=0, metrics_port=0)  # any free port: no clash
+
+
 def test_role_configs_round_trip_through_yaml(tmp_path):
     from tandem.config import DecodeConfig, RouterConfig, role_config, save_yaml
 

@@ -44,7 +44,10 @@ def default_cache_dir() -> Path:
     env = os.environ.get("TANDEM_CACHE_DIR")
     if env:
         return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: an empty or relative value is ignored (an empty one put the cache
+    # in ./tandem, wherever the command ran).
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "tandem"
 
 
 def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:

@@ -398,3 +398,16 @@ def test_default_model_is_a_dequantised_hf_directory():
     assert (model_dir / "model.safetensors").stat().st_size > 0
     for f in TOKENIZER_FILES:
         assert (model_dir / f).is_file(), f
+
+
+@pytest.mark.parametrize("xdg", ["", "relative/cache"])
+def test_an_empty_or_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path, xdg):
+    # As the XDG spec says: an empty one put the cache in ./tandem, wherever the command ran.
+    from tandem.engine.loader import default_cache_dir
+
+    monkeypatch.delenv("TANDEM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert default_cache_dir() == tmp_path / ".cache" / "tandem"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "tandem"

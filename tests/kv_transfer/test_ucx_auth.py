@@ -218,6 +218,28 @@ def test_a_raw_peer_that_skips_or_fails_the_handshake_is_dropped(
     cache.close()
 
 
+def test_a_strangers_hello_can_neither_forge_nor_flood_the_log(decode, caplog) -> None:
+    # A refusal is logged before the secret is checked, with the HELLO's values: a
+    # model name of newlines and 60 KB forged whole lines, one per connection.
+    import dataclasses
+
+    _, receiver, _ = decode
+    forged = dataclasses.replace(fingerprint(), model="x\nFORGED \x1b[2K" + "A" * 60_000)
+
+    async def attack() -> None:
+        for _ in range(5):
+            ep = await ucx_raw.connect(receiver.address)
+            assert "model" in (await ucx_raw.handshake(ep, forged, receiver.address)).error
+            ep.abort()
+
+    ucx_raw.run(attack())
+    line = _wait_for_log(caplog, re.compile(r"refused a sender at 127\.0\.0\.1"))
+    assert "\n" not in line and "\x1b" not in line and "x\\nFORGED \\x1b[2K" in line
+    assert len(line) < 1000 and "characters)" in line
+    refusals = [r for r in caplog.records if "refused a sender" in r.getMessage()]
+    assert len(refusals) == 1  # the next four: held, counted with the next line logged
+
+
 def test_the_right_secret_over_a_raw_client_is_accepted(decode) -> None:
     # The counterpart of the cases above: the same raw client, with the right proof,
     # gets its frame written (so those tests fail for the reason they claim).

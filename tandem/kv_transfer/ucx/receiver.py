@@ -56,8 +56,10 @@ from tandem.kv_transfer.payload import HeaderError, MessageHeader, decode_header
 from tandem.kv_transfer.receiver import CoreReceiver, ReceiverCore
 from tandem.kv_transfer.ucx import mailbox, rma, sockets, wire
 from tandem.kv_transfer.ucx.runtime import get_runtime
+from tandem.logs import Throttle
 
 log = logging.getLogger(__name__)
+_REFUSAL_CHARS = 300  # of a refusal's text (the peer's values) in the log
 # Bounds how long closing an endpoint may block the loop (ucxx's default is 10 s).
 _ABORT_PERIOD_NS = 10**9
 # close() waits this long for each connection's cleanup (its read in flight, which
@@ -124,6 +126,7 @@ class UcxReceiver(CoreReceiver):
         self._cache = rma.CacheMemory(kv)
         self.map_peers = map_peers
         self.handshake_timeout_s = handshake_timeout_s
+        self._refusals = Throttle(log)  # by peer host (_log_refusal)
         self.sweep_interval_s = sweep_interval_s
         self._frame_limit = wire.frame_limit(self.core.max_request_blocks)
         self._rt = get_runtime()
@@ -252,7 +255,16 @@ class UcxReceiver(CoreReceiver):
         return True
 
     def _log_refusal(self, conn: _Connection, problem: str) -> None:
-        log.warning("KV receiver %s refused a sender at %s: %s", self.address, conn.peer, problem)
+        """One line per peer host every 10 s at most, with what the peer sent escaped
+        and cut: a refusal comes before the secret is checked, and a HELLO's fields
+        (its model name, 64 KiB of newlines and escapes) forged whole log lines, one
+        per connection, as fast as a stranger could connect."""
+        shown = repr(problem[:_REFUSAL_CHARS])[1:-1]  # control characters escaped
+        if len(problem) > _REFUSAL_CHARS:
+            shown += f"... ({len(problem)} characters)"
+        host = conn.peer.rpartition(":")[0] or conn.peer
+        self._refusals.log(logging.WARNING, "KV receiver %s refused a sender at %s: %s",
+                           self.address, conn.peer, shown, kind=host)  # fmt: skip
 
     async def _refuse(self, conn: _Connection, reply: bytes, problem: str) -> None:
         self._log_refusal(conn, problem)
